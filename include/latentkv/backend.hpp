@@ -1,0 +1,102 @@
+// latentkv/backend.hpp - the backend interface: what a backend can run, and running it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "latentkv/cache.hpp"
+#include "latentkv/dtype.hpp"
+#include "latentkv/ops.hpp"
+
+namespace latentkv {
+
+enum class Op : std::uint8_t {
+  kAppend,
+  kMlaDecode,
+  kMlaPrefill,
+  kIndexerLogits,
+  kTopk,
+  kSparseMlaDecode,
+  kSparseMlaPrefill,
+};
+inline constexpr Op kAllOps[] = {Op::kAppend,        Op::kMlaDecode, Op::kMlaPrefill,      Op::kIndexerLogits,
+                                 Op::kTopk,          Op::kSparseMlaDecode, Op::kSparseMlaPrefill};
+std::string_view op_name(Op op);  // "append", "mla_decode", ...
+
+// The device an op runs on. sm is the compute capability x 10 (90 for an H200), 0 on the CPU.
+struct DeviceInfo {
+  DeviceKind kind = DeviceKind::kCpu;
+  int sm = 0;
+  int index = 0;
+  std::string name = "cpu";
+  int multiprocessors = 0;
+};
+// The first CUDA device when the library was built with CUDA and one is present, else the CPU.
+DeviceInfo detect_device();
+
+// What a kernel must handle, known before any tensor exists (from the configuration) or read off an
+// op's parameters. A field of 0 means "not fixed yet": a backend answers for the values it is given.
+struct Problem {
+  Op op = Op::kMlaDecode;
+  KvDtype kv_dtype = KvDtype::kFp8E4M3;
+  int heads = 0;      // query heads on this GPU (indexer heads for kIndexerLogits)
+  int page_size = 0;  // tokens per page
+  int q_len = 0;      // new tokens per request in decode
+  int topk = 0;       // k of kTopk; index columns of the sparse ops
+  DeviceInfo device;
+};
+
+using OpArgs = std::variant<AppendParams, MlaDecodeParams, MlaPrefillParams, IndexerLogitsParams, TopkParams,
+                            SparseMlaDecodeParams, SparseMlaPrefillParams>;
+Op op_of(const OpArgs& args);
+Problem problem_of(const OpArgs& args, const DeviceInfo& device);
+
+struct ExecContext {
+  void* stream = nullptr;  // cudaStream_t for CUDA backends; unused on the CPU
+};
+
+// A runnable kernel: its name (for printing) and its launcher.
+struct Kernel {
+  std::string name;
+  std::function<void(const OpArgs&, const ExecContext&)> launch;
+};
+
+// The answer of Backend::select: a kernel, or the reason there is none.
+struct Selection {
+  std::optional<Kernel> kernel;
+  std::string reason;  // why not, when there is no kernel; how it was chosen otherwise
+
+  explicit operator bool() const { return kernel.has_value(); }
+  static Selection no(std::string why) { return {std::nullopt, std::move(why)}; }
+  static Selection yes(Kernel k, std::string how = {}) { return {std::move(k), std::move(how)}; }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  virtual std::string_view description() const = 0;
+  // Higher wins when `auto` chooses among backends that support a problem.
+  virtual int preference() const = 0;
+  // Bytes it moves beyond the op's own (a cast of the cache), in words; empty when none.
+  virtual std::string_view extra_traffic() const { return {}; }
+  // The one function that answers both "is this supported?" and "which kernel runs".
+  virtual Selection select(const Problem& problem) const = 0;
+};
+
+// Selects on `backend` for the op's own problem and launches it; throws Error naming the op, the
+// backend and the reason when the backend cannot run it.
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {},
+         const DeviceInfo& device = detect_device());
+
+// Every backend compiled into the library, in registration order.
+const std::vector<const Backend*>& registered_backends();
+// nullptr when no backend has that name.
+const Backend* find_backend(std::string_view name);
+
+}  // namespace latentkv

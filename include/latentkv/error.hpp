@@ -1,0 +1,27 @@
+// latentkv/error.hpp - the one exception type the library throws.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace latentkv {
+
+// Every rejected input or failed operation raises an Error that names the op, the argument, the
+// value that was seen and what was expected, e.g.
+//   mla_decode: argument 'seq_lens[3]' = 70000: expected <= block capacity 65536 (1024 pages x 64)
+class Error : public std::runtime_error {
+ public:
+  Error(std::string op, std::string argument, std::string value, std::string expected);
+  // A failure that is not about one argument (a CUDA error, an exhausted pool, ...).
+  Error(std::string op, std::string message);
+
+  const std::string& op() const noexcept { return op_; }
+  const std::string& argument() const noexcept { return argument_; }
+  const std::string& value() const noexcept { return value_; }
+  const std::string& expected() const noexcept { return expected_; }
+
+ private:
+  std::string op_, argument_, value_, expected_;
+};
+
+}  // namespace latentkv

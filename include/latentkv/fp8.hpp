@@ -1,0 +1,28 @@
+// latentkv/fp8.hpp - bit-exact host conversions for the cache formats (SPEC section 3).
+#pragma once
+
+#include <cstdint>
+
+namespace latentkv {
+
+// FP8 e4m3fn: round to nearest even, saturating to +-448 (as CUDA's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); NaN encodes as 0x7F with the sign kept.
+std::uint8_t fp8_e4m3_encode(float x);
+float fp8_e4m3_decode(std::uint8_t code);
+inline constexpr float kFp8E4M3Max = 448.0f;
+
+// bfloat16 stored as its 16-bit pattern; encode rounds to nearest even, keeps NaN a quiet NaN.
+std::uint16_t bf16_encode(float x);
+float bf16_decode(std::uint16_t bits);
+
+enum class ScaleMode {
+  kPow2,   // scale = 2^ceil(log2(amax / 448)), the default (DeepSeek's deployed form)
+  kExact,  // scale = amax / 448
+};
+
+// The float32 scale for a block whose largest magnitude is `amax` (clamped below at 1e-4).
+// Computed with exactly representable steps so host and device agree to the bit.
+float fp8_block_scale(float amax, ScaleMode mode);
+inline constexpr float kScaleAmaxFloor = 1e-4f;
+
+}  // namespace latentkv

@@ -1,0 +1,101 @@
+// latentkv/ops.hpp - one parameter struct per operation of SPEC section 4.
+//
+// Conventions shared by every op:
+//  * B requests; q_len new query tokens per request in decode (1, or 2-4 with speculative decoding);
+//    H query heads on this GPU; L_b = seq_lens[b] cached tokens of request b, its new tokens included.
+//  * New token i of a request with n new tokens sees logical positions t < L_b - n + i + 1 (causal
+//    among the new tokens; everything cached before them is visible).
+//  * Logical position t of request b lives at physical slot
+//    block_table[b][t / page_size] * page_size + t % page_size.
+//  * bf16 tensors hold uint16_t bit patterns, fp8 tensors uint8_t e4m3fn codes.
+//  * o is bf16 in the GPU backends; the reference also writes f32 or f64 outputs for testing.
+//  * lse is the natural log of sum_t exp(s_t) over the attended tokens; -inf when none.
+#pragma once
+
+#include <cstdint>
+
+#include "latentkv/cache.hpp"
+#include "latentkv/fp8.hpp"
+#include "latentkv/tensor.hpp"
+
+namespace latentkv {
+
+inline constexpr int kMaxHeads = 128;
+inline constexpr int kMaxDecodeQLen = 4;
+inline constexpr int kMaxIndexerHeads = 64;
+inline constexpr int kMaxTopk = 2048;
+
+// Quantize n new tokens and write them at their slots (a slot of -1 skips the token).
+struct AppendParams {
+  LatentCache cache;            // written at `slots`
+  TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values
+  TensorView slots;             // [n] i32: physical slot of each token, or -1
+  IndexerCache indexer;         // optional (data == nullptr skips it); same page_size and pool size
+  TensorView indexer_keys;      // [n, 128] bf16, already rotated; required with `indexer`
+  ScaleMode scale_mode = ScaleMode::kPow2;
+};
+
+// Dense MLA decode: each query token attends to every cached token it can see.
+struct MlaDecodeParams {
+  TensorView q;                 // [B, q_len, H, 576] bf16, absorbed queries (latent part, then rope)
+  LatentCache cache;            // read only
+  TensorView block_table;       // [B, max_pages] i32 page ids
+  TensorView seq_lens;          // [B] i32, L_b (new tokens included)
+  TensorView o;                 // [B, q_len, H, 512] bf16 (reference: also f32/f64)
+  TensorView lse;               // [B, q_len, H] f32 (reference: also f64)
+  float softmax_scale = 0.0f;
+};
+
+// Dense MLA prefill / extend: T new tokens in all, ragged over requests, over a cached prefix.
+struct MlaPrefillParams {
+  TensorView q;                 // [T, H, 576] bf16, the requests' new tokens back to back
+  TensorView cu_new_tokens;     // [B + 1] i32, request b's new tokens are rows [cu[b], cu[b+1])
+  LatentCache cache;            // read only; the new tokens' latents are already appended
+  TensorView block_table;       // [B, max_pages] i32
+  TensorView seq_lens;          // [B] i32, L_b (prefix plus new tokens)
+  TensorView o;                 // [T, H, 512] bf16 (reference: also f32/f64)
+  TensorView lse;               // [T, H] f32 (reference: also f64)
+  float softmax_scale = 0.0f;
+};
+
+// Lightning-indexer logits: logit_t = sum_h w_h * relu(q_h . k_t) * kscale_t over visible t.
+struct IndexerLogitsParams {
+  TensorView q;                 // [B, q_len, Hi, 128] fp8 e4m3
+  TensorView weights;           // [B, q_len, Hi] f32, q scale and constants folded in
+  IndexerCache cache;           // read only
+  TensorView block_table;       // [B, max_pages] i32
+  TensorView seq_lens;          // [B] i32
+  TensorView logits;            // [B, q_len, max_len] f32; column t is logical position t, -inf where not visible
+};
+
+// Top-k per query row over its visible logits, returned as physical slots.
+struct TopkParams {
+  TensorView logits;            // [B, q_len, max_len] f32, as written by the indexer
+  TensorView block_table;       // [B, max_pages] i32
+  TensorView seq_lens;          // [B] i32
+  int page_size = kDefaultPageSize;
+  int k = kMaxTopk;             // 1 .. 2048
+  TensorView slots;             // [B, q_len, k] i32 physical slots; -1 pads rows with fewer than k visible
+};
+
+// Sparse MLA decode: each query row attends only to the slots of its index row.
+struct SparseMlaDecodeParams {
+  TensorView q;                 // [B, q_len, H, 576] bf16
+  LatentCache cache;            // read only
+  TensorView indices;           // [B, q_len, topk] i32 physical slots, -1 ignored
+  TensorView o;                 // [B, q_len, H, 512] bf16 (reference: also f32/f64); zeros for an empty row
+  TensorView lse;               // [B, q_len, H] f32; -inf for an empty row
+  float softmax_scale = 0.0f;
+};
+
+// Sparse MLA prefill: every new token attends to its own selected slots.
+struct SparseMlaPrefillParams {
+  TensorView q;                 // [T, H, 576] bf16
+  LatentCache cache;            // read only
+  TensorView indices;           // [T, topk] i32 physical slots, -1 ignored
+  TensorView o;                 // [T, H, 512] bf16 (reference: also f32/f64)
+  TensorView lse;               // [T, H] f32
+  float softmax_scale = 0.0f;
+};
+
+}  // namespace latentkv

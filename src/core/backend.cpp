@@ -1,0 +1,126 @@
+#include "latentkv/backend.hpp"
+
+#include <memory>
+#include <string>
+
+#include "latentkv/error.hpp"
+
+namespace latentkv {
+namespace detail {
+std::vector<std::unique_ptr<Backend>> make_registered_backends();  // backends_generated.cpp
+#ifdef LKV_WITH_CUDA
+bool cuda_detect_device(DeviceInfo& info);  // src/cuda/common/device.cpp
+#endif
+}  // namespace detail
+
+std::string_view op_name(Op op) {
+  switch (op) {
+    case Op::kAppend: return "append";
+    case Op::kMlaDecode: return "mla_decode";
+    case Op::kMlaPrefill: return "mla_prefill";
+    case Op::kIndexerLogits: return "indexer_logits";
+    case Op::kTopk: return "topk";
+    case Op::kSparseMlaDecode: return "sparse_mla_decode";
+    case Op::kSparseMlaPrefill: return "sparse_mla_prefill";
+  }
+  return "?";
+}
+
+DeviceInfo detect_device() {
+  DeviceInfo info;
+#ifdef LKV_WITH_CUDA
+  if (detail::cuda_detect_device(info)) return info;
+#endif
+  return info;
+}
+
+Op op_of(const OpArgs& args) {
+  struct Visitor {
+    Op operator()(const AppendParams&) const { return Op::kAppend; }
+    Op operator()(const MlaDecodeParams&) const { return Op::kMlaDecode; }
+    Op operator()(const MlaPrefillParams&) const { return Op::kMlaPrefill; }
+    Op operator()(const IndexerLogitsParams&) const { return Op::kIndexerLogits; }
+    Op operator()(const TopkParams&) const { return Op::kTopk; }
+    Op operator()(const SparseMlaDecodeParams&) const { return Op::kSparseMlaDecode; }
+    Op operator()(const SparseMlaPrefillParams&) const { return Op::kSparseMlaPrefill; }
+  };
+  return std::visit(Visitor{}, args);
+}
+
+Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
+  Problem p;
+  p.op = op_of(args);
+  p.device = device;
+  struct Visitor {
+    Problem& p;
+    void operator()(const AppendParams& a) const {
+      p.kv_dtype = a.cache.dtype;
+      p.page_size = a.cache.page_size;
+    }
+    void operator()(const MlaDecodeParams& a) const {
+      p.kv_dtype = a.cache.dtype;
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(2));
+      p.q_len = static_cast<int>(a.q.size(1));
+    }
+    void operator()(const MlaPrefillParams& a) const {
+      p.kv_dtype = a.cache.dtype;
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(1));
+    }
+    void operator()(const IndexerLogitsParams& a) const {
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(2));
+      p.q_len = static_cast<int>(a.q.size(1));
+    }
+    void operator()(const TopkParams& a) const {
+      p.page_size = a.page_size;
+      p.q_len = static_cast<int>(a.logits.size(1));
+      p.topk = a.k;
+    }
+    void operator()(const SparseMlaDecodeParams& a) const {
+      p.kv_dtype = a.cache.dtype;
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(2));
+      p.q_len = static_cast<int>(a.q.size(1));
+      p.topk = static_cast<int>(a.indices.size(2));
+    }
+    void operator()(const SparseMlaPrefillParams& a) const {
+      p.kv_dtype = a.cache.dtype;
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(1));
+      p.topk = static_cast<int>(a.indices.size(1));
+    }
+  };
+  std::visit(Visitor{p}, args);
+  return p;
+}
+
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {
+  const Problem problem = problem_of(args, device);
+  Selection s = backend.select(problem);
+  if (!s) {
+    throw Error(std::string(op_name(problem.op)),
+                "backend '" + std::string(backend.name()) + "' cannot run this call: " + s.reason);
+  }
+  s.kernel->launch(args, context);
+}
+
+const std::vector<const Backend*>& registered_backends() {
+  static const std::vector<std::unique_ptr<Backend>> owned = detail::make_registered_backends();
+  static const std::vector<const Backend*> views = [] {
+    std::vector<const Backend*> v;
+    for (const auto& b : owned) v.push_back(b.get());
+    return v;
+  }();
+  return views;
+}
+
+const Backend* find_backend(std::string_view name) {
+  for (const Backend* b : registered_backends()) {
+    if (b->name() == name) return b;
+  }
+  return nullptr;
+}
+
+}  // namespace latentkv

@@ -1,0 +1,123 @@
+#include "latentkv/paging.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "latentkv/error.hpp"
+
+namespace latentkv {
+
+PageAllocator::PageAllocator(std::int64_t num_pages, int page_size, std::uint64_t shuffle_seed)
+    : num_pages_(num_pages), page_size_(page_size) {
+  if (num_pages < 1 || num_pages > INT32_MAX) {
+    throw Error("page_allocator", "num_pages", std::to_string(num_pages), "1 .. 2^31-1");
+  }
+  if (page_size < 1) throw Error("page_allocator", "page_size", std::to_string(page_size), ">= 1");
+  free_.resize(static_cast<std::size_t>(num_pages));
+  // Stack order: page 0 is handed out first unless shuffled.
+  std::iota(free_.rbegin(), free_.rend(), 0);
+  if (shuffle_seed != 0) {
+    std::mt19937_64 rng(shuffle_seed);
+    std::shuffle(free_.begin(), free_.end(), rng);
+  }
+  allocated_.assign(static_cast<std::size_t>(num_pages), 0);
+}
+
+RequestId PageAllocator::add_request() {
+  const RequestId id = next_id_++;
+  requests_.emplace(id, Request{});
+  return id;
+}
+
+const PageAllocator::Request& PageAllocator::find(std::string_view op, RequestId request) const {
+  const auto it = requests_.find(request);
+  if (it == requests_.end()) {
+    throw Error(std::string(op), "request", std::to_string(request), "a request id this allocator has live");
+  }
+  return it->second;
+}
+
+void PageAllocator::grow(RequestId request, std::int64_t n_tokens) {
+  auto& r = const_cast<Request&>(find("page_allocator.grow", request));
+  if (n_tokens < 0) throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens), ">= 0");
+  const std::int64_t new_length = r.length + n_tokens;
+  const std::int64_t needed = pages_for(new_length) - static_cast<std::int64_t>(r.pages.size());
+  if (needed > free_pages()) {
+    throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens),
+                "at most " + std::to_string(free_pages() * page_size_ +
+                                            (static_cast<std::int64_t>(r.pages.size()) * page_size_ - r.length)) +
+                    " more tokens: the pool is exhausted (" + std::to_string(free_pages()) + " of " +
+                    std::to_string(num_pages_) + " pages free, " + std::to_string(needed) + " needed)");
+  }
+  for (std::int64_t i = 0; i < needed; ++i) {
+    const std::int32_t page = free_.back();
+    free_.pop_back();
+    allocated_[static_cast<std::size_t>(page)] = 1;
+    r.pages.push_back(page);
+  }
+  r.length = new_length;
+}
+
+void PageAllocator::release(RequestId request) {
+  const Request& r = find("page_allocator.release", request);
+  // Push in reverse so that the request's first page is the next one handed out.
+  for (auto it = r.pages.rbegin(); it != r.pages.rend(); ++it) {
+    allocated_[static_cast<std::size_t>(*it)] = 0;
+    free_.push_back(*it);
+  }
+  requests_.erase(request);
+}
+
+std::int64_t PageAllocator::length(RequestId request) const { return find("page_allocator", request).length; }
+
+const std::vector<std::int32_t>& PageAllocator::block_table(RequestId request) const {
+  return find("page_allocator", request).pages;
+}
+
+std::int64_t PageAllocator::slot(RequestId request, std::int64_t position) const {
+  const Request& r = find("page_allocator.slot", request);
+  if (position < 0 || position >= r.length) {
+    throw Error("page_allocator.slot", "position", std::to_string(position),
+                "0 .. " + std::to_string(r.length - 1) + " (request length " + std::to_string(r.length) + ")");
+  }
+  return static_cast<std::int64_t>(r.pages[static_cast<std::size_t>(position / page_size_)]) * page_size_ +
+         position % page_size_;
+}
+
+std::vector<std::int32_t> PageAllocator::block_table_matrix(std::span<const RequestId> requests, int max_pages) const {
+  std::vector<std::int32_t> table(requests.size() * static_cast<std::size_t>(max_pages), -1);
+  for (std::size_t b = 0; b < requests.size(); ++b) {
+    const auto& pages = find("page_allocator.block_table_matrix", requests[b]).pages;
+    if (static_cast<std::int64_t>(pages.size()) > max_pages) {
+      throw Error("page_allocator.block_table_matrix", "max_pages", std::to_string(max_pages),
+                  ">= " + std::to_string(pages.size()) + " (pages of request " + std::to_string(requests[b]) + ")");
+    }
+    std::copy(pages.begin(), pages.end(), table.begin() + static_cast<std::ptrdiff_t>(b * max_pages));
+  }
+  return table;
+}
+
+std::vector<std::int32_t> PageAllocator::lengths(std::span<const RequestId> requests) const {
+  std::vector<std::int32_t> out;
+  for (RequestId r : requests) out.push_back(static_cast<std::int32_t>(length(r)));
+  return out;
+}
+
+void PageAllocator::check_block_table(std::string_view op, const std::int32_t* block_table, std::int64_t batch,
+                                      int max_pages, const std::int32_t* seq_lens) const {
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t used = pages_for(seq_lens[b]);
+    for (std::int64_t p = 0; p < used && p < max_pages; ++p) {
+      const std::int32_t page = block_table[b * max_pages + p];
+      if (page < 0 || page >= num_pages_ || !allocated_[static_cast<std::size_t>(page)]) {
+        throw Error(std::string(op), "block_table[" + std::to_string(b) + "][" + std::to_string(p) + "]",
+                    std::to_string(page), "a page allocated from the pool (page ids 0 .. " +
+                                              std::to_string(num_pages_ - 1) + ", currently handed out)");
+      }
+    }
+  }
+}
+
+}  // namespace latentkv

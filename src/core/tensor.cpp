@@ -1,0 +1,77 @@
+#include "latentkv/tensor.hpp"
+
+#include "latentkv/error.hpp"
+
+namespace latentkv {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF64: return 8;
+    case DType::kF32: return 4;
+    case DType::kBF16: return 2;
+    case DType::kFP8E4M3: return 1;
+    case DType::kI32: return 4;
+    case DType::kU8: return 1;
+  }
+  return 0;
+}
+
+std::string_view dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF64: return "f64";
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kFP8E4M3: return "fp8_e4m3";
+    case DType::kI32: return "i32";
+    case DType::kU8: return "u8";
+  }
+  return "?";
+}
+
+std::string_view device_kind_name(DeviceKind kind) { return kind == DeviceKind::kCpu ? "cpu" : "cuda"; }
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape, Device device) {
+  if (shape.size() > static_cast<std::size_t>(kMaxRank)) {
+    throw Error("TensorView", "shape", std::to_string(shape.size()) + " dims", "at most 4 dims");
+  }
+  TensorView view;
+  view.data = data;
+  view.dtype = dtype;
+  view.device = device;
+  view.rank = static_cast<int>(shape.size());
+  int i = 0;
+  for (std::int64_t extent : shape) view.shape[static_cast<std::size_t>(i++)] = extent;
+  std::int64_t stride = 1;
+  for (int d = view.rank - 1; d >= 0; --d) {
+    view.strides[static_cast<std::size_t>(d)] = stride;
+    stride *= view.shape[static_cast<std::size_t>(d)];
+  }
+  return view;
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= shape[static_cast<std::size_t>(d)];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t stride = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (shape[i] != 1 && strides[i] != stride) return false;
+    stride *= shape[i];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::string s = "[";
+  for (int d = 0; d < rank; ++d) {
+    if (d) s += ", ";
+    s += std::to_string(shape[static_cast<std::size_t>(d)]);
+  }
+  return s + "]";
+}
+
+}  // namespace latentkv

@@ -1,0 +1,360 @@
+#include "validate.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "latentkv/error.hpp"
+#include "latentkv/fp8.hpp"
+
+namespace latentkv::detail {
+
+void fail(std::string_view op, std::string_view argument, const std::string& value, const std::string& expected) {
+  throw Error(std::string(op), std::string(argument), value, expected);
+}
+
+std::string describe(const TensorView& v) {
+  if (!v.present()) return "absent";
+  return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " +
+         std::string(device_kind_name(v.device.kind));
+}
+
+namespace {
+
+constexpr std::int64_t kAny = -1;
+
+std::string shape_text(std::initializer_list<std::int64_t> dims, std::initializer_list<const char*> names) {
+  std::string s = "[";
+  auto n = names.begin();
+  for (std::int64_t d : dims) {
+    if (s.size() > 1) s += ", ";
+    s += d == kAny ? std::string(n != names.end() ? *n : "*") : std::to_string(d);
+    if (n != names.end()) ++n;
+  }
+  return s + "]";
+}
+
+// Checks a required view: present, one of `dtypes`, contiguous, on `device`, and shaped `dims`
+// (kAny matches any extent; `names` spell the dims out in the message).
+void expect_view(std::string_view op, std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
+                 std::initializer_list<std::int64_t> dims, std::initializer_list<const char*> names, Device device) {
+  const std::string want_shape = shape_text(dims, names);
+  std::string want_types;
+  for (DType t : dtypes) want_types += (want_types.empty() ? "" : " or ") + std::string(dtype_name(t));
+  const std::string expected = want_types + " " + want_shape + " on " + std::string(device_kind_name(device.kind));
+  if (!v.present()) fail(op, arg, "absent (null data)", expected);
+  bool type_ok = false;
+  for (DType t : dtypes) type_ok |= v.dtype == t;
+  if (!type_ok) fail(op, arg, describe(v), expected);
+  if (v.rank != static_cast<int>(dims.size())) fail(op, arg, describe(v), expected);
+  int d = 0;
+  for (std::int64_t want : dims) {
+    const std::int64_t got = v.shape[static_cast<std::size_t>(d++)];
+    if (got < 0 || (want != kAny && got != want)) fail(op, arg, describe(v), expected);
+  }
+  if (v.device.kind != device.kind) fail(op, arg, describe(v), expected);
+  if (!v.is_contiguous()) fail(op, arg, describe(v) + " (strided)", "a contiguous tensor");
+}
+
+void expect_range(std::string_view op, std::string_view arg, std::int64_t value, std::int64_t lo, std::int64_t hi,
+                  const std::string& what = {}) {
+  if (value < lo || value > hi) {
+    fail(op, arg, std::to_string(value), std::to_string(lo) + " .. " + std::to_string(hi) + what);
+  }
+}
+
+void expect_scale(std::string_view op, float scale) {
+  if (!(std::isfinite(scale) && scale > 0.0f)) fail(op, "softmax_scale", std::to_string(scale), "a finite value > 0");
+}
+
+void expect_latent_cache(std::string_view op, const LatentCache& c, Device device) {
+  if (c.data == nullptr) fail(op, "cache.data", "null", "the latent cache's memory");
+  if (c.page_size < 1) fail(op, "cache.page_size", std::to_string(c.page_size), ">= 1");
+  if (c.num_pages < 1) fail(op, "cache.num_pages", std::to_string(c.num_pages), ">= 1");
+  if (c.num_slots() > INT32_MAX) {
+    fail(op, "cache.num_pages", std::to_string(c.num_pages), "num_pages * page_size < 2^31 (slots are int32)");
+  }
+  if (c.device.kind != device.kind) {
+    fail(op, "cache.device", std::string(device_kind_name(c.device.kind)),
+         std::string(device_kind_name(device.kind)) + " memory");
+  }
+}
+
+// The decode/prefill outputs' allowed dtypes.
+std::initializer_list<DType> o_types(Outputs outputs) {
+  static const std::initializer_list<DType> device_types = {DType::kBF16};
+  static const std::initializer_list<DType> reference_types = {DType::kBF16, DType::kF32, DType::kF64};
+  return outputs == Outputs::kDeviceTypes ? device_types : reference_types;
+}
+std::initializer_list<DType> lse_types(Outputs outputs) {
+  static const std::initializer_list<DType> device_types = {DType::kF32};
+  static const std::initializer_list<DType> reference_types = {DType::kF32, DType::kF64};
+  return outputs == Outputs::kDeviceTypes ? device_types : reference_types;
+}
+
+// Paged-attention arguments common to the dense ops, the indexer and top-k.
+void expect_paging(std::string_view op, const TensorView& block_table, const TensorView& seq_lens, std::int64_t batch,
+                   Device device) {
+  expect_view(op, "block_table", block_table, {DType::kI32}, {batch, kAny}, {"B", "max_pages"}, device);
+  expect_view(op, "seq_lens", seq_lens, {DType::kI32}, {batch}, {"B"}, device);
+}
+
+std::string index2(std::string_view name, std::int64_t a, std::int64_t b) {
+  return std::string(name) + "[" + std::to_string(a) + "][" + std::to_string(b) + "]";
+}
+
+// seq_lens within [min_len, capacity] and the block-table pages they use within the pool.
+void check_paging_values(std::string_view op, const TensorView& block_table, const TensorView& seq_lens,
+                         int page_size, std::int64_t num_pages, std::int64_t min_len_each) {
+  const std::int64_t batch = seq_lens.size(0);
+  const std::int64_t max_pages = block_table.size(1);
+  const auto* table = block_table.as<const std::int32_t>();
+  const auto* lens = seq_lens.as<const std::int32_t>();
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t len = lens[b];
+    const std::int64_t capacity = max_pages * page_size;
+    if (len < min_len_each || len > capacity) {
+      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(len),
+           std::to_string(min_len_each) + " .. " + std::to_string(capacity) + " (block table capacity: " +
+               std::to_string(max_pages) + " pages x " + std::to_string(page_size) + " tokens)");
+    }
+    const std::int64_t used = (len + page_size - 1) / page_size;
+    for (std::int64_t p = 0; p < used; ++p) {
+      const std::int32_t page = table[b * max_pages + p];
+      if (page < 0 || page >= num_pages) {
+        fail(op, index2("block_table", b, p), std::to_string(page),
+             "a page id in 0 .. " + std::to_string(num_pages - 1) + " (request " + std::to_string(b) + " uses " +
+                 std::to_string(used) + " pages for " + std::to_string(len) + " tokens)");
+      }
+    }
+  }
+}
+
+void check_finite_bf16(std::string_view op, std::string_view arg, const TensorView& v) {
+  const auto* bits = v.as<const std::uint16_t>();
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    if ((bits[i] & 0x7F80u) == 0x7F80u) {
+      fail(op, std::string(arg) + " element " + std::to_string(i),
+           std::isnan(bf16_decode(bits[i])) ? "nan" : "inf", "a finite value");
+    }
+  }
+}
+
+void check_finite_f32(std::string_view op, std::string_view arg, const TensorView& v) {
+  const auto* x = v.as<const float>();
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    if (!std::isfinite(x[i])) fail(op, std::string(arg) + " element " + std::to_string(i), std::to_string(x[i]), "a finite value");
+  }
+}
+
+void check_slots(std::string_view op, std::string_view arg, const TensorView& slots, std::int64_t num_slots) {
+  const auto* s = slots.as<const std::int32_t>();
+  for (std::int64_t i = 0; i < slots.numel(); ++i) {
+    if (s[i] < -1 || s[i] >= num_slots) {
+      fail(op, std::string(arg) + " element " + std::to_string(i), std::to_string(s[i]),
+           "-1 (none) or a slot in 0 .. " + std::to_string(num_slots - 1));
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Shapes
+
+void validate_shapes(const AppendParams& p, Device device) {
+  constexpr std::string_view op = "append";
+  expect_latent_cache(op, p.cache, device);
+  expect_view(op, "latent", p.latent, {DType::kBF16}, {kAny, kQkDim}, {"n"}, device);
+  const std::int64_t n = p.latent.size(0);
+  expect_view(op, "slots", p.slots, {DType::kI32}, {n}, {"n"}, device);
+  if (p.indexer.data != nullptr) {
+    if (p.indexer.page_size != p.cache.page_size) {
+      fail(op, "indexer.page_size", std::to_string(p.indexer.page_size),
+           std::to_string(p.cache.page_size) + " (the main cache's: both caches share slots)");
+    }
+    if (p.indexer.num_pages != p.cache.num_pages) {
+      fail(op, "indexer.num_pages", std::to_string(p.indexer.num_pages),
+           std::to_string(p.cache.num_pages) + " (the main cache's: both caches share slots)");
+    }
+    if (p.indexer.device.kind != device.kind) {
+      fail(op, "indexer.device", std::string(device_kind_name(p.indexer.device.kind)),
+           std::string(device_kind_name(device.kind)) + " memory");
+    }
+    expect_view(op, "indexer_keys", p.indexer_keys, {DType::kBF16}, {n, kIndexerDim}, {"n"}, device);
+  } else if (p.indexer_keys.present()) {
+    fail(op, "indexer", "absent", "an indexer cache to write the given indexer_keys into");
+  }
+}
+
+void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
+  constexpr std::string_view op = "mla_decode";
+  expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kAny, kQkDim}, {"B", "q_len", "H"}, device);
+  const std::int64_t b = p.q.size(0), q_len = p.q.size(1), h = p.q.size(2);
+  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_range(op, "q.shape[2] (heads)", h, 1, kMaxHeads);
+  expect_latent_cache(op, p.cache, device);
+  expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
+  expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
+  expect_scale(op, p.softmax_scale);
+}
+
+void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) {
+  constexpr std::string_view op = "mla_prefill";
+  expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kQkDim}, {"T", "H"}, device);
+  const std::int64_t t = p.q.size(0), h = p.q.size(1);
+  expect_range(op, "q.shape[1] (heads)", h, 1, kMaxHeads);
+  expect_view(op, "cu_new_tokens", p.cu_new_tokens, {DType::kI32}, {kAny}, {"B + 1"}, device);
+  const std::int64_t b = p.cu_new_tokens.size(0) - 1;
+  if (b < 0) fail(op, "cu_new_tokens", describe(p.cu_new_tokens), "i32 [B + 1] with B >= 0");
+  expect_latent_cache(op, p.cache, device);
+  expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
+  expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
+  expect_scale(op, p.softmax_scale);
+}
+
+void validate_shapes(const IndexerLogitsParams& p, Device device) {
+  constexpr std::string_view op = "indexer_logits";
+  expect_view(op, "q", p.q, {DType::kFP8E4M3}, {kAny, kAny, kAny, kIndexerDim}, {"B", "q_len", "Hi"}, device);
+  const std::int64_t b = p.q.size(0), q_len = p.q.size(1), hi = p.q.size(2);
+  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_range(op, "q.shape[2] (indexer heads)", hi, 1, kMaxIndexerHeads);
+  expect_view(op, "weights", p.weights, {DType::kF32}, {b, q_len, hi}, {}, device);
+  if (p.cache.data == nullptr) fail(op, "cache.data", "null", "the indexer cache's memory");
+  if (p.cache.page_size < 1) fail(op, "cache.page_size", std::to_string(p.cache.page_size), ">= 1");
+  if (p.cache.num_pages < 1) fail(op, "cache.num_pages", std::to_string(p.cache.num_pages), ">= 1");
+  expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_view(op, "logits", p.logits, {DType::kF32}, {b, q_len, kAny}, {"B", "q_len", "max_len"}, device);
+}
+
+void validate_shapes(const TopkParams& p, Device device) {
+  constexpr std::string_view op = "topk";
+  expect_view(op, "logits", p.logits, {DType::kF32}, {kAny, kAny, kAny}, {"B", "q_len", "max_len"}, device);
+  const std::int64_t b = p.logits.size(0), q_len = p.logits.size(1);
+  expect_range(op, "logits.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
+  if (p.page_size < 1) fail(op, "page_size", std::to_string(p.page_size), ">= 1");
+  expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_view(op, "slots", p.slots, {DType::kI32}, {b, q_len, p.k}, {}, device);
+}
+
+void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outputs) {
+  constexpr std::string_view op = "sparse_mla_decode";
+  expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kAny, kQkDim}, {"B", "q_len", "H"}, device);
+  const std::int64_t b = p.q.size(0), q_len = p.q.size(1), h = p.q.size(2);
+  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_range(op, "q.shape[2] (heads)", h, 1, kMaxHeads);
+  expect_latent_cache(op, p.cache, device);
+  expect_view(op, "indices", p.indices, {DType::kI32}, {b, q_len, kAny}, {"B", "q_len", "topk"}, device);
+  expect_range(op, "indices.shape[2] (topk)", p.indices.size(2), 1, kMaxTopk);
+  expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
+  expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
+  expect_scale(op, p.softmax_scale);
+}
+
+void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs outputs) {
+  constexpr std::string_view op = "sparse_mla_prefill";
+  expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kQkDim}, {"T", "H"}, device);
+  const std::int64_t t = p.q.size(0), h = p.q.size(1);
+  expect_range(op, "q.shape[1] (heads)", h, 1, kMaxHeads);
+  expect_latent_cache(op, p.cache, device);
+  expect_view(op, "indices", p.indices, {DType::kI32}, {t, kAny}, {"T", "topk"}, device);
+  expect_range(op, "indices.shape[1] (topk)", p.indices.size(1), 1, kMaxTopk);
+  expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
+  expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
+  expect_scale(op, p.softmax_scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Values (host memory)
+
+void validate_values(const AppendParams& p) {
+  constexpr std::string_view op = "append";
+  check_slots(op, "slots", p.slots, p.cache.num_slots());
+  check_finite_bf16(op, "latent", p.latent);
+  if (p.indexer.data != nullptr) check_finite_bf16(op, "indexer_keys", p.indexer_keys);
+}
+
+void validate_values(const MlaDecodeParams& p) {
+  constexpr std::string_view op = "mla_decode";
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_finite_bf16(op, "q", p.q);
+}
+
+void validate_values(const MlaPrefillParams& p) {
+  constexpr std::string_view op = "mla_prefill";
+  const auto* cu = p.cu_new_tokens.as<const std::int32_t>();
+  const auto* lens = p.seq_lens.as<const std::int32_t>();
+  const std::int64_t b = p.seq_lens.size(0);
+  if (cu[0] != 0) fail(op, "cu_new_tokens[0]", std::to_string(cu[0]), "0");
+  for (std::int64_t i = 0; i < b; ++i) {
+    const std::int64_t n = static_cast<std::int64_t>(cu[i + 1]) - cu[i];
+    if (n < 0 || n > lens[i]) {
+      fail(op, "cu_new_tokens[" + std::to_string(i + 1) + "]", std::to_string(cu[i + 1]),
+           std::to_string(cu[i]) + " .. " + std::to_string(static_cast<std::int64_t>(cu[i]) + lens[i]) +
+               " (request " + std::to_string(i) + " has " + std::to_string(lens[i]) + " tokens in all)");
+    }
+  }
+  if (cu[b] != p.q.size(0)) {
+    fail(op, "cu_new_tokens[" + std::to_string(b) + "]", std::to_string(cu[b]),
+         std::to_string(p.q.size(0)) + " (the rows of q)");
+  }
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_finite_bf16(op, "q", p.q);
+}
+
+void validate_values(const IndexerLogitsParams& p) {
+  constexpr std::string_view op = "indexer_logits";
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  const auto* lens = p.seq_lens.as<const std::int32_t>();
+  for (std::int64_t b = 0; b < p.seq_lens.size(0); ++b) {
+    if (lens[b] > p.logits.size(2)) {
+      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(lens[b]),
+           "<= " + std::to_string(p.logits.size(2)) + " (the logits' max_len columns)");
+    }
+  }
+  const auto* q = p.q.as<const std::uint8_t>();
+  for (std::int64_t i = 0; i < p.q.numel(); ++i) {
+    if ((q[i] & 0x7F) == 0x7F) fail(op, "q element " + std::to_string(i), "nan (fp8 code 0x7f)", "a finite value");
+  }
+  check_finite_f32(op, "weights", p.weights);
+}
+
+void validate_values(const TopkParams& p) {
+  constexpr std::string_view op = "topk";
+  check_paging_values(op, p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size, 0);
+  const std::int64_t q_len = p.logits.size(1), max_len = p.logits.size(2);
+  const auto* lens = p.seq_lens.as<const std::int32_t>();
+  const auto* logits = p.logits.as<const float>();
+  for (std::int64_t b = 0; b < p.seq_lens.size(0); ++b) {
+    if (lens[b] > max_len) {
+      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(lens[b]),
+           "<= " + std::to_string(max_len) + " (the logits' max_len columns)");
+    }
+    for (std::int64_t i = 0; i < q_len; ++i) {
+      const std::int64_t visible = std::max<std::int64_t>(0, lens[b] - q_len + i + 1);
+      for (std::int64_t t = 0; t < visible; ++t) {
+        const float x = logits[(b * q_len + i) * max_len + t];
+        if (std::isnan(x)) fail(op, "logits[" + std::to_string(b) + "][" + std::to_string(i) + "][" + std::to_string(t) + "]", "nan", "a number (visible position)");
+      }
+    }
+  }
+}
+
+void validate_values(const SparseMlaDecodeParams& p) {
+  constexpr std::string_view op = "sparse_mla_decode";
+  check_slots(op, "indices", p.indices, p.cache.num_slots());
+  check_finite_bf16(op, "q", p.q);
+}
+
+void validate_values(const SparseMlaPrefillParams& p) {
+  constexpr std::string_view op = "sparse_mla_prefill";
+  check_slots(op, "indices", p.indices, p.cache.num_slots());
+  check_finite_bf16(op, "q", p.q);
+}
+
+}  // namespace latentkv::detail
