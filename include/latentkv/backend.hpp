@@ -66,6 +66,14 @@ struct Kernel {
   std::function<void(const OpArgs&, const ExecContext&)> launch;
 };
 
+// A schedule fixed before a step runs: how the work is split and how much device scratch it needs.
+// It depends only on shapes and the device (never on per-step lengths), so a captured CUDA graph
+// stays valid as lengths grow.
+struct Plan {
+  int num_splits = 1;
+  std::size_t workspace_bytes = 0;
+};
+
 // The answer of Backend::select: a kernel, or the reason there is none.
 struct Selection {
   std::optional<Kernel> kernel;
@@ -87,6 +95,13 @@ class Backend {
   virtual std::string_view extra_traffic() const { return {}; }
   // The one function that answers both "is this supported?" and "which kernel runs".
   virtual Selection select(const Problem& problem) const = 0;
+  // The schedule and scratch for a call with these shapes; callers copy num_splits and a workspace
+  // of workspace_bytes into the parameters. No scratch by default.
+  virtual Plan plan(const OpArgs& args, const DeviceInfo& device) const {
+    (void)args;
+    (void)device;
+    return {};
+  }
 };
 
 // Selects on `backend` for the op's own problem and launches it; throws Error naming the op, the

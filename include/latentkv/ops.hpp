@@ -12,6 +12,7 @@
 //  * lse is the natural log of sum_t exp(s_t) over the attended tokens; -inf when none.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "latentkv/cache.hpp"
@@ -44,6 +45,10 @@ struct MlaDecodeParams {
   TensorView o;                 // [B, q_len, H, 512] bf16 (reference: also f32/f64)
   TensorView lse;               // [B, q_len, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
+  // Split-KV schedule and scratch, from Backend::plan() before the step (decode never allocates).
+  int num_splits = 0;           // KV chunks per request; 0 = the backend's default for these shapes
+  void* workspace = nullptr;    // device scratch of at least workspace_bytes
+  std::size_t workspace_bytes = 0;
 };
 
 // Dense MLA prefill / extend: T new tokens in all, ragged over requests, over a cached prefix.
