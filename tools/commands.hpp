@@ -12,5 +12,6 @@ inline constexpr int kExitUsage = 2;
 void add_demo_command(CLI::App& app);
 void add_config_command(CLI::App& app);
 void add_info_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace latentkv::tools

@@ -11,8 +11,11 @@ int main(int argc, char** argv) {
   latentkv::tools::add_demo_command(app);
   latentkv::tools::add_config_command(app);
   latentkv::tools::add_info_command(app);
+  latentkv::tools::add_bench_command(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();  // a subcommand chose its exit code (and printed why)
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : latentkv::tools::kExitUsage;

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One script for the GPU machine: configure, build with every core, run the GPU tests (optionally
+# under compute-sanitizer), run the benchmarks, and leave logs and JSON under $OUT.
+#
+#   scripts/gpu_run.sh [build] [test] [sanitize] [bench] [bench-full]    (default: build test bench)
+#
+# Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
+# package registry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-$(nproc)}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test bench)
+status=0
+
+log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    build)
+      log "configure + build ($JOBS jobs)"
+      { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1; } \
+        >"$OUT/device.txt" 2>&1
+      cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLKV_CUDA=ON -DLKV_CUDA_ARCHS=90a \
+        >"$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+      cmake --build "$BUILD" -j"$JOBS" >"$OUT/build.log" 2>&1 || { log "build FAILED"; grep -m20 -B2 -A6 "error" "$OUT/build.log"; exit 1; }
+      log "build ok"
+      ;;
+    test)
+      log "GPU and CPU tests"
+      "$BUILD/tests/latentkv_gpu_tests" --gtest_output=json:"$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1 \
+        || { status=1; log "GPU tests FAILED"; grep -E "^\[  FAILED|Failure|error|Expected|Which is|worst" "$OUT/gpu_tests.log" | head -60; }
+      tail -3 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
+      ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$OUT/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
+      tail -3 "$OUT/cpu_tests.log" | tee -a "$OUT/summary.txt"
+      ;;
+    sanitize)
+      log "compute-sanitizer memcheck + racecheck on the GPU tests"
+      filter=${SANITIZE_FILTER:-*}
+      compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
+        >"$OUT/memcheck.log" 2>&1 || { status=1; log "memcheck FAILED"; }
+      tail -4 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
+      compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
+        >"$OUT/racecheck.log" 2>&1 || { status=1; log "racecheck FAILED"; }
+      tail -4 "$OUT/racecheck.log" | tee -a "$OUT/summary.txt"
+      ;;
+    bench|bench-full)
+      cli="$BUILD/tools/latentkv"
+      run_bench() {  # name, args...
+        local name=$1; shift
+        log "bench $name: $*"
+        "$cli" bench "$@" --json "$OUT/bench_$name.json" >"$OUT/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
+        cat "$OUT/bench_$name.log" | tee -a "$OUT/summary.txt" >/dev/null
+        grep -E "^(cuda|cast_full|gather_cast|ceilings)" "$OUT/bench_$name.log"
+      }
+      run_bench glm5_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --pool 495000
+      run_bench h8_b64_8k --model glm5 --tp 8 --batch 64 --context 8192 --pool 600000 --backends cuda,gather_cast
+      run_bench h8_b1_256k --model glm5 --tp 8 --batch 1 --context 262144 --pool 600000 --backends cuda,gather_cast
+      run_bench h16_b64_8k --model glm5 --tp 4 --batch 64 --context 8192 --pool 600000 --backends cuda
+      run_bench h128_b64_8k --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --pool 600000 --backends cuda --iters 20 --check-requests 1
+      if [ "$step" = bench-full ]; then
+        run_bench glm5_b1_32k_q2 --model glm5 --tp 8 --batch 1 --context 32768 --q-len 2 --pool 495000
+        run_bench bf16_h8_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --kv-dtype bf16 --pool 300000 --backends cuda
+      fi
+      ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+log "done (status $status)"
+exit $status

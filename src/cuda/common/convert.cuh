@@ -1,0 +1,46 @@
+// src/cuda/common/convert.cuh - device conversions matching the host codecs of latentkv/fp8.hpp bit for bit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace latentkv::cuda {
+
+inline constexpr float kFp8Max = 448.0f;
+inline constexpr float kAmaxFloor = 1e-4f;
+
+// scale for a block with largest magnitude amax; the host's fp8_block_scale step for step.
+__device__ __forceinline__ float block_scale(float amax, bool pow2) {
+  const float ratio = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+  if (!pow2) return ratio;
+  int e = 0;
+  const float m = frexpf(ratio, &e);
+  return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+__device__ __forceinline__ std::uint8_t encode_fp8(float x) {
+  return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(std::uint16_t bits) {
+  return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+}
+
+// Two packed fp8 e4m3 codes (low byte first) to two packed bf16 values; exact (every e4m3 value is
+// a bf16 value). One cvt to f16x2 (sm_89+), then to float and bf16.
+__device__ __forceinline__ std::uint32_t fp8x2_to_bf16x2(std::uint16_t two_codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __float22bfloat162_rn(f);
+  return *reinterpret_cast<const std::uint32_t*>(&b);
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&b);
+}
+
+}  // namespace latentkv::cuda

@@ -1,0 +1,110 @@
+// append: quantize new tokens and write them into the main latent cache and the indexer key cache.
+// One warp per token. Bit-identical to the CPU reference (src/cpu/append.cpp).
+#include <cstdint>
+
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/kv_cache/launch.hpp"
+
+namespace latentkv::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+struct AppendArgs {
+  const std::uint16_t* latent;        // [n, 576] bf16
+  const std::int32_t* slots;          // [n]
+  const std::uint16_t* indexer_keys;  // [n, 128] bf16 or null
+  std::uint8_t* cache;                // [num_slots, token_bytes]
+  std::uint8_t* indexer;              // [num_pages, page_size * 132] or null
+  std::int64_t n;
+  std::int64_t num_slots;
+  int page_size;
+  bool fp8;
+  bool pow2;
+};
+
+__device__ __forceinline__ float abs_max_over(float v, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs a) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t token = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (token >= a.n) return;
+  const std::int64_t slot = a.slots[token];
+  if (slot < 0 || slot >= a.num_slots) return;
+  const std::uint16_t* src = a.latent + token * 576;
+
+  if (!a.fp8) {  // bf16 cache: 1152 bytes verbatim, 72 chunks of 16 bytes
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(a.cache + slot * 1152);
+    for (int c = lane; c < 72; c += 32) d[c] = s[c];
+  } else {
+    std::uint8_t* dst = a.cache + slot * 656;
+    // Lane l holds latent values [16 l, 16 l + 16), in scale block l / 8.
+    const uint4* s = reinterpret_cast<const uint4*>(src) + lane * 2;
+    const uint4 w0 = s[0], w1 = s[1];
+    const std::uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    float v[16];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[2 * i] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] & 0xFFFFu));
+      v[2 * i + 1] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] >> 16));
+      amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+    }
+    amax = abs_max_over(amax, 8);
+    const float scale = block_scale(amax, a.pow2);
+    std::uint32_t packed[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      packed[i / 4] |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(v[i], scale))) << (8 * (i % 4));
+    }
+    reinterpret_cast<uint4*>(dst)[lane] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    if (lane % 8 == 0) reinterpret_cast<float*>(dst + 512)[lane / 8] = scale;
+    if (lane < 8) reinterpret_cast<uint4*>(dst + 528)[lane] = reinterpret_cast<const uint4*>(src + 512)[lane];
+  }
+
+  if (a.indexer != nullptr) {
+    // Lane l holds key values [4 l, 4 l + 4); one scale for all 128.
+    const uint2 w = reinterpret_cast<const uint2*>(a.indexer_keys + token * 128)[lane];
+    const float k[4] = {bf16_bits_to_float(w.x & 0xFFFFu), bf16_bits_to_float(w.x >> 16),
+                        bf16_bits_to_float(w.y & 0xFFFFu), bf16_bits_to_float(w.y >> 16)};
+    const float amax = abs_max_over(fmaxf(fmaxf(fabsf(k[0]), fabsf(k[1])), fmaxf(fabsf(k[2]), fabsf(k[3]))), 32);
+    const float scale = block_scale(amax, a.pow2);
+    std::uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) packed |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(k[i], scale))) << (8 * i);
+    const std::int64_t page = slot / a.page_size, offset = slot % a.page_size;
+    std::uint8_t* page_base = a.indexer + page * static_cast<std::int64_t>(a.page_size) * 132;
+    reinterpret_cast<std::uint32_t*>(page_base + offset * 128)[lane] = packed;
+    if (lane == 0) {
+      // The scale area may sit at any 4-byte boundary (page_size * 128 is a multiple of 4).
+      reinterpret_cast<float*>(page_base + static_cast<std::int64_t>(a.page_size) * 128)[offset] = scale;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_append(const AppendParams& p, cudaStream_t stream) {
+  AppendArgs a{};
+  a.latent = p.latent.as<const std::uint16_t>();
+  a.slots = p.slots.as<const std::int32_t>();
+  a.indexer_keys = p.indexer.data ? p.indexer_keys.as<const std::uint16_t>() : nullptr;
+  a.cache = p.cache.data;
+  a.indexer = p.indexer.data;
+  a.n = p.latent.size(0);
+  a.num_slots = p.cache.num_slots();
+  a.page_size = p.cache.page_size;
+  a.fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
+  a.pow2 = p.scale_mode == ScaleMode::kPow2;
+  if (a.n == 0) return;
+  const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  append_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("append");
+}
+
+}  // namespace latentkv::cuda

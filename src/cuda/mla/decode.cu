@@ -1,0 +1,425 @@
+// Dense MLA decode over the paged cache, FP8 read natively (and the same kernel family on bf16).
+// Layout of the work and shared memory: decode_config.hpp. Math: SPEC section 4.2.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/mma.cuh"
+#include "cuda/mla/decode_config.hpp"
+#include "cuda/mla/launch.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::cuda {
+namespace mla {
+namespace {
+
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct DecodeArgs {
+  const std::uint16_t* q;            // [B, q_len, H, 576] bf16
+  const std::uint8_t* cache;         // [num_pages * page_size, token_bytes]
+  const std::int32_t* block_table;   // [B, max_pages]
+  const std::int32_t* seq_lens;      // [B]
+  std::uint16_t* o;                  // [B, rows, 512] bf16 (rows = q_len * H)
+  float* lse;                        // [B, rows]
+  float* o_part;                     // [splits, B, rows, 512] f32, when num_splits > 1
+  float* lse_part;                   // [splits, B, rows] f32
+  std::int64_t num_pages;
+  int page_size;
+  int max_pages;
+  int batch;
+  int q_len;
+  int heads;
+  int rows;
+  int num_splits;
+  float scale_log2;                  // softmax_scale * log2(e)
+};
+
+template <bool kFp8>
+struct TokenFormat {
+  static constexpr int kBytes = kFp8 ? 656 : 1152;
+  static constexpr int kChunks = kBytes / 16;  // 41 or 72 sixteen-byte chunks
+};
+
+template <bool kFp8, int kGroups>
+__global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
+    decode_kernel(const DecodeArgs a) {
+  using Smem = DecodeSmem<kGroups>;
+  using Fmt = TokenFormat<kFp8>;
+  constexpr int kThreads = kGroups * kWarpsPerGroup * 32;
+  constexpr int kTileChunks = kTileTokens * Fmt::kChunks;
+  constexpr int kLoads = (kTileChunks + kThreads - 1) / kThreads;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* q_s = reinterpret_cast<std::uint16_t*>(smem + Smem::kQ);
+  auto* k_s = reinterpret_cast<std::uint16_t*>(smem + Smem::kK);
+  auto* scale_s = reinterpret_cast<float*>(smem + Smem::kScale);
+  auto* p_s = reinterpret_cast<float*>(smem + Smem::kP);
+  auto* red_max = reinterpret_cast<float*>(smem + Smem::kRedMax);
+  auto* red_sum = reinterpret_cast<float*>(smem + Smem::kRedSum);
+  auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int g = warp / kWarpsPerGroup;  // row group
+  const int w = warp % kWarpsPerGroup;  // token slice for S, scale block / dim slice for O
+  const int b = blockIdx.z;
+  const int split = blockIdx.y;
+  const int row_base = blockIdx.x * kGroups * kRowsPerGroup;
+
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  int chunk = (len + a.num_splits - 1) / a.num_splits;
+  chunk = (chunk + kTileTokens - 1) / kTileTokens * kTileTokens;
+  const int begin = min(split * chunk, len);
+  const int end = min(begin + chunk, len);
+  const int num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
+  const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+
+  // Physical slot of tile token j, or -1 past the chunk or on a page id outside the pool.
+  auto tile_slot = [&](int tile, int j) -> std::int32_t {
+    const int t = begin + tile * kTileTokens + j;
+    if (t >= end) return -1;
+    const std::int32_t page = table[t / a.page_size];
+    if (page < 0 || page >= a.num_pages) return -1;
+    return page * a.page_size + t % a.page_size;
+  };
+
+  // Queries of this CTA's rows into shared memory (rows past the last are zero).
+  for (int c = tid; c < kGroups * kRowsPerGroup * 72; c += kThreads) {
+    const int r = c / 72, piece = c % 72;
+    const int row = row_base + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < a.rows) {
+      v = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk)[piece];
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kRowStride + piece * 8) = v;
+  }
+  if (tid < kTileTokens) {
+    slot_s[tid] = num_tiles > 0 ? tile_slot(0, tid) : -1;
+    slot_s[kTileTokens + tid] = num_tiles > 1 ? tile_slot(1, tid) : -1;
+  }
+  __syncthreads();
+
+  uint4 staged[kLoads];
+  auto issue_loads = [&](int tile) {
+    const std::int32_t* slots = slot_s + (tile & 1) * kTileTokens;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = tid + i * kThreads;
+      staged[i] = make_uint4(0, 0, 0, 0);
+      if (c < kTileChunks) {
+        const std::int32_t slot = slots[c / Fmt::kChunks];
+        if (slot >= 0) {
+          staged[i] = __ldg(reinterpret_cast<const uint4*>(a.cache + static_cast<std::int64_t>(slot) * Fmt::kBytes) +
+                            c % Fmt::kChunks);
+        }
+      }
+    }
+  };
+  auto store_tile = [&]() {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = tid + i * kThreads;
+      if (c >= kTileChunks) continue;
+      const int token = c / Fmt::kChunks, piece = c % Fmt::kChunks;
+      std::uint16_t* row = k_s + token * kRowStride;
+      if constexpr (kFp8) {
+        if (piece < 32) {  // 16 fp8 codes -> 16 bf16 (unscaled, exact)
+          const std::uint32_t words[4] = {staged[i].x, staged[i].y, staged[i].z, staged[i].w};
+          std::uint32_t out[8];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            out[2 * k] = fp8x2_to_bf16x2(static_cast<std::uint16_t>(words[k] & 0xFFFFu));
+            out[2 * k + 1] = fp8x2_to_bf16x2(static_cast<std::uint16_t>(words[k] >> 16));
+          }
+          reinterpret_cast<uint4*>(row + piece * 16)[0] = make_uint4(out[0], out[1], out[2], out[3]);
+          reinterpret_cast<uint4*>(row + piece * 16)[1] = make_uint4(out[4], out[5], out[6], out[7]);
+        } else if (piece == 32) {  // the 4 float32 scales
+          *reinterpret_cast<uint4*>(scale_s + token * 4) = staged[i];
+        } else {  // rope, bf16 as stored
+          *reinterpret_cast<uint4*>(row + kDimV + (piece - 33) * 8) = staged[i];
+        }
+      } else {
+        *reinterpret_cast<uint4*>(row + piece * 8) = staged[i];
+      }
+    }
+  };
+
+  // Running softmax state of this thread's two rows (lane/4 and lane/4 + 8 of its group), log2 domain.
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float acc_o[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc_o[n][0] = acc_o[n][1] = acc_o[n][2] = acc_o[n][3] = 0.0f;
+
+  int visible[2];  // tokens visible to each of the thread's rows (causal among the new tokens)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
+    visible[h] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+  }
+
+  if (num_tiles > 0) issue_loads(0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    __syncthreads();  // (A) the previous tile's K, P and reductions are no longer read
+    store_tile();
+    if (tile + 1 < num_tiles) issue_loads(tile + 1);
+    __syncthreads();  // (B) K tile ready
+    if (tid < kTileTokens && tile + 2 < num_tiles) slot_s[(tile & 1) * kTileTokens + tid] = tile_slot(tile + 2, tid);
+
+    // ---- S = Q K^T for tokens [8w, 8w+8) of the tile ----
+    constexpr int kAcc = kFp8 ? 5 : 1;  // fp8: one accumulator per scale block plus rope
+    float acc_s[kAcc][4];
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) acc_s[j][0] = acc_s[j][1] = acc_s[j][2] = acc_s[j][3] = 0.0f;
+    const std::uint16_t* q_rows = q_s + (g * kRowsPerGroup + lane % 16) * kRowStride + (lane / 16) * 8;
+    const std::uint16_t* k_rows = k_s + (w * 8 + lane % 8) * kRowStride + (lane / 8) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kDimQk / 16; ks += 2) {  // two k16 steps per iteration
+      std::uint32_t kb[4];
+      ldmatrix_x4(kb, k_rows + ks * 16);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        std::uint32_t qa[4];
+        ldmatrix_x4(qa, q_rows + (ks + h) * 16);
+        const int j = kFp8 ? (ks + h) / 8 : 0;  // dims [128 j, 128 j + 128); j = 4 is rope
+        mma_bf16_16816(acc_s[j], qa, kb[2 * h], kb[2 * h + 1]);
+      }
+    }
+    // Scores in the log2 domain, masked: element e is row lane/4 + 8 (e / 2), token 8w + 2 (lane % 4) + e % 2.
+    float s[4];
+    const int tile_begin = begin + tile * kTileTokens;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = w * 8 + 2 * (lane % 4) + e % 2;
+      float v;
+      if constexpr (kFp8) {
+        const float* sc = scale_s + token * 4;
+        v = acc_s[0][e] * sc[0] + acc_s[1][e] * sc[1] + acc_s[2][e] * sc[2] + acc_s[3][e] * sc[3] + acc_s[4][e];
+      } else {
+        v = acc_s[0][e];
+      }
+      const int t = tile_begin + token;
+      s[e] = (t < end && t < visible[e / 2]) ? v * a.scale_log2 : -INFINITY;
+    }
+    // Row maxima across the tile: 4 lanes per row in this warp, then the group's 4 warps.
+    float* my_red_max = red_max + (g * kWarpsPerGroup) * kRowsPerGroup;
+    float* my_red_sum = red_sum + (g * kWarpsPerGroup) * kRowsPerGroup;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = fmaxf(s[2 * h], s[2 * h + 1]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if (lane % 4 == 0) my_red_max[w * kRowsPerGroup + lane / 4 + 8 * h] = m;
+    }
+    __syncthreads();  // (C)
+    float alpha[2];
+    float* p_rows = p_s + g * kRowsPerGroup * kPStride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = lane / 4 + 8 * h;
+      float tile_max = my_red_max[r];
+#pragma unroll
+      for (int x = 1; x < kWarpsPerGroup; ++x) tile_max = fmaxf(tile_max, my_red_max[x * kRowsPerGroup + r]);
+      const float new_max = fmaxf(row_max[h], tile_max);
+      alpha[h] = new_max == -INFINITY ? 1.0f : exp2f(row_max[h] - new_max);
+      row_max[h] = new_max;
+      const float p0 = s[2 * h] == -INFINITY ? 0.0f : exp2f(s[2 * h] - new_max);
+      const float p1 = s[2 * h + 1] == -INFINITY ? 0.0f : exp2f(s[2 * h + 1] - new_max);
+      *reinterpret_cast<float2*>(p_rows + r * kPStride + w * 8 + 2 * (lane % 4)) = make_float2(p0, p1);
+      float sum = p0 + p1;
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (lane % 4 == 0) my_red_sum[w * kRowsPerGroup + r] = sum;
+    }
+    __syncthreads();  // (D) P and the row sums of the whole tile are in shared memory
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = lane / 4 + 8 * h;
+      float tile_sum = 0.0f;
+#pragma unroll
+      for (int x = 0; x < kWarpsPerGroup; ++x) tile_sum += my_red_sum[x * kRowsPerGroup + r];
+      row_sum[h] = row_sum[h] * alpha[h] + tile_sum;
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      acc_o[n][0] *= alpha[0];
+      acc_o[n][1] *= alpha[0];
+      acc_o[n][2] *= alpha[1];
+      acc_o[n][3] *= alpha[1];
+    }
+
+    // ---- O += P' V for dims [128w, 128w + 128); P' = P x (the token's scale of block w) ----
+#pragma unroll
+    for (int kstep = 0; kstep < kTileTokens / 16; ++kstep) {
+      std::uint32_t pa[4];
+#pragma unroll
+      for (int part = 0; part < 4; ++part) {  // a0: (r, k), a1: (r+8, k), a2: (r, k+8), a3: (r+8, k+8)
+        const int r = lane / 4 + 8 * (part % 2);
+        const int k = kstep * 16 + 2 * (lane % 4) + 8 * (part / 2);
+        const float2 p = *reinterpret_cast<const float2*>(p_rows + r * kPStride + k);
+        if constexpr (kFp8) {
+          pa[part] = pack_bf16x2(p.x * scale_s[k * 4 + w], p.y * scale_s[(k + 1) * 4 + w]);
+        } else {
+          pa[part] = pack_bf16x2(p.x, p.y);
+        }
+      }
+      const std::uint16_t* v_rows =
+          k_s + (kstep * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kRowStride + w * 128 + (lane / 16) * 8;
+#pragma unroll
+      for (int n = 0; n < 16; n += 2) {
+        std::uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_rows + n * 8);
+        mma_bf16_16816(acc_o[n], pa, vb[0], vb[1]);
+        mma_bf16_16816(acc_o[n + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+  // ---- epilogue: normalise and write this split's rows ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
+    if (row >= a.rows) continue;
+    const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
+    const float lse = row_sum[h] > 0.0f ? (row_max[h] + log2f(row_sum[h])) * kLn2 : -INFINITY;
+    const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+    if (a.num_splits == 1) {
+      std::uint16_t* o = a.o + out_row * kDimV + w * 128 + 2 * (lane % 4);
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<std::uint32_t*>(o + n * 8) = pack_bf16x2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
+      }
+      if (w == 0 && lane % 4 == 0) a.lse[out_row] = lse;
+    } else {
+      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
+      float* o = a.o_part + part_row * kDimV + w * 128 + 2 * (lane % 4);
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<float2*>(o + n * 8) = make_float2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
+      }
+      if (w == 0 && lane % 4 == 0) a.lse_part[part_row] = lse;
+    }
+  }
+}
+
+// Merges the splits of one output row: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
+constexpr int kCombineThreads = 128;  // 4 dims each
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeArgs a) {
+  const std::int64_t out_row = blockIdx.x;  // b * rows + row
+  const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;
+  float max_lse = -INFINITY;
+  for (int s = 0; s < a.num_splits; ++s) max_lse = fmaxf(max_lse, a.lse_part[s * stride + out_row]);
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.0f;
+  if (max_lse != -INFINITY) {
+    for (int s = 0; s < a.num_splits; ++s) {
+      const float l = a.lse_part[s * stride + out_row];
+      if (l == -INFINITY) continue;
+      const float weight = exp2f((l - max_lse) * kLog2e);
+      total += weight;
+      const float4 v = reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV)[threadIdx.x];
+      o.x += weight * v.x;
+      o.y += weight * v.y;
+      o.z += weight * v.z;
+      o.w += weight * v.w;
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  uint2 packed;
+  packed.x = pack_bf16x2(o.x * inv, o.y * inv);
+  packed.y = pack_bf16x2(o.z * inv, o.w * inv);
+  reinterpret_cast<uint2*>(a.o + out_row * kDimV)[threadIdx.x] = packed;
+  if (threadIdx.x == 0) a.lse[out_row] = total > 0.0f ? max_lse + logf(total) : -INFINITY;
+}
+
+int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
+
+template <bool kFp8, int kGroups>
+void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr std::size_t kSmem = DecodeSmem<kGroups>::kBytes;
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(decode_kernel<kFp8, kGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  LKV_CUDA_CHECK("mla_decode", configured);
+  const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
+  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
+                  static_cast<unsigned>(a.batch));
+  decode_kernel<kFp8, kGroups><<<grid, kGroups * kWarpsPerGroup * 32, kSmem, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+}
+
+}  // namespace
+}  // namespace mla
+
+Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
+  using namespace mla;
+  const auto batch = static_cast<int>(p.q.size(0));
+  const auto rows = static_cast<int>(p.q.size(1) * p.q.size(2));
+  const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+  const int groups = groups_for(rows);
+  const int row_blocks = (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
+  const std::int64_t base = static_cast<std::int64_t>(batch) * row_blocks;
+  const std::int64_t wanted = (static_cast<std::int64_t>(kTargetCtasPerSm) * multiprocessors + base - 1) / std::max<std::int64_t>(base, 1);
+  const std::int64_t useful = std::max<std::int64_t>(1, capacity / kMinTokensPerSplit);
+  Plan plan;
+  plan.num_splits = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, 65535));
+  if (plan.num_splits > 1) {
+    plan.workspace_bytes = sizeof(float) * static_cast<std::size_t>(plan.num_splits) * batch * rows * (kDimV + 1);
+  }
+  return plan;
+}
+
+void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
+  using namespace mla;
+  DecodeArgs a{};
+  a.q = p.q.as<const std::uint16_t>();
+  a.cache = p.cache.data;
+  a.block_table = p.block_table.as<const std::int32_t>();
+  a.seq_lens = p.seq_lens.as<const std::int32_t>();
+  a.o = p.o.as<std::uint16_t>();
+  a.lse = p.lse.as<float>();
+  a.num_pages = p.cache.num_pages;
+  a.page_size = p.cache.page_size;
+  a.max_pages = static_cast<int>(p.block_table.size(1));
+  a.batch = static_cast<int>(p.q.size(0));
+  a.q_len = static_cast<int>(p.q.size(1));
+  a.heads = static_cast<int>(p.q.size(2));
+  a.rows = a.q_len * a.heads;
+  a.num_splits = p.num_splits;
+  a.scale_log2 = p.softmax_scale * kLog2e;
+  if (a.num_splits < 1) throw Error("mla_decode", "num_splits", std::to_string(p.num_splits), ">= 1, from the backend's plan()");
+  if (a.num_splits > 1) {
+    const std::size_t need = sizeof(float) * static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * (kDimV + 1);
+    if (p.workspace == nullptr || p.workspace_bytes < need) {
+      throw Error("mla_decode", "workspace_bytes", std::to_string(p.workspace_bytes),
+                  ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
+    }
+    a.o_part = static_cast<float*>(p.workspace);
+    a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
+  }
+  if (a.batch == 0) return;
+  const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
+  const int groups = groups_for(a.rows);
+  if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
+  else if (fp8) launch_instance<true, 2>(a, stream);
+  else if (groups == 1) launch_instance<false, 1>(a, stream);
+  else launch_instance<false, 2>(a, stream);
+  if (a.num_splits > 1) {
+    combine_kernel<<<static_cast<unsigned>(a.batch * a.rows), kCombineThreads, 0, stream>>>(a);
+    LKV_CUDA_CHECK_LAUNCH("mla_decode (combine)");
+  }
+}
+
+std::string mla_decode_kernel_name(KvDtype dtype, int rows) {
+  return std::string("mla_decode<") + (dtype == KvDtype::kFp8E4M3 ? "fp8" : "bf16") + ", " +
+         std::to_string(mla::groups_for(rows) * mla::kRowsPerGroup) + " rows/cta>";
+}
+
+}  // namespace latentkv::cuda

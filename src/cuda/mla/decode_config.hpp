@@ -1,0 +1,45 @@
+// src/cuda/mla/decode_config.hpp - tile sizes and the shared-memory plan of dense MLA decode.
+//
+// One CTA computes kGroups x 16 query rows (rows are (q position, head) pairs of one request) over
+// one KV chunk of that request, 32 tokens per tile. Four warps per row group:
+//   scores  S = Q K^T: warp w owns tokens [8w, 8w + 8) of the tile, all 576 dims;
+//   output  O += P V: warp w owns output dims [128w, 128w + 128), i.e. exactly fp8 scale block w,
+//                    so the per-token scale of its block folds into P (no per-element scaling).
+// The fp8 codes are converted to bf16 unscaled (exact) in shared memory; the four per-block scales
+// multiply the four partial score accumulators.
+//
+// Sizes (bytes): kGroups = 1: 59,904; kGroups = 2: 81,664 - both under the 99 KB a block may use on
+// sm_120 (and sm_89), so one plan serves every architecture.
+#pragma once
+
+#include <cstddef>
+
+namespace latentkv::cuda::mla {
+
+inline constexpr int kTileTokens = 32;
+inline constexpr int kRowsPerGroup = 16;
+inline constexpr int kWarpsPerGroup = 4;
+inline constexpr int kDimQk = 576;
+inline constexpr int kDimV = 512;
+inline constexpr int kRowStride = kDimQk + 8;  // bf16 elements; +16 bytes keeps ldmatrix rows off one bank
+inline constexpr int kPStride = 40;            // floats; conflict-free float2 reads of P per half-warp
+
+template <int kGroups>
+struct DecodeSmem {
+  static constexpr std::size_t kQ = 0;                                                   // bf16 [kGroups*16][kRowStride]
+  static constexpr std::size_t kK = kQ + sizeof(short) * kGroups * kRowsPerGroup * kRowStride;  // bf16 [32][kRowStride]
+  static constexpr std::size_t kScale = kK + sizeof(short) * kTileTokens * kRowStride;           // f32 [32][4]
+  static constexpr std::size_t kP = kScale + sizeof(float) * kTileTokens * 4;                    // f32 [kGroups][16][kPStride]
+  static constexpr std::size_t kRedMax = kP + sizeof(float) * kGroups * kRowsPerGroup * kPStride;  // f32 [kGroups][4][16]
+  static constexpr std::size_t kRedSum = kRedMax + sizeof(float) * kGroups * kWarpsPerGroup * kRowsPerGroup;
+  static constexpr std::size_t kSlots = kRedSum + sizeof(float) * kGroups * kWarpsPerGroup * kRowsPerGroup;  // i32 [2][32]
+  static constexpr std::size_t kBytes = kSlots + sizeof(int) * 2 * kTileTokens;
+  static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
+};
+
+// Split-KV: aim for this many CTAs per multiprocessor, and give each split at least this many tokens.
+// (Initial choice; tuned on the H200 in docs/benchmarks.md.)
+inline constexpr int kTargetCtasPerSm = 2;
+inline constexpr int kMinTokensPerSplit = 256;
+
+}  // namespace latentkv::cuda::mla

@@ -1,0 +1,12 @@
+# CUDA sources of the library, one folder per op family. Included from the top-level CMakeLists
+# when CUDA is enabled.
+list(APPEND LKV_SOURCES
+  src/cuda/common/device.cpp
+  src/cuda/backend.cpp
+)
+set(LKV_CUDA_SOURCES
+  src/cuda/kv_cache/append.cu
+  src/cuda/kv_cache/cast.cu
+  src/cuda/mla/decode.cu
+)
+list(APPEND LKV_BACKENDS cuda cast_full gather_cast)

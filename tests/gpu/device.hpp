@@ -1,0 +1,78 @@
+// tests/gpu/device.hpp - device buffers and the skip rule for GPU tests.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "latentkv/backend.hpp"
+
+namespace latentkv::testing {
+
+// Skips the test where no CUDA device is present (CI builds the GPU tests but has no GPU).
+#define LKV_REQUIRE_GPU()                                                              \
+  do {                                                                                 \
+    if (::latentkv::detect_device().kind != ::latentkv::DeviceKind::kCuda) {           \
+      GTEST_SKIP() << "no CUDA device";                                                \
+    }                                                                                  \
+  } while (0)
+
+#define LKV_CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
+
+// Owning device memory, copied from and to host vectors.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0 && cudaMalloc(&data_, bytes_) != cudaSuccess) {
+      throw std::runtime_error("cudaMalloc of " + std::to_string(bytes_) + " bytes failed");
+    }
+  }
+  template <typename T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    upload(host.data(), bytes_);
+  }
+  DeviceBuffer(const void* host, std::size_t bytes) : DeviceBuffer(bytes) { upload(host, bytes); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_) cudaFree(data_);
+  }
+
+  void upload(const void* host, std::size_t bytes) {
+    if (bytes && cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+      throw std::runtime_error("upload failed");
+    }
+  }
+  void download(void* host, std::size_t bytes) const {
+    if (bytes && cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) {
+      throw std::runtime_error(std::string("download failed: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+  }
+  template <typename T>
+  std::vector<T> to_host() const {
+    std::vector<T> out(bytes_ / sizeof(T));
+    download(out.data(), out.size() * sizeof(T));
+    return out;
+  }
+
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(data_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace latentkv::testing

@@ -1,0 +1,127 @@
+// `latentkv bench`: times backends side by side on one shape, next to the bandwidth ceilings
+// measured in the same run, after checking each output against the float64 reference.
+#include "bench.hpp"
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "commands.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::tools {
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+std::string repro_line(const BenchOptions& o) {
+  std::ostringstream os;
+  os << "latentkv bench --op " << o.op << " --model " << o.model << " --tp " << o.tp;
+  if (o.heads > 0) os << " --heads " << o.heads;
+  os << " --batch " << o.batch << " --context " << o.context << " --pool " << o.pool << " --q-len " << o.q_len
+     << " --page-size " << o.page_size << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends)
+     << " --iters " << o.iters << " --warmup " << o.warmup << " --seed " << o.seed;
+  return os.str();
+}
+
+void print_report(const BenchOptions& o, const BenchReport& r) {
+  std::printf("device: %s\n", r.device.c_str());
+  std::printf("ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write)\n", r.read_gbps,
+              r.copy_gbps);
+  std::printf("shape: %s tp %d, batch %d, context %lld, q_len %d, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
+              o.model.c_str(), o.tp, o.batch, static_cast<long long>(o.context), o.q_len, o.page_size,
+              o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
+  std::printf("\n%-12s %10s %17s %9s %7s %9s %9s  %-s\n", "backend", "median us", "p10..p90 us", "GB/s", "% read",
+              "TFLOP/s", "vs cast", "check / kernel");
+  for (const BenchRow& row : r.rows) {
+    if (!row.timed) {
+      std::printf("%-12s %10s %17s %9s %7s %9s %9s  %s\n", row.backend.c_str(), "-", "-", "-", "-", "-", "-",
+                  row.status.c_str());
+      continue;
+    }
+    char spread[40], speed[16];
+    std::snprintf(spread, sizeof spread, "%.1f..%.1f", row.p10_us, row.p90_us);
+    if (row.speedup > 0) std::snprintf(speed, sizeof speed, "%.1fx", row.speedup);
+    else std::snprintf(speed, sizeof speed, "-");
+    std::printf("%-12s %10.1f %17s %9.0f %6.1f%% %9.1f %9s  %s; %s, %d splits\n", row.backend.c_str(), row.median_us,
+                spread, row.gbps, row.pct_of_read, row.tflops, speed, row.status.c_str(), row.kernel.c_str(),
+                row.num_splits);
+  }
+  std::printf("\nGB/s counts the bytes the op must read (each visible token's cache entry once, q) and write "
+              "(o, lse); %% read is against the read-only ceiling above.\n");
+  std::printf("repro: %s\n", repro_line(o).c_str());
+}
+
+void write_json(const BenchOptions& o, const BenchReport& r, const std::string& path) {
+  nlohmann::json j;
+  j["command"] = repro_line(o);
+  j["device"] = r.device;
+  j["read_gbps"] = r.read_gbps;
+  j["copy_gbps"] = r.copy_gbps;
+  j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
+                {"batch", o.batch},   {"context", o.context},   {"q_len", o.q_len},
+                {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
+                {"heads", o.heads}};
+  j["rotation_sets"] = r.rotation_sets;
+  for (const BenchRow& row : r.rows) {
+    nlohmann::json x = {{"backend", row.backend}, {"kernel", row.kernel}, {"status", row.status},
+                        {"timed", row.timed},     {"num_splits", row.num_splits}, {"bytes", row.bytes},
+                        {"flops", row.flops}};
+    if (row.timed) {
+      x["median_us"] = row.median_us;
+      x["p10_us"] = row.p10_us;
+      x["p90_us"] = row.p90_us;
+      x["gbps"] = row.gbps;
+      x["pct_of_read"] = row.pct_of_read;
+      x["tflops"] = row.tflops;
+      x["speedup_vs_cast_full"] = row.speedup;
+    }
+    j["rows"].push_back(x);
+  }
+  std::ofstream(path) << j.dump(2) << "\n";
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto opt = std::make_shared<BenchOptions>();
+  CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
+  cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode"}));
+  cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
+  cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
+  cmd->add_option("--batch", opt->batch, "Requests")->check(CLI::Range(1, 4096));
+  cmd->add_option("--context", opt->context, "Tokens per request")->check(CLI::PositiveNumber);
+  cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")->check(CLI::PositiveNumber);
+  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, 4));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-dtype", opt->kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
+  cmd->add_option("--backends", opt->backends, "Backends to time, comma separated")->delimiter(',');
+  cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--iters", opt->iters, "Timed calls")->check(CLI::Range(1, 100000));
+  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the reference (0: none)");
+  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
+  cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
+  cmd->callback([opt] {
+    const BenchReport report = run_decode_bench(*opt);
+    print_report(*opt, report);
+    if (!opt->json.empty()) write_json(*opt, report, opt->json);
+    for (const BenchRow& row : report.rows) {
+      if (row.status.rfind("FAIL", 0) == 0) throw CLI::RuntimeError(kExitFailure);
+    }
+  });
+}
+
+#ifndef LKV_WITH_CUDA
+BenchReport run_decode_bench(const BenchOptions&) {
+  throw Error("bench", "device", "cpu", "a CUDA GPU (this build has no CUDA backends)");
+}
+#endif
+
+}  // namespace latentkv::tools

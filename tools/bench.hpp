@@ -1,0 +1,48 @@
+// tools/bench.hpp - options and result rows of `latentkv bench`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace latentkv::tools {
+
+struct BenchOptions {
+  std::string op = "mla_decode";
+  std::string model = "glm5";
+  int tp = 8;
+  int heads = 0;  // overrides the model's heads per GPU when > 0
+  int batch = 1;
+  std::int64_t context = 32768;
+  std::int64_t pool = 495000;
+  int q_len = 1;
+  int page_size = 64;
+  std::string kv_dtype = "fp8_e4m3";
+  std::vector<std::string> backends = {"cuda", "gather_cast", "cast_full"};
+  int warmup = 5;
+  int iters = 50;
+  int check_requests = 2;  // requests checked against the float64 reference per backend
+  std::uint64_t seed = 1;
+  std::string json;
+};
+
+struct BenchRow {
+  std::string backend, kernel, status;  // status: "pass", "FAIL: ...", "unsupported: ..."
+  int num_splits = 0;
+  double median_us = 0, p10_us = 0, p90_us = 0;
+  double bytes = 0, flops = 0;
+  double gbps = 0, pct_of_read = 0, tflops = 0, speedup = 0;
+  bool timed = false;
+};
+
+struct BenchReport {
+  std::string device;
+  double read_gbps = 0, copy_gbps = 0;
+  int rotation_sets = 0;
+  std::vector<BenchRow> rows;
+};
+
+// Runs on the CUDA device; throws latentkv::Error or std::runtime_error on failure.
+BenchReport run_decode_bench(const BenchOptions& options);
+
+}  // namespace latentkv::tools

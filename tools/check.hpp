@@ -1,0 +1,49 @@
+// tools/check.hpp - the SPEC section 5 check of an output against the float64 reference, for the
+// benchmarks (no speed figure is reported for an output that fails it).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <string>
+
+namespace latentkv::tools {
+
+struct CheckResult {
+  bool ok = true;
+  std::size_t failures = 0;
+  double max_abs_error = 0;
+  double one_minus_cos = 0;
+  std::string detail;
+};
+
+// Per element |a - b| <= atol or <= rtol |b|; NaN/inf positions equal; over the whole tensor
+// 1 - cos <= max_one_minus_cos (skipped when negative).
+template <typename GetA, typename GetB>
+CheckResult check_close(std::size_t n, GetA a, GetB b, double atol, double rtol, double max_one_minus_cos) {
+  CheckResult r;
+  double dot = 0, na = 0, nb = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = a(i), y = b(i);
+    if (!std::isfinite(x) || !std::isfinite(y)) {
+      const bool same = (std::isnan(x) && std::isnan(y)) || x == y;
+      if (!same) ++r.failures;
+      continue;
+    }
+    const double err = std::fabs(x - y);
+    r.max_abs_error = std::max(r.max_abs_error, err);
+    if (err > atol && err > rtol * std::fabs(y)) ++r.failures;
+    dot += x * y;
+    na += x * x;
+    nb += y * y;
+  }
+  r.one_minus_cos = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 0.0;
+  r.ok = r.failures == 0 && (max_one_minus_cos < 0 || r.one_minus_cos <= max_one_minus_cos);
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%zu of %zu out of tolerance, max |err| %.3g, 1-cos %.2g", r.failures, n,
+                r.max_abs_error, r.one_minus_cos);
+  r.detail = buf;
+  return r;
+}
+
+}  // namespace latentkv::tools

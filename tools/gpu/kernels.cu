@@ -1,0 +1,63 @@
+// tools/gpu/kernels.cu - device helpers of the benchmarks: the read-only bandwidth probe and
+// synthetic inputs generated on the GPU.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gpu/kernels.hpp"
+
+namespace latentkv::tools::gpu {
+namespace {
+
+__global__ void read_only_kernel(const uint4* data, std::size_t n, unsigned long long* sink) {
+  std::uint32_t acc = 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // Four independent 16-byte loads in flight per thread.
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldg(data + i), b = __ldg(data + i + stride), c = __ldg(data + i + 2 * stride),
+                d = __ldg(data + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = __ldg(data + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9E3779B9u) atomicAdd(sink, 1ull);  // keeps the loads alive; practically never taken
+}
+
+__device__ __forceinline__ std::uint64_t mix(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Approximately normal values (sum of four uniforms, variance-matched), as bf16.
+__global__ void random_bf16_kernel(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev) {
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint64_t r = mix(seed + 0x9E3779B97F4A7C15ull * (i + 1));
+    float s = 0.0f;
+    for (int k = 0; k < 4; ++k) s += static_cast<float>((r >> (16 * k)) & 0xFFFF) * (1.0f / 65536.0f);
+    const float x = (s - 2.0f) * 1.7320508f * stddev;  // var of a sum of 4 U(0,1) is 1/3
+    out[i] = static_cast<std::uint16_t>(__float_as_uint(x) >> 16);
+  }
+}
+
+int grid_for(std::size_t n, int threads) {
+  const std::size_t blocks = (n + threads - 1) / threads;
+  return static_cast<int>(blocks < 8192 ? (blocks ? blocks : 1) : 8192);
+}
+
+}  // namespace
+
+void launch_read_only(const void* data, std::size_t bytes, unsigned long long* sink, int multiprocessors,
+                      cudaStream_t stream) {
+  read_only_kernel<<<multiprocessors * 8, 256, 0, stream>>>(static_cast<const uint4*>(data), bytes / 16, sink);
+}
+
+void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream) {
+  random_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(out, n, seed, stddev);
+}
+
+}  // namespace latentkv::tools::gpu

@@ -1,0 +1,17 @@
+// tools/gpu/kernels.hpp - device helpers of the benchmarks.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace latentkv::tools::gpu {
+
+// Streams `bytes` (a multiple of 16) through 16-byte loads: the read-only bandwidth ceiling.
+void launch_read_only(const void* data, std::size_t bytes, unsigned long long* sink, int multiprocessors,
+                      cudaStream_t stream);
+// n bf16 values, roughly N(0, stddev^2), from a counter-based generator.
+void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream);
+
+}  // namespace latentkv::tools::gpu

@@ -1,0 +1,58 @@
+#include "gpu/measure.hpp"
+
+#include "gpu/kernels.hpp"
+
+namespace latentkv::tools::gpu {
+
+Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream) {
+  for (int i = 0; i < warmup; ++i) call(i);
+  cuda_ok(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(2 * iters));
+  for (auto& e : events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  for (int i = 0; i < iters; ++i) {
+    cuda_ok(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+    call(warmup + i);
+    cuda_ok(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+  }
+  cuda_ok(cudaStreamSynchronize(stream), "timed calls");
+  std::vector<double> us;
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
+    us.push_back(ms * 1000.0);
+  }
+  for (auto& e : events) cudaEventDestroy(e);
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.samples = iters;
+  if (us.empty()) return t;
+  auto at = [&](double q) { return us[static_cast<std::size_t>(q * static_cast<double>(us.size() - 1) + 0.5)]; };
+  t.median_us = at(0.5);
+  t.p10_us = at(0.1);
+  t.p90_us = at(0.9);
+  t.min_us = us.front();
+  return t;
+}
+
+Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream) {
+  Ceilings c;
+  c.bytes = bytes;
+  DeviceMemory buffer(2 * bytes);
+  DeviceMemory sink(sizeof(unsigned long long));
+  cuda_ok(cudaMemsetAsync(buffer.get(), 1, 2 * bytes, stream), "memset");
+  const Timing read = time_calls(
+      [&](int) { launch_read_only(buffer.get(), bytes, sink.get<unsigned long long>(), multiprocessors, stream); }, 2,
+      7, stream);
+  cuda_ok(cudaGetLastError(), "read-only kernel");
+  const Timing copy = time_calls(
+      [&](int) {
+        cuda_ok(cudaMemcpyAsync(buffer.get<char>() + bytes, buffer.get(), bytes, cudaMemcpyDeviceToDevice, stream),
+                "copy");
+      },
+      2, 7, stream);
+  c.read_gbps = static_cast<double>(bytes) / (read.median_us * 1e3);
+  c.copy_gbps = 2.0 * static_cast<double>(bytes) / (copy.median_us * 1e3);
+  return c;
+}
+
+}  // namespace latentkv::tools::gpu

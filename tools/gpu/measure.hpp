@@ -1,0 +1,62 @@
+// tools/gpu/measure.hpp - honest GPU timing for the benchmarks: device events, warm-up, median and
+// spread, and the bandwidth ceilings measured in the same run.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace latentkv::tools::gpu {
+
+inline void cuda_ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+struct Timing {
+  double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0;
+  int samples = 0;
+};
+
+// Times `call(i)` for i = 0 .. iters-1 after `warmup` untimed calls, each call between two events.
+Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream);
+
+struct Ceilings {
+  double read_gbps = 0;   // read-only streaming kernel, 16-byte loads
+  double copy_gbps = 0;   // device-to-device copy, bytes read plus written
+  std::size_t bytes = 0;  // bytes streamed per measurement
+};
+Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream);
+
+// RAII device allocation.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  explicit DeviceMemory(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_) cuda_ok(cudaMalloc(&ptr_, bytes_), ("cudaMalloc " + std::to_string(bytes_) + " bytes").c_str());
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  DeviceMemory(DeviceMemory&& o) noexcept { *this = std::move(o); }
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceMemory() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace latentkv::tools::gpu

@@ -1,0 +1,97 @@
+#include "gpu/pool.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "gpu/kernels.hpp"
+#include "latentkv/backend.hpp"
+#include "latentkv/ops.hpp"
+
+namespace latentkv::tools::gpu {
+
+DevicePool::DevicePool(std::int64_t pool_tokens, int page_size_, KvDtype dtype_, bool with_indexer,
+                       std::uint64_t seed, cudaStream_t stream)
+    : num_pages((pool_tokens + page_size_ - 1) / page_size_), page_size(page_size_), dtype(dtype_) {
+  const std::int64_t slots = num_pages * page_size;
+  latent_bytes = DeviceMemory(static_cast<std::size_t>(slots) * kv_token_bytes(dtype));
+  if (with_indexer) indexer_bytes = DeviceMemory(static_cast<std::size_t>(slots) * kIndexerTokenBytes);
+
+  // Fill every slot through the library's own append, in chunks.
+  constexpr std::int64_t kChunk = 1 << 16;
+  DeviceMemory latents(static_cast<std::size_t>(kChunk) * 576 * 2);
+  DeviceMemory keys(static_cast<std::size_t>(kChunk) * 128 * 2);
+  DeviceMemory slot_ids(static_cast<std::size_t>(kChunk) * 4);
+  std::vector<std::int32_t> host_slots(static_cast<std::size_t>(kChunk));
+  const Backend* cuda = find_backend("cuda");
+  if (cuda == nullptr) throw std::runtime_error("the cuda backend is not registered");
+  for (std::int64_t first = 0; first < slots; first += kChunk) {
+    const std::int64_t n = std::min(kChunk, slots - first);
+    launch_random_bf16(latents.get<std::uint16_t>(), static_cast<std::size_t>(n) * 576, seed + first, 1.0f, stream);
+    launch_random_bf16(keys.get<std::uint16_t>(), static_cast<std::size_t>(n) * 128, ~seed + first, 1.0f, stream);
+    for (std::int64_t i = 0; i < n; ++i) host_slots[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(first + i);
+    cuda_ok(cudaMemcpyAsync(slot_ids.get(), host_slots.data(), static_cast<std::size_t>(n) * 4,
+                            cudaMemcpyHostToDevice, stream), "slots upload");
+    AppendParams p;
+    p.cache = cache();
+    p.latent = TensorView::contiguous(latents.get(), DType::kBF16, {n, 576}, Device::cuda());
+    p.slots = TensorView::contiguous(slot_ids.get(), DType::kI32, {n}, Device::cuda());
+    if (with_indexer) {
+      p.indexer = indexer();
+      p.indexer_keys = TensorView::contiguous(keys.get(), DType::kBF16, {n, 128}, Device::cuda());
+    }
+    run(*cuda, p, {stream});
+    cuda_ok(cudaStreamSynchronize(stream), "pool fill");
+  }
+}
+
+LatentCache DevicePool::cache() const {
+  LatentCache c;
+  c.data = latent_bytes.get<std::uint8_t>();
+  c.dtype = dtype;
+  c.num_pages = num_pages;
+  c.page_size = page_size;
+  c.device = Device::cuda();
+  return c;
+}
+
+IndexerCache DevicePool::indexer() const {
+  IndexerCache c;
+  c.data = indexer_bytes.get<std::uint8_t>();
+  c.num_pages = num_pages;
+  c.page_size = page_size;
+  c.device = Device::cuda();
+  return c;
+}
+
+RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::int64_t length, std::uint64_t seed) {
+  PageAllocator allocator(pool.num_pages, pool.page_size, seed | 1);
+  RequestSets r;
+  r.sets = sets;
+  r.batch = batch;
+  r.max_pages = static_cast<int>(std::max<std::int64_t>(1, allocator.pages_for(length)));
+  for (int s = 0; s < sets; ++s) {
+    std::vector<RequestId> ids;
+    for (int b = 0; b < batch; ++b) {
+      ids.push_back(allocator.add_request());
+      allocator.grow(ids.back(), length);
+    }
+    const auto table = allocator.block_table_matrix(ids, r.max_pages);
+    r.host_tables.insert(r.host_tables.end(), table.begin(), table.end());
+    for (int b = 0; b < batch; ++b) r.host_lens.push_back(static_cast<std::int32_t>(length));
+  }
+  r.tables = DeviceMemory(r.host_tables.size() * 4);
+  r.lens = DeviceMemory(r.host_lens.size() * 4);
+  cuda_ok(cudaMemcpy(r.tables.get(), r.host_tables.data(), r.host_tables.size() * 4, cudaMemcpyHostToDevice), "tables");
+  cuda_ok(cudaMemcpy(r.lens.get(), r.host_lens.data(), r.host_lens.size() * 4, cudaMemcpyHostToDevice), "lens");
+  return r;
+}
+
+int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
+                  std::int64_t tokens_per_set) {
+  const std::int64_t wanted = (4 * l2_bytes + bytes_per_call - 1) / std::max<std::int64_t>(bytes_per_call, 1);
+  const std::int64_t fits = pool_tokens / std::max<std::int64_t>(tokens_per_set, 1);
+  return static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, 64));
+}
+
+}  // namespace latentkv::tools::gpu

@@ -1,0 +1,49 @@
+// tools/gpu/pool.hpp - a device cache pool filled with synthetic tokens, and request sets over it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "gpu/measure.hpp"
+#include "latentkv/cache.hpp"
+#include "latentkv/fp8.hpp"
+#include "latentkv/paging.hpp"
+
+namespace latentkv::tools::gpu {
+
+// A main latent cache (and optionally an indexer cache) of `pool_tokens` tokens rounded up to
+// whole pages; every slot holds a real token, quantized by the library's append (SPEC section 3).
+struct DevicePool {
+  DevicePool(std::int64_t pool_tokens, int page_size, KvDtype dtype, bool with_indexer, std::uint64_t seed,
+             cudaStream_t stream);
+
+  LatentCache cache() const;
+  IndexerCache indexer() const;
+  std::int64_t num_pages = 0;
+  int page_size = 0;
+  KvDtype dtype;
+  DeviceMemory latent_bytes;   // [num_pages, page_size, token_bytes]
+  DeviceMemory indexer_bytes;  // [num_pages, page_size * 132] or empty
+};
+
+// `sets` groups of `batch` requests of `length` tokens each, pages drawn shuffled from the pool.
+// Timed loops rotate through the sets so that repeated calls do not read from L2.
+struct RequestSets {
+  int sets = 0;
+  int batch = 0;
+  int max_pages = 0;
+  std::vector<std::int32_t> host_tables;  // [sets, batch, max_pages]
+  std::vector<std::int32_t> host_lens;    // [sets, batch]
+  DeviceMemory tables, lens;
+  const std::int32_t* table(int set) const { return tables.get<std::int32_t>() + static_cast<std::size_t>(set) * batch * max_pages; }
+  const std::int32_t* lengths(int set) const { return lens.get<std::int32_t>() + static_cast<std::size_t>(set) * batch; }
+};
+RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::int64_t length, std::uint64_t seed);
+
+// How many sets keep the bytes read per rotation well above the L2 size, within the pool.
+int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
+                  std::int64_t tokens_per_set);
+
+}  // namespace latentkv::tools::gpu
