@@ -1,0 +1,52 @@
+// src/cpu/common.hpp - helpers shared by the reference ops (not part of the library's API).
+//
+// Dequantized cache values are float32 products (fp8 value x float32 scale, computed in float32 as
+// the kernels do) or bf16 values, so holding them in float is exact; all arithmetic on them is in
+// double.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "latentkv/ops.hpp"
+
+namespace latentkv::cpu::internal {
+
+// The 576 values of one main-cache slot exactly as a kernel reads them: 512 latent, then 64 rope.
+void dequantize_token_f32(const LatentCache& cache, std::int64_t slot, float* out576);
+
+// Dequantizes the listed slots of the main cache, one row each (duplicates give duplicate rows).
+std::vector<float> gather_tokens(const LatentCache& cache, const std::vector<std::int64_t>& slots);  // [n, 576]
+
+// The physical slots of logical positions 0 .. length-1 of request `b`.
+std::vector<std::int64_t> request_slots(const TensorView& block_table, std::int64_t b, std::int64_t length,
+                                        int page_size);
+
+// Positions a new token sees: new token i of a request with n new tokens and `length` tokens in all
+// sees logical positions t < length - n + i + 1 (never fewer than 0).
+inline std::int64_t visible_positions(std::int64_t length, std::int64_t n_new, std::int64_t i) {
+  const std::int64_t v = length - n_new + i + 1;
+  return v < 0 ? 0 : v;
+}
+
+// Softmax attention of one query token's heads over n keys, in double:
+// s_t = scale * q.k_t, o = sum_t softmax(s)_t v_t (v = the first 512 key values), lse = log sum_t exp(s_t).
+// With n == 0: o = 0 and lse = -inf.
+void attend(const double* q,     // [heads, 576]
+            int heads,
+            const float* keys,   // [n, 576] dequantized entries
+            std::int64_t n,
+            double scale,
+            double* o,           // [heads, 512]
+            double* lse);        // [heads]
+
+// Row `row` of a query tensor ([rows, heads, 576] bf16, any leading dims flattened) as doubles.
+void load_query(const TensorView& q, std::int64_t row, int heads, double* out);  // out: [heads, 576]
+
+// Writes one query token's outputs into o ([rows, heads, 512] bf16/f32/f64) and lse ([rows, heads]
+// f32/f64), converting from double according to each view's dtype.
+void store_outputs(const TensorView& o, const TensorView& lse, std::int64_t row, int heads,
+                   const double* o_row,     // [heads, 512]
+                   const double* lse_row);  // [heads]
+
+}  // namespace latentkv::cpu::internal

@@ -1,0 +1,366 @@
+// Rejected inputs: each throws latentkv::Error naming the op, the argument and the value, and a
+// rejected call writes nothing (caches and output sentinels are byte-identical afterwards).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "latentkv/model.hpp"
+#include "support/expect_error.hpp"
+#include "support/reference_ops.hpp"
+
+namespace latentkv::testing {
+namespace {
+
+constexpr std::uint16_t kBf16Nan = 0x7FC0;
+constexpr std::uint16_t kBf16Inf = 0x7F80;
+
+// A small fixture and an append of three new tokens into free slots of it.
+struct AppendCase {
+  Rng rng;
+  PagedFixture f;
+  HostTensor latent, keys, slots;
+  std::vector<std::uint8_t> cache_before, indexer_before;
+
+  AppendCase()
+      : rng(test_rng()),
+        f(make_paged_fixture(options(), rng)),
+        latent(random_bf16(rng, {3, kQkDim})),
+        keys(random_bf16(rng, {3, kIndexerDim})),
+        slots(DType::kI32, {3}) {
+    // Three slots of the pool no request uses.
+    std::int32_t next = 0;
+    for (int i = 0; i < 3; ++i) {
+      while (used(next)) ++next;
+      slots.data<std::int32_t>()[i] = next++;
+    }
+  }
+  static PagedFixtureOptions options() {
+    PagedFixtureOptions o;
+    o.page_size = 4;
+    o.lengths = {5, 2};
+    o.spare_pages = 2;
+    return o;
+  }
+  bool used(std::int32_t slot) const {
+    for (std::int64_t b = 0; b < f.batch(); ++b) {
+      for (std::int32_t s : f.slots(b, f.seq_lens[static_cast<std::size_t>(b)])) {
+        if (s == slot) return true;
+      }
+    }
+    return false;
+  }
+  AppendParams params() {
+    cache_before = f.cache_bytes;
+    indexer_before = f.indexer_bytes;
+    AppendParams p;
+    p.cache = f.cache();
+    p.latent = latent.view();
+    p.slots = slots.view();
+    p.indexer = f.indexer();
+    p.indexer_keys = keys.view();
+    return p;
+  }
+  ::testing::AssertionResult unchanged() const {
+    if (f.cache_bytes != cache_before) return ::testing::AssertionFailure() << "the main cache changed";
+    if (f.indexer_bytes != indexer_before) return ::testing::AssertionFailure() << "the indexer cache changed";
+    return ::testing::AssertionSuccess();
+  }
+};
+
+TEST(BadInput, AppendSlotOutsideThePool) {
+  AppendCase c;
+  const std::int64_t num_slots = c.f.num_pages() * c.f.page_size;
+  // The bad slot is the last token: the first two must not have been written either.
+  c.slots.data<std::int32_t>()[2] = static_cast<std::int32_t>(num_slots);
+  AppendParams p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 2", std::to_string(num_slots)));
+  EXPECT_TRUE(c.unchanged());
+  c.slots.data<std::int32_t>()[2] = -2;
+  p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 2", "-2"));
+  EXPECT_TRUE(c.unchanged());
+}
+
+TEST(BadInput, AppendNanOrInfLatentOrKeys) {
+  AppendCase c;
+  c.latent.data<std::uint16_t>()[2 * kQkDim + 100] = kBf16Nan;
+  AppendParams p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "latent element " + std::to_string(2 * kQkDim + 100), "nan"));
+  EXPECT_TRUE(c.unchanged());
+
+  c.latent.data<std::uint16_t>()[2 * kQkDim + 100] = 0;
+  c.latent.data<std::uint16_t>()[kQkDim + 570] = kBf16Inf;  // in the rope part
+  p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "latent element " + std::to_string(kQkDim + 570), "inf"));
+  EXPECT_TRUE(c.unchanged());
+
+  c.latent.data<std::uint16_t>()[kQkDim + 570] = 0;
+  c.keys.data<std::uint16_t>()[2 * kIndexerDim + 5] = kBf16Nan;
+  p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer_keys element " + std::to_string(2 * kIndexerDim + 5), "nan"));
+  EXPECT_TRUE(c.unchanged());
+
+  c.keys.data<std::uint16_t>()[2 * kIndexerDim + 5] = 0;
+  p = c.params();
+  EXPECT_NO_THROW(cpu::append(p));
+  EXPECT_FALSE(c.unchanged());
+}
+
+TEST(BadInput, AppendMismatchedIndexerCache) {
+  AppendCase c;
+  AppendParams p = c.params();
+  p.indexer.page_size = 8;
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer.page_size", "8"));
+  EXPECT_TRUE(c.unchanged());
+}
+
+// A decode over a small fixture with sentinel outputs.
+struct DecodeCase {
+  Rng rng;
+  PagedFixture f;
+  HostTensor q, o, lse;
+  std::vector<std::int32_t> table, lens;
+
+  explicit DecodeCase(int heads = 4)
+      : rng(test_rng()),
+        f(make_paged_fixture(options(), rng)),
+        q(random_bf16(rng, {2, 1, heads, kQkDim})),
+        o(sentinel_tensor(DType::kBF16, {2, 1, heads, kLatentDim})),
+        lse(sentinel_tensor(DType::kF32, {2, 1, heads})),
+        table(f.block_table),
+        lens(f.seq_lens) {}
+  static PagedFixtureOptions options() {
+    PagedFixtureOptions o;
+    o.page_size = 4;
+    o.lengths = {9, 3};
+    o.with_indexer = true;
+    return o;
+  }
+  MlaDecodeParams params() {
+    MlaDecodeParams p;
+    p.q = q.view();
+    p.cache = f.cache();
+    p.block_table = TensorView::contiguous(table.data(), DType::kI32, {2, f.max_pages});
+    p.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {2});
+    p.o = o.view();
+    p.lse = lse.view();
+    p.softmax_scale = 0.0625f;
+    return p;
+  }
+  bool outputs_untouched() const { return is_sentinel(o) && is_sentinel(lse); }
+};
+
+TEST(BadInput, DecodeBlockTableOutsideThePool) {
+  DecodeCase c;
+  const MlaDecodeParams good = c.params();
+  EXPECT_NO_THROW(cpu::mla_decode(good));  // the case itself is valid
+  fill_sentinel(c.o);
+  fill_sentinel(c.lse);
+
+  c.table[static_cast<std::size_t>(2)] = static_cast<std::int32_t>(c.f.num_pages());  // request 0's third page
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "block_table[0][2]",
+                           std::to_string(c.f.num_pages())));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.table[2] = -1;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "block_table[0][2]", "-1"));
+  EXPECT_TRUE(c.outputs_untouched());
+
+  // The allocator also knows which pages are handed out at all.
+  c.table = c.f.block_table;
+  std::int32_t spare = 0;
+  while (std::find(c.f.block_table.begin(), c.f.block_table.end(), spare) != c.f.block_table.end()) ++spare;
+  c.table[static_cast<std::size_t>(c.f.max_pages)] = spare;  // request 1's first page: a free one
+  EXPECT_TRUE(throws_error([&] { c.f.allocator.check_block_table("mla_decode", c.table.data(), 2, c.f.max_pages, c.lens.data()); },
+                           "mla_decode", "block_table[1][0]", std::to_string(spare)));
+}
+
+TEST(BadInput, DecodeLengthBeyondCapacity) {
+  DecodeCase c;
+  const std::int64_t capacity = static_cast<std::int64_t>(c.f.max_pages) * c.f.page_size;
+  c.lens[1] = static_cast<std::int32_t>(capacity + 1);
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "seq_lens[1]", std::to_string(capacity + 1)));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.lens[1] = -1;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "seq_lens[1]", "-1"));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+TEST(BadInput, DecodeNanOrInfQuery) {
+  DecodeCase c;
+  c.q.data<std::uint16_t>()[777] = kBf16Nan;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 777", "nan"));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.q.data<std::uint16_t>()[777] = 0xFF80;  // -inf
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 777", "inf"));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+TEST(BadInput, DecodeTooManyHeadsOrLongQuery) {
+  DecodeCase c(129);
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "heads", "129"));
+  EXPECT_TRUE(c.outputs_untouched());
+
+  DecodeCase d;
+  MlaDecodeParams p = d.params();
+  p.softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "softmax_scale", "nan"));
+  HostTensor q5 = random_bf16(d.rng, {2, 5, 4, kQkDim});
+  p = d.params();
+  p.q = q5.view();
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q_len", "5"));
+  EXPECT_TRUE(d.outputs_untouched());
+}
+
+TEST(BadInput, PrefillRaggedOffsets) {
+  DecodeCase c;
+  HostTensor q = random_bf16(c.rng, {4, 4, kQkDim});
+  HostTensor o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim});
+  HostTensor lse = sentinel_tensor(DType::kF32, {4, 4});
+  std::vector<std::int32_t> cu = {0, 4, 4};  // request 1 has 3 tokens; fine. Request 0: 4 of 9.
+  MlaPrefillParams p;
+  p.q = q.view();
+  p.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
+  p.cache = c.f.cache();
+  p.block_table = c.f.block_table_view();
+  p.seq_lens = c.f.seq_lens_view();
+  p.o = o.view();
+  p.lse = lse.view();
+  p.softmax_scale = 0.0625f;
+  EXPECT_NO_THROW(cpu::mla_prefill(p));
+  fill_sentinel(o);
+  fill_sentinel(lse);
+  std::vector<std::int32_t> over = {0, 0, 4};  // request 1 would have 4 new tokens but has 3 tokens in all
+  p.cu_new_tokens = TensorView::contiguous(over.data(), DType::kI32, {3});
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "cu_new_tokens[2]", "4"));
+  std::vector<std::int32_t> short_rows = {0, 1, 3};  // does not cover the 4 rows of q
+  p.cu_new_tokens = TensorView::contiguous(short_rows.data(), DType::kI32, {3});
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "cu_new_tokens[2]", "3"));
+  EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
+}
+
+TEST(BadInput, SparseIndexOutsideThePool) {
+  DecodeCase c;
+  const std::int64_t num_slots = c.f.num_pages() * c.f.page_size;
+  HostTensor idx = i32_tensor({2, 1, 3}, {0, -1, 1, 2, static_cast<std::int32_t>(num_slots), -1});
+  SparseMlaDecodeParams p;
+  p.q = c.q.view();
+  p.cache = c.f.cache();
+  p.indices = idx.view();
+  p.o = c.o.view();
+  p.lse = c.lse.view();
+  p.softmax_scale = 0.0625f;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "indices element 4", std::to_string(num_slots)));
+  EXPECT_TRUE(c.outputs_untouched());
+  idx.data<std::int32_t>()[4] = -7;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "indices element 4", "-7"));
+  EXPECT_TRUE(c.outputs_untouched());
+
+  HostTensor qp = random_bf16(c.rng, {2, 4, kQkDim});
+  HostTensor op = sentinel_tensor(DType::kBF16, {2, 4, kLatentDim}), lp = sentinel_tensor(DType::kF32, {2, 4});
+  HostTensor idxp = i32_tensor({2, 2}, {3, static_cast<std::int32_t>(num_slots + 5)});
+  SparseMlaPrefillParams pp;
+  pp.q = qp.view();
+  pp.cache = c.f.cache();
+  pp.indices = idxp.view();
+  pp.o = op.view();
+  pp.lse = lp.view();
+  pp.softmax_scale = 0.0625f;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(pp); }, "sparse_mla_prefill", "indices element 1",
+                           std::to_string(num_slots + 5)));
+  EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
+  qp.data<std::uint16_t>()[3] = kBf16Nan;
+  idxp.data<std::int32_t>()[1] = -1;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(pp); }, "sparse_mla_prefill", "q element 3", "nan"));
+  EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
+}
+
+TEST(BadInput, TopkKOutOfRange) {
+  DecodeCase c;
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  for (int k : {0, -3, 2049, 4096}) {
+    HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, std::max(k, 1)});
+    TopkParams p;
+    p.logits = logits.view();
+    p.block_table = c.f.block_table_view();
+    p.seq_lens = c.f.seq_lens_view();
+    p.page_size = c.f.page_size;
+    p.k = k;
+    p.slots = slots.view();
+    EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "k", std::to_string(k)));
+    EXPECT_TRUE(is_sentinel(slots));
+  }
+  // A NaN among the visible logits.
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  logits.data<float>()[12 + 2] = std::numeric_limits<float>::quiet_NaN();
+  TopkParams p;
+  p.logits = logits.view();
+  p.block_table = c.f.block_table_view();
+  p.seq_lens = c.f.seq_lens_view();
+  p.page_size = c.f.page_size;
+  p.k = 4;
+  p.slots = slots.view();
+  EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "logits[1][0][2]", "nan"));
+  EXPECT_TRUE(is_sentinel(slots));
+}
+
+TEST(BadInput, IndexerWeightsAndQuery) {
+  DecodeCase c;
+  HostTensor q = random_fp8(c.rng, {2, 1, 4, kIndexerDim});
+  HostTensor w = random_f32(c.rng, {2, 1, 4}, -1, 1);
+  HostTensor logits = sentinel_tensor(DType::kF32, {2, 1, 12});
+  IndexerLogitsParams p;
+  p.q = q.view();
+  p.weights = w.view();
+  p.cache = c.f.indexer();
+  p.block_table = c.f.block_table_view();
+  p.seq_lens = c.f.seq_lens_view();
+  p.logits = logits.view();
+  w.data<float>()[6] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "weights element 6", "inf"));
+  w.data<float>()[6] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "weights element 6", "nan"));
+  w.data<float>()[6] = 0.5f;
+  q.data<std::uint8_t>()[200] = 0xFF;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "q element 200", "nan"));
+  EXPECT_TRUE(is_sentinel(logits));
+  q.data<std::uint8_t>()[200] = 0;
+  HostTensor narrow = sentinel_tensor(DType::kF32, {2, 1, 8});  // request 0 has 9 tokens
+  p.logits = narrow.view();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "seq_lens[0]", "9"));
+  EXPECT_TRUE(is_sentinel(narrow));
+
+  HostTensor q65 = random_fp8(c.rng, {2, 1, 65, kIndexerDim});
+  HostTensor w65 = random_f32(c.rng, {2, 1, 65}, -1, 1);
+  p.q = q65.view();
+  p.weights = w65.view();
+  p.logits = logits.view();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "indexer heads", "65"));
+}
+
+TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {
+  const ModelPreset& glm5 = model_preset("glm5");
+  EXPECT_EQ(shard_model(glm5, 8).heads_per_gpu, 8);
+  EXPECT_EQ(shard_model(model_preset("deepseek-v3.2"), 128).heads_per_gpu, 1);
+  EXPECT_TRUE(throws_error([&] { shard_model(glm5, 3); }, "model", "tp", "3"));
+  EXPECT_TRUE(throws_error([&] { shard_model(glm5, 0); }, "model", "tp", "0"));
+  EXPECT_TRUE(throws_error([&] { shard_model(glm5, 128); }, "model", "tp", "128"));
+  EXPECT_TRUE(throws_error([&] { model_preset("llama"); }, "model", "model", "llama"));
+}
+
+TEST(BadInput, DequantizeSlotOutsideThePool) {
+  DecodeCase c;
+  double out[kQkDim];
+  EXPECT_TRUE(throws_error([&] { cpu::dequantize_token(c.f.cache(), c.f.num_pages() * c.f.page_size, out); },
+                           "dequantize_token", "slot", std::to_string(c.f.num_pages() * c.f.page_size)));
+  double key[kIndexerDim], scale;
+  EXPECT_TRUE(throws_error([&] { cpu::dequantize_indexer_key(c.f.indexer(), -1, key, &scale); },
+                           "dequantize_indexer_key", "slot", "-1"));
+}
+
+}  // namespace
+}  // namespace latentkv::testing

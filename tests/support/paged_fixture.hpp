@@ -1,0 +1,236 @@
+// tests/support/paged_fixture.hpp - paged caches filled the way a server fills them.
+//
+// make_paged_fixture() builds, on the host:
+//  * a PageAllocator over `num_pages` pages whose order is shuffled (block tables are never in order)
+//    and whose requests grow in interleaved chunks, so consecutive pages of a request are scattered;
+//  * the main cache and the indexer cache as byte buffers, every slot first poisoned with NaN
+//    (fp8 codes 0x7F, scales NaN, rope bf16 NaN; bf16 caches all NaN; indexer codes 0x7F and NaN
+//    scales), then the requests' tokens appended with cpu::append into their slots only - so a
+//    kernel that reads a slot it must not read produces NaN;
+//  * the block table matrix [B, max_pages] padded with -1 (with spare -1 columns), and seq_lens;
+//  * the bf16 values that were appended, for tests that need the unquantized inputs.
+//
+// GPU tests copy cache_bytes / indexer_bytes / block_table / seq_lens to the device and build the
+// descriptors with cache(device_pointer, Device::cuda()) and friends.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "latentkv/cache.hpp"
+#include "latentkv/fp8.hpp"
+#include "latentkv/paging.hpp"
+#include "support/host_tensor.hpp"
+#include "support/rng.hpp"
+
+namespace latentkv::testing {
+
+inline constexpr std::uint8_t kPoisonFp8 = 0x7F;      // fp8 e4m3fn NaN
+inline constexpr std::uint16_t kPoisonBf16 = 0x7FC1;  // a bf16 quiet NaN
+inline constexpr std::uint32_t kPoisonF32Bits = 0x7FC00BADu;
+
+// Fills a token's values: latent576 gets 512 latent then 64 rope bf16 values, key128 the 128
+// indexer key bf16 values (already rotated).
+using TokenValuesFn = std::function<void(std::int64_t request, std::int64_t position,
+                                         std::uint16_t* latent576, std::uint16_t* key128)>;
+
+struct PagedFixtureOptions {
+  int page_size = kDefaultPageSize;
+  std::vector<std::int64_t> lengths;      // tokens per request (B = lengths.size()); 0 allowed
+  std::int64_t num_pages = 0;             // 0: the pages the lengths need plus spare_pages
+  std::int64_t spare_pages = 3;           // never handed out: stay poisoned
+  int spare_columns = 1;                  // extra -1 columns of the block table
+  KvDtype kv_dtype = KvDtype::kFp8E4M3;
+  bool with_indexer = true;
+  ScaleMode scale_mode = ScaleMode::kPow2;
+  std::uint64_t shuffle_seed = 0;         // 0: drawn from the Rng (never unshuffled)
+  double latent_stddev = 1.0;             // random values: N(0, stddev^2) per element, and each
+  double rope_stddev = 1.0;               //   128-block of the latent gets its own magnitude so the
+  double key_stddev = 1.0;                //   four scales of a token differ
+  TokenValuesFn token_values;             // when set, replaces the random values
+};
+
+struct PagedFixture {
+  PagedFixture(std::int64_t num_pages, int page_size, std::uint64_t shuffle_seed)
+      : allocator(num_pages, page_size, shuffle_seed) {}
+
+  PageAllocator allocator;
+  std::vector<RequestId> requests;       // [B]
+  int page_size = kDefaultPageSize;
+  int max_pages = 0;                     // block-table columns
+  KvDtype kv_dtype = KvDtype::kFp8E4M3;
+  std::vector<std::uint8_t> cache_bytes;    // [num_pages, page_size, token_bytes]
+  std::vector<std::uint8_t> indexer_bytes;  // [num_pages, page_size * 132]; empty without an indexer
+  std::vector<std::int32_t> block_table;    // [B, max_pages], -1 padded
+  std::vector<std::int32_t> seq_lens;       // [B]
+  std::vector<std::uint16_t> latents;       // [total tokens, 576] bf16 appended, request after request
+  std::vector<std::uint16_t> keys;          // [total tokens, 128] bf16 appended
+  std::vector<std::int64_t> first_token;    // [B + 1] row of request b's position 0 in latents / keys
+
+  std::int64_t batch() const { return static_cast<std::int64_t>(requests.size()); }
+  std::int64_t num_pages() const { return allocator.num_pages(); }
+  std::int64_t max_len() const {
+    std::int64_t m = 0;
+    for (std::int32_t l : seq_lens) m = std::max<std::int64_t>(m, l);
+    return m;
+  }
+  std::int64_t slot(std::int64_t b, std::int64_t position) const {
+    return allocator.slot(requests[static_cast<std::size_t>(b)], position);
+  }
+  // The slots of request b's positions 0 .. count-1.
+  std::vector<std::int32_t> slots(std::int64_t b, std::int64_t count) const {
+    std::vector<std::int32_t> s;
+    for (std::int64_t t = 0; t < count; ++t) s.push_back(static_cast<std::int32_t>(slot(b, t)));
+    return s;
+  }
+  const std::uint16_t* latent_of(std::int64_t b, std::int64_t position) const {  // [576] bf16
+    return latents.data() + (first_token[static_cast<std::size_t>(b)] + position) * kQkDim;
+  }
+
+  // Descriptors over the host buffers, or over device copies of them.
+  LatentCache cache() { return cache(cache_bytes.data(), Device::cpu()); }
+  LatentCache cache(std::uint8_t* data, Device device) const {
+    LatentCache c;
+    c.data = data;
+    c.dtype = kv_dtype;
+    c.num_pages = num_pages();
+    c.page_size = page_size;
+    c.device = device;
+    return c;
+  }
+  IndexerCache indexer() { return indexer(indexer_bytes.data(), Device::cpu()); }
+  IndexerCache indexer(std::uint8_t* data, Device device) const {
+    IndexerCache c;
+    c.data = data;
+    c.num_pages = num_pages();
+    c.page_size = page_size;
+    c.device = device;
+    return c;
+  }
+  TensorView block_table_view() { return block_table_view(block_table.data(), Device::cpu()); }
+  TensorView block_table_view(std::int32_t* data, Device device) const {
+    return TensorView::contiguous(data, DType::kI32, {batch(), max_pages}, device);
+  }
+  TensorView seq_lens_view() { return seq_lens_view(seq_lens.data(), Device::cpu()); }
+  TensorView seq_lens_view(std::int32_t* data, Device device) const {
+    return TensorView::contiguous(data, DType::kI32, {batch()}, device);
+  }
+};
+
+// Poisons every slot of a main cache (see the file comment).
+inline void poison_latent_cache(std::vector<std::uint8_t>& bytes, KvDtype dtype) {
+  const std::size_t token_bytes = kv_token_bytes(dtype);
+  for (std::size_t base = 0; base + token_bytes <= bytes.size(); base += token_bytes) {
+    std::uint8_t* t = bytes.data() + base;
+    if (dtype == KvDtype::kBf16) {
+      for (int j = 0; j < kQkDim; ++j) std::memcpy(t + 2 * j, &kPoisonBf16, 2);
+    } else {
+      std::memset(t, kPoisonFp8, kLatentDim);
+      for (int s = 0; s < kFp8ScalesPerToken; ++s) std::memcpy(t + kFp8ScaleOffset + 4 * s, &kPoisonF32Bits, 4);
+      for (int j = 0; j < kRopeDim; ++j) std::memcpy(t + kFp8RopeOffset + 2 * j, &kPoisonBf16, 2);
+    }
+  }
+}
+
+// Poisons every slot of an indexer cache: fp8 codes 0x7F, scales NaN.
+inline void poison_indexer_cache(std::vector<std::uint8_t>& bytes, int page_size) {
+  const std::size_t page_bytes = static_cast<std::size_t>(page_size) * kIndexerTokenBytes;
+  for (std::size_t page = 0; page + page_bytes <= bytes.size(); page += page_bytes) {
+    std::memset(bytes.data() + page, kPoisonFp8, static_cast<std::size_t>(page_size) * kIndexerDim);
+    for (int o = 0; o < page_size; ++o) {
+      std::memcpy(bytes.data() + page + static_cast<std::size_t>(page_size) * kIndexerDim + 4 * o, &kPoisonF32Bits, 4);
+    }
+  }
+}
+
+// Random values of one token: each 128-block of the latent with its own magnitude (so the four
+// scales differ), rope and key from N(0, stddev^2).
+inline void random_token_values(Rng& rng, const PagedFixtureOptions& o, std::uint16_t* latent576,
+                                std::uint16_t* key128) {
+  for (int blk = 0; blk < kFp8ScalesPerToken; ++blk) {
+    const double magnitude = o.latent_stddev * std::exp2(rng.uniform(-3.0, 3.0));
+    for (int j = 0; j < kFp8ScaleBlock; ++j) {
+      latent576[blk * kFp8ScaleBlock + j] = bf16_encode(static_cast<float>(rng.normal(0.0, magnitude)));
+    }
+  }
+  for (int j = 0; j < kRopeDim; ++j) latent576[kLatentDim + j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.rope_stddev)));
+  for (int j = 0; j < kIndexerDim; ++j) key128[j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.key_stddev)));
+}
+
+inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
+  const std::int64_t batch = static_cast<std::int64_t>(o.lengths.size());
+  std::int64_t needed = 0, most_pages = 0;
+  for (std::int64_t len : o.lengths) {
+    const std::int64_t pages = (len + o.page_size - 1) / o.page_size;
+    needed += pages;
+    most_pages = std::max(most_pages, pages);
+  }
+  const std::int64_t num_pages = o.num_pages > 0 ? o.num_pages : std::max<std::int64_t>(1, needed + o.spare_pages);
+  PagedFixture f(num_pages, o.page_size, o.shuffle_seed != 0 ? o.shuffle_seed : rng.fork_seed());
+  f.page_size = o.page_size;
+  f.kv_dtype = o.kv_dtype;
+  f.max_pages = static_cast<int>(most_pages + o.spare_columns);
+  for (std::int64_t b = 0; b < batch; ++b) f.requests.push_back(f.allocator.add_request());
+
+  // Grow the requests in interleaved chunks, as a server does step after step.
+  std::vector<std::int64_t> grown(static_cast<std::size_t>(batch), 0);
+  for (bool more = true; more;) {
+    more = false;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const auto bi = static_cast<std::size_t>(b);
+      const std::int64_t left = o.lengths[bi] - grown[bi];
+      if (left <= 0) continue;
+      const std::int64_t chunk = std::min(left, rng.uniform_int(1, 2 * o.page_size));
+      f.allocator.grow(f.requests[bi], chunk);
+      grown[bi] += chunk;
+      more = true;
+    }
+  }
+
+  f.cache_bytes.assign(static_cast<std::size_t>(num_pages * o.page_size) * kv_token_bytes(o.kv_dtype), 0);
+  poison_latent_cache(f.cache_bytes, o.kv_dtype);
+  if (o.with_indexer) {
+    f.indexer_bytes.assign(static_cast<std::size_t>(num_pages * o.page_size) * kIndexerTokenBytes, 0);
+    poison_indexer_cache(f.indexer_bytes, o.page_size);
+  }
+
+  // The tokens' values, then one append per request over its slots.
+  f.first_token.push_back(0);
+  for (std::int64_t len : o.lengths) f.first_token.push_back(f.first_token.back() + len);
+  const std::int64_t total = f.first_token.back();
+  f.latents.assign(static_cast<std::size_t>(total * kQkDim), 0);
+  f.keys.assign(static_cast<std::size_t>(total * kIndexerDim), 0);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const auto bi = static_cast<std::size_t>(b);
+    for (std::int64_t t = 0; t < o.lengths[bi]; ++t) {
+      std::uint16_t* latent = f.latents.data() + (f.first_token[bi] + t) * kQkDim;
+      std::uint16_t* key = f.keys.data() + (f.first_token[bi] + t) * kIndexerDim;
+      if (o.token_values) o.token_values(b, t, latent, key);
+      else random_token_values(rng, o, latent, key);
+    }
+    const std::int64_t n = o.lengths[bi];
+    if (n == 0) continue;
+    std::vector<std::int32_t> slots = f.slots(b, n);
+    AppendParams p;
+    p.cache = f.cache();
+    p.latent = TensorView::contiguous(f.latents.data() + f.first_token[bi] * kQkDim, DType::kBF16, {n, kQkDim});
+    p.slots = TensorView::contiguous(slots.data(), DType::kI32, {n});
+    if (o.with_indexer) {
+      p.indexer = f.indexer();
+      p.indexer_keys = TensorView::contiguous(f.keys.data() + f.first_token[bi] * kIndexerDim, DType::kBF16, {n, kIndexerDim});
+    }
+    p.scale_mode = o.scale_mode;
+    cpu::append(p);
+  }
+
+  f.block_table = f.allocator.block_table_matrix(f.requests, f.max_pages);
+  f.seq_lens = f.allocator.lengths(f.requests);
+  return f;
+}
+
+}  // namespace latentkv::testing
