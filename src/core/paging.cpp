@@ -109,7 +109,12 @@ void PageAllocator::check_block_table(std::string_view op, const std::int32_t* b
                                       int max_pages, const std::int32_t* seq_lens) const {
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t used = pages_for(seq_lens[b]);
-    for (std::int64_t p = 0; p < used && p < max_pages; ++p) {
+    if (seq_lens[b] < 0 || used > max_pages) {
+      throw Error(std::string(op), "seq_lens[" + std::to_string(b) + "]", std::to_string(seq_lens[b]),
+                  "0 .. " + std::to_string(static_cast<std::int64_t>(max_pages) * page_size_) + " (block table capacity: " +
+                      std::to_string(max_pages) + " pages x " + std::to_string(page_size_) + " tokens)");
+    }
+    for (std::int64_t p = 0; p < used; ++p) {
       const std::int32_t page = block_table[b * max_pages + p];
       if (page < 0 || page >= num_pages_ || !allocated_[static_cast<std::size_t>(page)]) {
         throw Error(std::string(op), "block_table[" + std::to_string(b) + "][" + std::to_string(p) + "]",
