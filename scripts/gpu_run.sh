@@ -2,14 +2,17 @@
 # One script for the GPU machine: configure, build with every core, run the GPU tests (optionally
 # under compute-sanitizer), run the benchmarks, and leave logs and JSON under $OUT.
 #
-#   scripts/gpu_run.sh [build] [test] [sanitize] [bench] [bench-full]    (default: build test bench)
+#   scripts/gpu_run.sh [build] [test] [sanitize] [profile] [bench] [bench-full]   (default: build test bench)
 #
 # Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+# Everything lands in $OUT/logs/, packed into $OUT/logs.tgz at the end (the device tool brings back
+# at most 8 files); $OUT/summary.txt stays readable as is.
+L="$OUT/logs"
+mkdir -p "$L"
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
 steps=("$@")
@@ -23,38 +26,48 @@ for step in "${steps[@]}"; do
     build)
       log "configure + build ($JOBS jobs)"
       { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1; } \
-        >"$OUT/device.txt" 2>&1
+        >"$L/device.txt" 2>&1
       cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLKV_CUDA=ON -DLKV_CUDA_ARCHS=90a \
-        >"$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-      cmake --build "$BUILD" -j"$JOBS" >"$OUT/build.log" 2>&1 || { log "build FAILED"; grep -m20 -B2 -A6 "error" "$OUT/build.log"; exit 1; }
+        >"$L/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$L/configure.log"; exit 1; }
+      cmake --build "$BUILD" -j"$JOBS" >"$L/build.log" 2>&1 || { log "build FAILED"; grep -m20 -B2 -A6 "error" "$L/build.log"; exit 1; }
       log "build ok"
       ;;
     test)
       log "GPU and CPU tests"
-      "$BUILD/tests/latentkv_gpu_tests" --gtest_output=json:"$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1 \
-        || { status=1; log "GPU tests FAILED"; grep -E "^\[  FAILED|Failure|error|Expected|Which is|worst" "$OUT/gpu_tests.log" | head -60; }
-      tail -3 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
-      ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$OUT/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
-      tail -3 "$OUT/cpu_tests.log" | tee -a "$OUT/summary.txt"
+      "$BUILD/tests/latentkv_gpu_tests" --gtest_output=json:"$L/gpu_tests.json" >"$L/gpu_tests.log" 2>&1 \
+        || { status=1; log "GPU tests FAILED"; grep -E "^\[  FAILED|Failure|error|Expected|Which is|worst" "$L/gpu_tests.log" | head -60; }
+      tail -3 "$L/gpu_tests.log" | tee -a "$OUT/summary.txt"
+      ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$L/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
+      tail -3 "$L/cpu_tests.log" | tee -a "$OUT/summary.txt"
       ;;
     sanitize)
       log "compute-sanitizer memcheck + racecheck on the GPU tests"
       filter=${SANITIZE_FILTER:-*}
       compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
-        >"$OUT/memcheck.log" 2>&1 || { status=1; log "memcheck FAILED"; }
-      tail -4 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
+        >"$L/memcheck.log" 2>&1 || { status=1; log "memcheck FAILED"; }
+      tail -4 "$L/memcheck.log" | tee -a "$OUT/summary.txt"
       compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
-        >"$OUT/racecheck.log" 2>&1 || { status=1; log "racecheck FAILED"; }
-      tail -4 "$OUT/racecheck.log" | tee -a "$OUT/summary.txt"
+        >"$L/racecheck.log" 2>&1 || { status=1; log "racecheck FAILED"; }
+      tail -4 "$L/racecheck.log" | tee -a "$OUT/summary.txt"
+      ;;
+    profile)
+      log "ncu on the decode kernels (glm5 tp 8, B=1 and B=64)"
+      for shape in "--batch 1 --context 32768" "--batch 64 --context 8192"; do
+        ncu --clock-control none -k regex:decode_kernel -c 1 --section SpeedOfLight --section Occupancy \
+          --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          "$BUILD/tools/latentkv" bench $shape --pool 600000 --backends cuda --iters 1 --warmup 0 --check-requests 0 \
+          >>"$L/ncu.log" 2>&1 || { status=1; log "ncu FAILED"; }
+      done
+      grep -E "Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)" "$L/ncu.log" | head -60
       ;;
     bench|bench-full)
       cli="$BUILD/tools/latentkv"
       run_bench() {  # name, args...
         local name=$1; shift
         log "bench $name: $*"
-        "$cli" bench "$@" --json "$OUT/bench_$name.json" >"$OUT/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
-        cat "$OUT/bench_$name.log" | tee -a "$OUT/summary.txt" >/dev/null
-        grep -E "^(cuda|cast_full|gather_cast|ceilings)" "$OUT/bench_$name.log"
+        "$cli" bench "$@" --json "$L/bench_$name.json" >"$L/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
+        cat "$L/bench_$name.log" >>"$OUT/summary.txt"
+        grep -E "^(cuda|cast_full|gather_cast|ceilings|device)" "$L/bench_$name.log"
       }
       run_bench glm5_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --pool 495000
       run_bench h8_b64_8k --model glm5 --tp 8 --batch 64 --context 8192 --pool 600000 --backends cuda,gather_cast
@@ -70,4 +83,5 @@ for step in "${steps[@]}"; do
   esac
 done
 log "done (status $status)"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 exit $status

@@ -6,7 +6,7 @@
 namespace latentkv {
 
 // FP8 e4m3fn: round to nearest even, saturating to +-448 (as CUDA's
-// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); NaN encodes as 0x7F with the sign kept.
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); NaN of either sign encodes as 0x7F, as on the device.
 std::uint8_t fp8_e4m3_encode(float x);
 float fp8_e4m3_decode(std::uint8_t code);
 inline constexpr float kFp8E4M3Max = 448.0f;

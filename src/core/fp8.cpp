@@ -4,13 +4,14 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace latentkv {
 
 std::uint8_t fp8_e4m3_encode(float x) {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
   const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80u);
-  if (std::isnan(x)) return static_cast<std::uint8_t>(sign | 0x7Fu);
+  if (std::isnan(x)) return 0x7Fu;  // the device's cvt drops the sign of a NaN
   const double a = std::fabs(static_cast<double>(x));
   // Everything at or above 464 (448 + half an ulp, which rounds up to the NaN pattern) saturates;
   // exactly 464 is a tie that rounds to even, i.e. down to 448. Infinity saturates too.

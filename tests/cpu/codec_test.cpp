@@ -94,8 +94,10 @@ TEST(Fp8Codec, SaturatesAtTheTop) {
   EXPECT_EQ(fp8_e4m3_encode(-464.0001f), 0xFE);
   EXPECT_EQ(fp8_e4m3_encode(-1e30f), 0xFE);
   EXPECT_EQ(fp8_e4m3_encode(-std::numeric_limits<float>::infinity()), 0xFE);
-  EXPECT_EQ(fp8_e4m3_encode(std::numeric_limits<float>::quiet_NaN()) & 0x7F, 0x7F);
-  EXPECT_EQ(fp8_e4m3_encode(-std::numeric_limits<float>::quiet_NaN()), 0xFF);
+  // NaN of either sign encodes as 0x7F, as the device's cvt.rn.satfinite.e4m3x2 does (seen on an
+  // H200: tests/gpu/test_fp8_codec.cu checks the two agree).
+  EXPECT_EQ(fp8_e4m3_encode(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+  EXPECT_EQ(fp8_e4m3_encode(-std::numeric_limits<float>::quiet_NaN()), 0x7F);
 }
 
 TEST(Fp8Codec, RandomValuesRoundToANearestCode) {

@@ -147,7 +147,7 @@ TEST(GpuMlaDecodeExact, ConstantValuesGiveThatValue) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
   PagedFixtureOptions opt;
-  opt.lengths = {1, 70, 900};
+  opt.lengths = {2, 70, 900};  // >= q_len: every row sees at least one token
   opt.with_indexer = false;
   opt.token_values = [](std::int64_t, std::int64_t, std::uint16_t* latent, std::uint16_t*) {
     for (int i = 0; i < 512; ++i) latent[i] = bf16_encode(0.75f);

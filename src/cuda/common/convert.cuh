@@ -43,4 +43,13 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&b);
 }
 
+// x = hi + lo with hi, lo bf16: hi = bf16(x), lo = bf16(x - hi); |x - hi - lo| <= 2^-17 |x|.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const std::uint32_t*>(&h);
+  lo = *reinterpret_cast<const std::uint32_t*>(&l);
+}
+
 }  // namespace latentkv::cuda

@@ -41,5 +41,6 @@ struct DecodeSmem {
 // (Initial choice; tuned on the H200 in docs/benchmarks.md.)
 inline constexpr int kTargetCtasPerSm = 2;
 inline constexpr int kMinTokensPerSplit = 256;
+inline constexpr int kMaxSplits = 1024;  // the combine step keeps one weight per split in shared memory
 
 }  // namespace latentkv::cuda::mla
