@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds latentkv and runs every test: the CPU tests always, the GPU tests where a GPU is (they
+# report "skipped" elsewhere). With nvcc present it also compiles every CUDA source for each target
+# architecture (sm_89, sm_90a, sm_100a, sm_120a).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+BUILD=${BUILD:-build}
+JOBS=${JOBS:-$(nproc)}
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$BUILD" -j"$JOBS"
+if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q "^latentkv_cuda_arch_check:"; then
+  echo "== compiling the CUDA sources for every target architecture"
+  cmake --build "$BUILD" -j"$JOBS" --target latentkv_cuda_arch_check
+fi
+ctest --test-dir "$BUILD" -j"$JOBS" --output-on-failure
