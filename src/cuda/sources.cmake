@@ -8,5 +8,6 @@ set(LKV_CUDA_SOURCES
   src/cuda/kv_cache/append.cu
   src/cuda/kv_cache/cast.cu
   src/cuda/mla/decode.cu
+  src/cuda/mla/decode_narrow.cu
 )
 list(APPEND LKV_BACKENDS cuda cast_full gather_cast)

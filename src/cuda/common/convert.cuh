@@ -53,3 +53,23 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, std::uint32_t& 
 }
 
 }  // namespace latentkv::cuda
+
+namespace latentkv::cuda {
+
+// Two packed fp8 e4m3 codes (low byte first) to two packed f16 values: exact, one instruction.
+__device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t two_codes) {
+  std::uint32_t r;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(two_codes));
+  return r;
+}
+
+// x = hi + lo with hi, lo f16.
+__device__ __forceinline__ void split_f16x2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 hf = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const std::uint32_t*>(&h);
+  lo = *reinterpret_cast<const std::uint32_t*>(&l);
+}
+
+}  // namespace latentkv::cuda

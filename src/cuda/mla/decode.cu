@@ -9,6 +9,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
+#include "cuda/mla/decode_common.cuh"
 #include "cuda/mla/decode_config.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
@@ -16,29 +17,6 @@
 namespace latentkv::cuda {
 namespace mla {
 namespace {
-
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLog2e = 1.4426950408889634f;
-
-struct DecodeArgs {
-  const std::uint16_t* q;            // [B, q_len, H, 576] bf16
-  const std::uint8_t* cache;         // [num_pages * page_size, token_bytes]
-  const std::int32_t* block_table;   // [B, max_pages]
-  const std::int32_t* seq_lens;      // [B]
-  std::uint16_t* o;                  // [B, rows, 512] bf16 (rows = q_len * H)
-  float* lse;                        // [B, rows]
-  float* o_part;                     // [splits, B, rows, 512] f32, when num_splits > 1
-  float* lse_part;                   // [splits, B, rows] f32
-  std::int64_t num_pages;
-  int page_size;
-  int max_pages;
-  int batch;
-  int q_len;
-  int heads;
-  int rows;
-  int num_splits;
-  float scale_log2;                  // softmax_scale * log2(e)
-};
 
 template <bool kFp8>
 struct TokenFormat {
@@ -326,9 +304,9 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 }
 
 // Merges the splits of one output row: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
-// One CTA per (row, quarter of the 512 dims); its 8 warps take every 8th split, lanes 4 dims each,
-// so many loads are in flight (one long request can have hundreds of splits).
-constexpr int kCombineThreads = 256;
+// One CTA per (row, quarter of the 512 dims); its 16 warps take every 16th split, lanes 4 dims
+// each, 8 loads in flight per lane (one long request can have hundreds of splits).
+constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineDims = 128;  // per CTA
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeArgs a) {
@@ -360,10 +338,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
     total_s = t;
   }
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+#pragma unroll 8
   for (int s = warp; s < a.num_splits; s += kCombineWarps) {
-    const float wgt = weights[s];
-    if (wgt == 0.0f) continue;
+    const float wgt = weights[s];  // every split wrote its partial (zeros when empty): no branch, loads batch
     const float4 v = reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[lane];
     o.x += wgt * v.x;
     o.y += wgt * v.y;
@@ -457,7 +434,8 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   if (a.batch == 0) return;
   const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   const int groups = groups_for(a.rows);
-  if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
+  if (fp8 && a.rows <= kNarrowMaxRows) launch_decode_narrow(a, stream);
+  else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
   else if (fp8) launch_instance<true, 2>(a, stream);
   else if (groups == 1) launch_instance<false, 1>(a, stream);
   else launch_instance<false, 2>(a, stream);
@@ -468,6 +446,9 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
 }
 
 std::string mla_decode_kernel_name(KvDtype dtype, int rows) {
+  if (dtype == KvDtype::kFp8E4M3 && rows <= mla::kNarrowMaxRows) {
+    return "mla_decode_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
+  }
   return std::string("mla_decode<") + (dtype == KvDtype::kFp8E4M3 ? "fp8" : "bf16") + ", " +
          std::to_string(mla::groups_for(rows) * mla::kRowsPerGroup) + " rows/cta>";
 }

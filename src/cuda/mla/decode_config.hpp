@@ -39,8 +39,8 @@ struct DecodeSmem {
 
 // Split-KV: aim for this many CTAs per multiprocessor, and give each split at least this many tokens.
 // (Initial choice; tuned on the H200 in docs/benchmarks.md.)
-inline constexpr int kTargetCtasPerSm = 2;
-inline constexpr int kMinTokensPerSplit = 256;
+inline constexpr int kTargetCtasPerSm = 3;
+inline constexpr int kMinTokensPerSplit = 128;
 inline constexpr int kMaxSplits = 1024;  // the combine step keeps one weight per split in shared memory
 
 }  // namespace latentkv::cuda::mla

@@ -1,0 +1,406 @@
+// Dense MLA decode for few query rows (q_len x heads <= 16: glm5 and deepseek-v3.2 at tp 8 and 16)
+// over the fp8 cache: the memory-bound case, built to move as few instructions per token as possible.
+//
+// The products are transposed so that the tokens, not the 8 or 16 query rows, fill the 16-row side
+// of the tensor-core MMA (m16n8k16, f16 in, f32 accumulate):
+//   scores  S^T[token, row] = K Q^T   A = K from the raw fp8 bytes, B = Q (f16, scaled per row)
+//   output  O^T[dim, row]  += V^T P'^T A = V^T from the raw fp8 bytes, B = P' (f16, hi + lo)
+// fp8 codes become f16 with one cvt per two codes, exactly; each token's four fp8 scales stay out of
+// the products: they weight the per-block score partials, and fold into P' for the output block.
+//
+// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, double-buffered:
+//   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2)
+//   softmax: all threads, over the tile's partials in shared memory (running max and sum per row)
+//   output:  warp w: the 128 dims of fp8 scale block w
+// K's dims are read in a permuted order (16 contiguous codes per thread cover four k-steps); Q is
+// laid out to match, so the sum is unchanged. V^T pairs two tokens per register with byte permutes,
+// and the output dims are permuted the same way and put back in place when written.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/mma.cuh"
+#include "cuda/mla/decode_common.cuh"
+
+namespace latentkv::cuda::mla {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 32;          // tokens per tile
+constexpr int kTokenBytes = 656;   // fp8 main-cache entry
+constexpr int kTokenChunks = kTokenBytes / 16;
+constexpr int kStageBytes = kTile * kTokenBytes;
+constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
+constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
+constexpr int kPStride = 36;       // floats per row of P
+
+template <int kNt>
+struct NarrowSmem {
+  static constexpr int kRows = 8 * kNt;
+  static constexpr int kStage = 0;                                   // u8  [2][kTile * 656]
+  static constexpr int kQ = kStage + 2 * kStageBytes;                // f16 [kRows][kQStride / 2]
+  static constexpr int kQRope = kQ + kRows * kQStride;               // bf16 [kRows][kRopeStride / 2]
+  static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kTile][kRows]
+  static constexpr int kP = kSPart + 4 * 2 * kTile * kRows;          // f32 [kRows][kPStride]
+  static constexpr int kRowMax = kP + 4 * kRows * kPStride;          // f32 [kRows], log2 domain
+  static constexpr int kRowSum = kRowMax + 4 * kRows;                // f32 [kRows]
+  static constexpr int kRowAlpha = kRowSum + 4 * kRows;              // f32 [kRows], this tile's rescale
+  static constexpr int kRowQScale = kRowAlpha + 4 * kRows;           // f32 [kRows], 2^-e of the f16 queries
+  static constexpr int kUnit = kRowQScale + 4 * kRows;               // f32 [4], running max scale per block
+  static constexpr int kGamma = kUnit + 16;                          // f32 [4], this tile's unit rescale
+  static constexpr int kRatio = kGamma + 16;                         // f32 [4][kTile], scale / unit
+  static constexpr int kSlots = kRatio + 4 * 4 * kTile;              // i32 [2][kTile]
+  static constexpr int kBytes = kSlots + 4 * 2 * kTile;
+  static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
+};
+
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ std::uint32_t lds32(const void* p) { return *reinterpret_cast<const std::uint32_t*>(p); }
+__device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, int block) {
+  return reinterpret_cast<const float*>(kv + token * kTokenBytes + 512)[block];
+}
+
+template <int kNt>
+__global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
+  using Smem = NarrowSmem<kNt>;
+  constexpr int kRows = Smem::kRows;
+  extern __shared__ __align__(16) unsigned char smem[];
+  std::uint8_t* stages = smem + Smem::kStage;
+  unsigned char* q_s = smem + Smem::kQ;
+  unsigned char* q_rope_s = smem + Smem::kQRope;
+  float* s_part = reinterpret_cast<float*>(smem + Smem::kSPart);
+  float* p_s = reinterpret_cast<float*>(smem + Smem::kP);
+  float* row_max = reinterpret_cast<float*>(smem + Smem::kRowMax);
+  float* row_sum = reinterpret_cast<float*>(smem + Smem::kRowSum);
+  float* row_alpha = reinterpret_cast<float*>(smem + Smem::kRowAlpha);
+  float* row_qscale = reinterpret_cast<float*>(smem + Smem::kRowQScale);
+  float* unit = reinterpret_cast<float*>(smem + Smem::kUnit);
+  float* gamma = reinterpret_cast<float*>(smem + Smem::kGamma);
+  float* ratio = reinterpret_cast<float*>(smem + Smem::kRatio);
+  std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int r = lane / 4, c = lane % 4;
+  const int b = blockIdx.y, split = blockIdx.x;
+
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  int chunk = (len + a.num_splits - 1) / a.num_splits;
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  const int begin = min(split * chunk, len);
+  const int end = min(begin + chunk, len);
+  const int num_tiles = (end - begin + kTile - 1) / kTile;
+  const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+  auto slot_of = [&](int t) -> std::int32_t {  // logical position -> slot, or -1
+    if (t >= end) return -1;
+    const std::int32_t page = table[t / a.page_size];
+    if (page < 0 || page >= a.num_pages) return -1;
+    return page * a.page_size + t % a.page_size;
+  };
+
+  // ---- queries: latent as f16 scaled by 2^e per row (max |q| in [2^12, 2^13)), rope as bf16 ----
+  for (int row = warp; row < kRows; row += 4) {
+    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
+    if (row < a.rows) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * 576);
+      w0 = src[2 * lane];
+      w1 = src[2 * lane + 1];
+      if (lane < 8) rope = src[64 + lane];
+    }
+    const std::uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    float v[16];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[2 * i] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] & 0xFFFFu));
+      v[2 * i + 1] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] >> 16));
+      amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int e = 0;
+    if (amax > 0.0f) frexpf(amax, &e);
+    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
+    std::uint32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __half2 h = __floats2half2_rn(v[2 * i] * up, v[2 * i + 1] * up);
+      packed[i] = *reinterpret_cast<const std::uint32_t*>(&h);
+    }
+    unsigned char* dst = q_s + row * kQStride + lane * 32;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *reinterpret_cast<uint4*>(dst + 16) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if (lane < 8) *reinterpret_cast<uint4*>(q_rope_s + row * kRopeStride + lane * 16) = rope;
+    if (lane == 0) row_qscale[row] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
+  }
+  if (tid < kRows) {
+    row_max[tid] = -INFINITY;
+    row_sum[tid] = 0.0f;
+  }
+  if (tid < 4) unit[tid] = 0.0f;
+  if (tid < kTile) {
+    slot_s[tid] = num_tiles > 0 ? slot_of(begin + tid) : -1;
+    slot_s[kTile + tid] = num_tiles > 1 ? slot_of(begin + kTile + tid) : -1;
+  }
+  __syncthreads();
+
+  auto issue_tile = [&](int tile) {  // cp.async of tile `tile` into stage tile & 1
+    const std::int32_t* slots = slot_s + (tile & 1) * kTile;
+    std::uint8_t* stage = stages + (tile & 1) * kStageBytes;
+    for (int ch = tid; ch < kTile * kTokenChunks; ch += kThreads) {
+      const int token = ch / kTokenChunks, piece = ch % kTokenChunks;
+      const std::int32_t slot = slots[token];
+      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes + piece * 16 : 0);
+      cp_async_16(stage + token * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (num_tiles > 0) issue_tile(0);
+
+  float acc_o[8][kNt][4];
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) acc_o[m][n][0] = acc_o[m][n][1] = acc_o[m][n][2] = acc_o[m][n][3] = 0.0f;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<0>();
+    __syncthreads();  // (A) this tile is staged; the previous tile's output math is done
+    if (tile + 1 < num_tiles) issue_tile(tile + 1);
+    std::int32_t ahead_page = -1;  // page of token `tid` of tile + 2, turned into a slot at the end
+    const int ahead_t = begin + (tile + 2) * kTile + tid;
+    if (tid < kTile && tile + 2 < num_tiles && ahead_t < end) ahead_page = table[ahead_t / a.page_size];
+
+    const std::uint8_t* kv = stages + (tile & 1) * kStageBytes;
+    const int tile_begin = begin + tile * kTile;
+
+    // ---- score partials S^T for tokens tok0 = 16 (warp % 2) + r and tok0 + 8 ----
+    {
+      const int half = warp / 2;
+      const int tok0 = 16 * (warp % 2) + r, tok1 = tok0 + 8;
+      float acc[3][kNt][4];
+#pragma unroll
+      for (int j = 0; j < 3; ++j)
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) acc[j][n][0] = acc[j][n][1] = acc[j][n][2] = acc[j][n][3] = 0.0f;
+#pragma unroll
+      for (int gl = 0; gl < 4; ++gl) {  // 64-dim groups of this half: blocks 2 half + gl / 2
+        const int g = half * 4 + gl;
+        const uint4 k0 = lds128(kv + tok0 * kTokenBytes + 64 * g + 16 * c);
+        const uint4 k1 = lds128(kv + tok1 * kTokenBytes + 64 * g + 16 * c);
+        const std::uint32_t k0w[4] = {k0.x, k0.y, k0.z, k0.w}, k1w[4] = {k1.x, k1.y, k1.z, k1.w};
+        uint4 qa[kNt], qb[kNt];
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) {
+          const unsigned char* qrow = q_s + (n * 8 + r) * kQStride + (64 * g + 16 * c) * 2;
+          qa[n] = lds128(qrow);
+          qb[n] = lds128(qrow + 16);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const std::uint32_t a0 = fp8x2_to_f16x2(k0w[s]), a2 = fp8x2_to_f16x2(k0w[s] >> 16);
+          const std::uint32_t a1 = fp8x2_to_f16x2(k1w[s]), a3 = fp8x2_to_f16x2(k1w[s] >> 16);
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+            const std::uint32_t qw[8] = {qa[n].x, qa[n].y, qa[n].z, qa[n].w, qb[n].x, qb[n].y, qb[n].z, qb[n].w};
+            mma_f16_16816(acc[gl / 2][n], a0, a1, a2, a3, qw[2 * s], qw[2 * s + 1]);
+          }
+        }
+      }
+      if (half == 1) {  // rope: bf16 both sides, natural order
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const std::uint8_t* k0r = kv + tok0 * kTokenBytes + 528 + 32 * ks + 4 * c;
+          const std::uint8_t* k1r = kv + tok1 * kTokenBytes + 528 + 32 * ks + 4 * c;
+          const std::uint32_t a0 = lds32(k0r), a2 = lds32(k0r + 16), a1 = lds32(k1r), a3 = lds32(k1r + 16);
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+            const unsigned char* qr = q_rope_s + (n * 8 + r) * kRopeStride + 32 * ks + 4 * c;
+            mma_bf16_16816(acc[2][n], a0, a1, a2, a3, lds32(qr), lds32(qr + 16));
+          }
+        }
+      }
+      // Element e of n-tile n: token (e < 2 ? tok0 : tok1), row n * 8 + 2c + (e & 1).
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = e < 2 ? tok0 : tok1;
+          const int row = n * 8 + 2 * c + (e & 1);
+          float part = (acc[0][n][e] * token_scale(kv, token, 2 * half) +
+                        acc[1][n][e] * token_scale(kv, token, 2 * half + 1)) *
+                       row_qscale[row];
+          if (half == 1) part += acc[2][n][e];
+          s_part[(half * kTile + token) * kRows + row] = part;
+        }
+      }
+    }
+    __syncthreads();  // (B) score partials complete
+
+    // ---- online softmax over the tile: thread -> row tid / 8, tokens 4 (tid % 8) .. +3 ----
+    if (tid < kRows * 8) {
+      const int row = tid / 8, t0 = 4 * (tid % 8);
+      const int visible = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+      float s[4];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = t0 + i, pos = tile_begin + t;
+        const float v = (s_part[t * kRows + row] + s_part[(kTile + t) * kRows + row]) * a.scale_log2;
+        s[i] = (pos < end && pos < visible) ? v : -INFINITY;
+        mx = fmaxf(mx, s[i]);
+      }
+      const float old_max = row_max[row];
+#pragma unroll
+      for (int off = 1; off < 8; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float new_max = fmaxf(old_max, mx);
+      float p[4], sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[i] = s[i] == -INFINITY ? 0.0f : exp2f(s[i] - new_max);
+        sum += p[i];
+      }
+      *reinterpret_cast<float4*>(p_s + row * kPStride + t0) = make_float4(p[0], p[1], p[2], p[3]);
+#pragma unroll
+      for (int off = 1; off < 8; off *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();  // every lane has read row_max / row_sum before lane 0 rewrites them
+      if (tid % 8 == 0) {
+        const float alpha = new_max == -INFINITY ? 1.0f : exp2f(old_max - new_max);
+        row_alpha[row] = alpha;
+        row_sum[row] = row_sum[row] * alpha + sum;
+        row_max[row] = new_max;
+      }
+    }
+    {  // running unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1
+      const float sc = token_scale(kv, lane, warp);
+      float mx = sc;
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float old_unit = unit[warp];
+      const float new_unit = fmaxf(old_unit, mx);
+      ratio[warp * kTile + lane] = new_unit > 0.0f ? sc / new_unit : 0.0f;
+      __syncwarp();
+      if (lane == 0) {
+        gamma[warp] = new_unit > 0.0f ? old_unit / new_unit : 1.0f;
+        unit[warp] = new_unit;
+      }
+    }
+    __syncthreads();  // (C) P, the row rescales and the block unit are ready
+
+    // ---- O^T += V^T P'^T for the 128 dims of block `warp` ----
+    {
+      const float g = gamma[warp];
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+        const float f0 = row_alpha[n * 8 + 2 * c] * g, f1 = row_alpha[n * 8 + 2 * c + 1] * g;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+          acc_o[m][n][0] *= f0;
+          acc_o[m][n][1] *= f1;
+          acc_o[m][n][2] *= f0;
+          acc_o[m][n][3] *= f1;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+        const int t = 16 * ks + 2 * c;
+        std::uint32_t b_hi[kNt][2], b_lo[kNt][2];
+        const float* rt = ratio + warp * kTile;
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) {
+          const float* prow = p_s + (n * 8 + r) * kPStride;
+          const float2 p01 = *reinterpret_cast<const float2*>(prow + t);
+          const float2 p89 = *reinterpret_cast<const float2*>(prow + t + 8);
+          split_f16x2(p01.x * rt[t], p01.y * rt[t + 1], b_hi[n][0], b_lo[n][0]);
+          split_f16x2(p89.x * rt[t + 8], p89.y * rt[t + 9], b_hi[n][1], b_lo[n][1]);
+        }
+#pragma unroll
+        for (int gi = 0; gi < 2; ++gi) {
+          const int dim_r = 64 * (2 * warp + gi) + 4 * r;  // dims of rows r (+0) and r + 8 (+32)
+          const std::uint8_t* t0p = kv + t * kTokenBytes;
+          const std::uint32_t w00 = lds32(t0p + dim_r), w01 = lds32(t0p + kTokenBytes + dim_r);
+          const std::uint32_t w10 = lds32(t0p + 8 * kTokenBytes + dim_r), w11 = lds32(t0p + 9 * kTokenBytes + dim_r);
+          const std::uint32_t v00 = lds32(t0p + dim_r + 32), v01 = lds32(t0p + kTokenBytes + dim_r + 32);
+          const std::uint32_t v10 = lds32(t0p + 8 * kTokenBytes + dim_r + 32);
+          const std::uint32_t v11 = lds32(t0p + 9 * kTokenBytes + dim_r + 32);
+          // Token pairs per dim: selector 0x5140 -> dims +0, +1; 0x7362 -> dims +2, +3.
+          const std::uint32_t pa[2] = {prmt(w00, w01, 0x5140), prmt(w00, w01, 0x7362)};
+          const std::uint32_t pb[2] = {prmt(v00, v01, 0x5140), prmt(v00, v01, 0x7362)};
+          const std::uint32_t pc[2] = {prmt(w10, w11, 0x5140), prmt(w10, w11, 0x7362)};
+          const std::uint32_t pd[2] = {prmt(v10, v11, 0x5140), prmt(v10, v11, 0x7362)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // m-tile: rows r -> dim dim_r + j, r + 8 -> dim dim_r + 32 + j
+            const int sh = 16 * (j % 2);
+            const std::uint32_t a0 = fp8x2_to_f16x2(pa[j / 2] >> sh), a1 = fp8x2_to_f16x2(pb[j / 2] >> sh);
+            const std::uint32_t a2 = fp8x2_to_f16x2(pc[j / 2] >> sh), a3 = fp8x2_to_f16x2(pd[j / 2] >> sh);
+            float(&acc)[kNt][4] = acc_o[4 * gi + j];
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+              mma_f16_16816(acc[n], a0, a1, a2, a3, b_hi[n][0], b_hi[n][1]);
+              mma_f16_16816(acc[n], a0, a1, a2, a3, b_lo[n][0], b_lo[n][1]);
+            }
+          }
+        }
+      }
+    }
+    if (tid < kTile && tile + 2 < num_tiles) {  // read by issue_tile(tile + 2), after sync (A)
+      const bool valid = ahead_t < end && ahead_page >= 0 && ahead_page < a.num_pages;
+      slot_s[(tile & 1) * kTile + tid] = valid ? ahead_page * a.page_size + ahead_t % a.page_size : -1;
+    }
+  }
+
+  // ---- epilogue: o = unit x O / sum, back in natural dim order ----
+  const float u = unit[warp];
+#pragma unroll
+  for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = n * 8 + 2 * c + e;
+      if (row >= a.rows) continue;
+      const float l = row_sum[row];
+      const float inv = l > 0.0f ? u / l : 0.0f;
+      const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+      const float lse = l > 0.0f ? (row_max[row] + log2f(l)) * kLn2 : -INFINITY;
+      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int dim = 64 * (2 * warp + m / 4) + 4 * r + m % 4;
+        const float lo = acc_o[m][n][e] * inv, hi = acc_o[m][n][e + 2] * inv;
+        if (a.num_splits == 1) {
+          a.o[out_row * 512 + dim] = static_cast<std::uint16_t>(pack_bf16x2(lo, 0.0f) & 0xFFFFu);
+          a.o[out_row * 512 + dim + 32] = static_cast<std::uint16_t>(pack_bf16x2(hi, 0.0f) & 0xFFFFu);
+        } else {
+          a.o_part[part_row * 512 + dim] = lo;
+          a.o_part[part_row * 512 + dim + 32] = hi;
+        }
+      }
+      if (warp == 0 && r == 0) {
+        if (a.num_splits == 1) a.lse[out_row] = lse;
+        else a.lse_part[part_row] = lse;
+      }
+    }
+  }
+}
+
+template <int kNt>
+void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr int kSmem = NarrowSmem<kNt>::kBytes;
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(narrow_kernel<kNt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  LKV_CUDA_CHECK("mla_decode", configured);
+  const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
+  narrow_kernel<kNt><<<grid, kThreads, kSmem, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+}
+
+}  // namespace
+
+void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.rows <= 8) launch_instance<1>(a, stream);
+  else launch_instance<2>(a, stream);
+}
+
+}  // namespace latentkv::cuda::mla
