@@ -39,6 +39,66 @@ struct DecodeRun {
   HostTensor ref_o, ref_lse;    // float64 reference
 };
 
+// One decode call's device side: the fixture's cache and tables, the queries, sentinel-filled
+// outputs and the backend's planned workspace. `lens` replaces the fixture's lengths when given.
+struct DeviceDecode {
+  DeviceBuffer cache, table, lens, q, o, lse, workspace;
+  HostTensor o_host, lse_host;
+  MlaDecodeParams params;
+
+  DeviceDecode(PagedFixture& f, const HostTensor& queries, float scale, const std::vector<std::int32_t>& lengths = {})
+      : cache(f.cache_bytes), table(f.block_table), lens(lengths.empty() ? f.seq_lens : lengths),
+        q(queries.raw(), queries.bytes()) {
+    const auto& shape = queries.shape();  // [B, q_len, H, 576]
+    o_host = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
+    lse_host = sentinel_tensor(DType::kF32, {shape[0], shape[1], shape[2]});
+    o = DeviceBuffer(o_host.raw(), o_host.bytes());
+    lse = DeviceBuffer(lse_host.raw(), lse_host.bytes());
+    params.q = queries.view_of(q.get(), Device::cuda());
+    params.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    params.block_table = f.block_table_view(table.get<std::int32_t>(), Device::cuda());
+    params.seq_lens = f.seq_lens_view(lens.get<std::int32_t>(), Device::cuda());
+    params.o = o_host.view_of(o.get(), Device::cuda());
+    params.lse = lse_host.view_of(lse.get(), Device::cuda());
+    params.softmax_scale = scale;
+  }
+
+  // The backend's schedule; a forced split count gets room for its partial results too.
+  void plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0) {
+    Plan plan = backend.plan(params, device);
+    params.num_splits = plan.num_splits;
+    if (forced_splits > 0) {
+      params.num_splits = forced_splits;
+      plan.workspace_bytes += sizeof(float) * static_cast<std::size_t>(forced_splits) * o_host.numel() / 512 * 513;
+    }
+    workspace = DeviceBuffer(plan.workspace_bytes);
+    params.workspace = workspace.get();
+    params.workspace_bytes = workspace.bytes();
+  }
+
+  void download() {
+    o.download(o_host.raw(), o_host.bytes());
+    lse.download(lse_host.raw(), lse_host.bytes());
+  }
+};
+
+// The float64 reference of the same call on the host copies.
+void reference_decode(PagedFixture& f, HostTensor& q, float scale, std::vector<std::int32_t> lens, HostTensor& o,
+                      HostTensor& lse) {
+  const auto& shape = q.shape();
+  o = HostTensor(DType::kF64, {shape[0], shape[1], shape[2], 512});
+  lse = HostTensor(DType::kF64, {shape[0], shape[1], shape[2]});
+  MlaDecodeParams ref;
+  ref.q = q.view();
+  ref.cache = f.cache();
+  ref.block_table = f.block_table_view();
+  ref.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {shape[0]});
+  ref.o = o.view();
+  ref.lse = lse.view();
+  ref.softmax_scale = scale;
+  cpu::mla_decode(ref);
+}
+
 // Builds the case, runs the reference and the backend, downloads the outputs.
 DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   PagedFixtureOptions opt;
@@ -47,52 +107,20 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
   PagedFixture f = make_paged_fixture(opt, rng);
-  const std::int64_t batch = f.batch();
-  HostTensor q = random_bf16(rng, {batch, c.q_len, c.heads, 576});
+  HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   const float scale = 0.0625f;
-
   DecodeRun r;
-  r.ref_o = HostTensor(DType::kF64, {batch, c.q_len, c.heads, 512});
-  r.ref_lse = HostTensor(DType::kF64, {batch, c.q_len, c.heads});
-  MlaDecodeParams ref;
-  ref.q = q.view();
-  ref.cache = f.cache();
-  ref.block_table = f.block_table_view();
-  ref.seq_lens = f.seq_lens_view();
-  ref.o = r.ref_o.view();
-  ref.lse = r.ref_lse.view();
-  ref.softmax_scale = scale;
-  cpu::mla_decode(ref);
+  reference_decode(f, q, scale, f.seq_lens, r.ref_o, r.ref_lse);
 
-  DeviceBuffer d_cache(f.cache_bytes), d_table(f.block_table), d_lens(f.seq_lens), d_q(q.raw(), q.bytes());
-  r.o = sentinel_tensor(DType::kBF16, {batch, c.q_len, c.heads, 512});
-  r.lse = sentinel_tensor(DType::kF32, {batch, c.q_len, c.heads});
-  DeviceBuffer d_o(r.o.raw(), r.o.bytes()), d_lse(r.lse.raw(), r.lse.bytes());
-
-  MlaDecodeParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
-  p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-  p.o = r.o.view_of(d_o.get(), Device::cuda());
-  p.lse = r.lse.view_of(d_lse.get(), Device::cuda());
-  p.softmax_scale = scale;
-
+  DeviceDecode d(f, q, scale);
   const Backend& backend = *find_backend(c.backend);
   const DeviceInfo device = detect_device();
-  Plan plan = backend.plan(p, device);
-  p.num_splits = plan.num_splits;
-  if (c.splits > 0) {  // a forced split count: room for its partial results too
-    p.num_splits = c.splits;
-    plan.workspace_bytes += sizeof(float) * static_cast<std::size_t>(c.splits) * batch * c.q_len * c.heads * 513;
-  }
-  DeviceBuffer workspace(plan.workspace_bytes);
-  p.workspace = workspace.get();
-  p.workspace_bytes = workspace.bytes();
-  run(backend, p, {}, device);
+  d.plan(backend, device, c.splits);
+  run(backend, d.params, {}, device);
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
-  d_o.download(r.o.raw(), r.o.bytes());
-  d_lse.download(r.lse.raw(), r.lse.bytes());
+  d.download();
+  r.o = std::move(d.o_host);
+  r.lse = std::move(d.lse_host);
   return r;
 }
 
@@ -154,29 +182,14 @@ TEST(GpuMlaDecodeExact, ConstantValuesGiveThatValue) {
     for (int i = 512; i < 576; ++i) latent[i] = bf16_encode(static_cast<float>(i % 7) - 3.0f);
   };
   PagedFixture f = make_paged_fixture(opt, rng);
-  const std::int64_t batch = f.batch();
-  HostTensor q = random_bf16(rng, {batch, 2, 8, 576});
-  DeviceBuffer d_cache(f.cache_bytes), d_table(f.block_table), d_lens(f.seq_lens), d_q(q.raw(), q.bytes());
-  HostTensor o = sentinel_tensor(DType::kBF16, {batch, 2, 8, 512});
-  HostTensor lse = sentinel_tensor(DType::kF32, {batch, 2, 8});
-  DeviceBuffer d_o(o.raw(), o.bytes()), d_lse(lse.raw(), lse.bytes());
-  MlaDecodeParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
-  p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-  p.o = o.view_of(d_o.get(), Device::cuda());
-  p.lse = lse.view_of(d_lse.get(), Device::cuda());
-  p.softmax_scale = 0.0625f;
+  HostTensor q = random_bf16(rng, {f.batch(), 2, 8, 576});
+  DeviceDecode d(f, q, 0.0625f);
   const Backend& backend = *find_backend("cuda");
-  const Plan plan = backend.plan(p, detect_device());
-  DeviceBuffer ws(plan.workspace_bytes);
-  p.num_splits = plan.num_splits;
-  p.workspace = ws.get();
-  p.workspace_bytes = ws.bytes();
-  run(backend, p);
+  d.plan(backend, detect_device());
+  run(backend, d.params);
   LKV_CUDA_OK(cudaDeviceSynchronize());
-  d_o.download(o.raw(), o.bytes());
+  d.download();
+  const HostTensor& o = d.o_host;
   for (std::int64_t i = 0; i < o.numel(); ++i) ASSERT_EQ(o.get(i), 0.75) << "element " << i;
 }
 
@@ -189,29 +202,12 @@ TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
   opt.lengths = {700, 1500};  // the cache holds the final lengths; the step starts shorter
   opt.with_indexer = false;
   PagedFixture f = make_paged_fixture(opt, rng);
-  const std::int64_t batch = f.batch();
-  const int heads = 16;
-  HostTensor q = random_bf16(rng, {batch, 1, heads, 576});
-  std::vector<std::int32_t> lens = {300, 1};
-  DeviceBuffer d_cache(f.cache_bytes), d_table(f.block_table), d_lens(lens), d_q(q.raw(), q.bytes());
-  HostTensor o = sentinel_tensor(DType::kBF16, {batch, 1, heads, 512});
-  HostTensor lse = sentinel_tensor(DType::kF32, {batch, 1, heads});
-  DeviceBuffer d_o(o.raw(), o.bytes()), d_lse(lse.raw(), lse.bytes());
-  MlaDecodeParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
-  p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-  p.o = o.view_of(d_o.get(), Device::cuda());
-  p.lse = lse.view_of(d_lse.get(), Device::cuda());
-  p.softmax_scale = 0.0625f;
+  HostTensor q = random_bf16(rng, {f.batch(), 1, 16, 576});
+  DeviceDecode d(f, q, 0.0625f, {300, 1});
   const Backend& backend = *find_backend("cuda");
   const DeviceInfo device = detect_device();
-  const Plan plan = backend.plan(p, device);
-  DeviceBuffer ws(plan.workspace_bytes);
-  p.num_splits = plan.num_splits;
-  p.workspace = ws.get();
-  p.workspace_bytes = ws.bytes();
+  d.plan(backend, device);
+  const MlaDecodeParams& p = d.params;
 
   cudaStream_t stream;
   LKV_CUDA_OK(cudaStreamCreate(&stream));
@@ -225,25 +221,14 @@ TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
   LKV_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
   for (const std::vector<std::int32_t>& step : {std::vector<std::int32_t>{300, 1}, {301, 2}, {699, 1499}, {700, 1500}}) {
-    d_lens.upload(step.data(), step.size() * sizeof(std::int32_t));
+    d.lens.upload(step.data(), step.size() * sizeof(std::int32_t));
     LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
     LKV_CUDA_OK(cudaStreamSynchronize(stream));
-    d_o.download(o.raw(), o.bytes());
-    d_lse.download(lse.raw(), lse.bytes());
-
-    std::vector<std::int32_t> host_lens = step;
-    HostTensor ref_o(DType::kF64, {batch, 1, heads, 512}), ref_lse(DType::kF64, {batch, 1, heads});
-    MlaDecodeParams ref;
-    ref.q = q.view();
-    ref.cache = f.cache();
-    ref.block_table = f.block_table_view();
-    ref.seq_lens = TensorView::contiguous(host_lens.data(), DType::kI32, {batch});
-    ref.o = ref_o.view();
-    ref.lse = ref_lse.view();
-    ref.softmax_scale = 0.0625f;
-    cpu::mla_decode(ref);
-    EXPECT_TRUE(compare("o", o, ref_o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
-    EXPECT_TRUE(compare("lse", lse, ref_lse, Tolerance::lse()));
+    d.download();
+    HostTensor ref_o, ref_lse;
+    reference_decode(f, q, 0.0625f, step, ref_o, ref_lse);
+    EXPECT_TRUE(compare("o", d.o_host, ref_o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
+    EXPECT_TRUE(compare("lse", d.lse_host, ref_lse, Tolerance::lse()));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -29,6 +29,19 @@ __device__ __forceinline__ float bf16_bits_to_float(std::uint16_t bits) {
   return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
 }
 
+// 16 bf16 values held in two 16-byte words, as floats; returns their largest magnitude.
+__device__ __forceinline__ float unpack_bf16x16(const uint4& w0, const uint4& w1, float (&v)[16]) {
+  const std::uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] & 0xFFFFu));
+    v[2 * i + 1] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] >> 16));
+    amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+  }
+  return amax;
+}
+
 // Two packed fp8 e4m3 codes (low byte first) to two packed bf16 values; exact (every e4m3 value is
 // a bf16 value). One cvt to f16x2 (sm_89+), then to float and bf16.
 __device__ __forceinline__ std::uint32_t fp8x2_to_bf16x2(std::uint16_t two_codes) {

@@ -45,17 +45,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     std::uint8_t* dst = a.cache + slot * 656;
     // Lane l holds latent values [16 l, 16 l + 16), in scale block l / 8.
     const uint4* s = reinterpret_cast<const uint4*>(src) + lane * 2;
-    const uint4 w0 = s[0], w1 = s[1];
-    const std::uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     float v[16];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[2 * i] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] & 0xFFFFu));
-      v[2 * i + 1] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] >> 16));
-      amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-    }
-    amax = abs_max_over(amax, 8);
+    const float amax = abs_max_over(unpack_bf16x16(s[0], s[1], v), 8);
     const float scale = block_scale(amax, a.pow2);
     std::uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll

@@ -51,13 +51,8 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kGroups * kRowsPerGroup;
 
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
-  int chunk = (len + a.num_splits - 1) / a.num_splits;
-  chunk = (chunk + kTileTokens - 1) / kTileTokens * kTileTokens;
-  const int begin = min(split * chunk, len);
-  const int end = min(begin + chunk, len);
-  const int num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
+  const SplitRange range = split_range(a, b, split, kTileTokens);
+  const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
 
   // Physical slot of tile token j, or -1 past the chunk or on a page id outside the pool.

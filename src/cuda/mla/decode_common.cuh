@@ -31,6 +31,24 @@ struct DecodeArgs {
   float scale_log2;                  // softmax_scale * log2(e)
 };
 
+// The tokens [begin, end) of request b that split `split` covers: the request's length (clamped to
+// its block table's capacity) cut into num_splits chunks of whole tiles. Read on the device, so a
+// captured step follows the lengths as they grow.
+struct SplitRange {
+  int len, begin, end, num_tiles;
+};
+__device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, int b, int split, int tile_tokens) {
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  SplitRange s;
+  s.len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  int chunk = (s.len + a.num_splits - 1) / a.num_splits;
+  chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
+  s.begin = min(split * chunk, s.len);
+  s.end = min(s.begin + chunk, s.len);
+  s.num_tiles = (s.end - s.begin + tile_tokens - 1) / tile_tokens;
+  return s;
+}
+
 // Few query rows over an fp8 cache (rows <= kNarrowMaxRows): the transposed kernel of
 // decode_narrow.cu. Writes o/lse or, with splits, the partials that decode.cu's combine merges.
 inline constexpr int kNarrowMaxRows = 16;

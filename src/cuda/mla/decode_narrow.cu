@@ -86,13 +86,8 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   const int r = lane / 4, c = lane % 4;
   const int b = blockIdx.y, split = blockIdx.x;
 
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
-  int chunk = (len + a.num_splits - 1) / a.num_splits;
-  chunk = (chunk + kTile - 1) / kTile * kTile;
-  const int begin = min(split * chunk, len);
-  const int end = min(begin + chunk, len);
-  const int num_tiles = (end - begin + kTile - 1) / kTile;
+  const SplitRange range = split_range(a, b, split, kTile);
+  const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
   auto slot_of = [&](int t) -> std::int32_t {  // logical position -> slot, or -1
     if (t >= end) return -1;
@@ -110,15 +105,8 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
       w1 = src[2 * lane + 1];
       if (lane < 8) rope = src[64 + lane];
     }
-    const std::uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     float v[16];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[2 * i] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] & 0xFFFFu));
-      v[2 * i + 1] = bf16_bits_to_float(static_cast<std::uint16_t>(words[i] >> 16));
-      amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-    }
+    float amax = unpack_bf16x16(w0, w1, v);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     int e = 0;
