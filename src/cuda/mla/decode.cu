@@ -365,16 +365,39 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
 int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
 
 template <bool kFp8, int kGroups>
-void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr std::size_t kSmem = DecodeSmem<kGroups>::kBytes;
+int configure() {
+  constexpr int kSmem = static_cast<int>(DecodeSmem<kGroups>::kBytes);
   static const cudaError_t configured =
       cudaFuncSetAttribute(decode_kernel<kFp8, kGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   LKV_CUDA_CHECK("mla_decode", configured);
+  return kSmem;
+}
+
+template <bool kFp8, int kGroups>
+void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
+  const int smem_bytes = configure<kFp8, kGroups>();
   const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  decode_kernel<kFp8, kGroups><<<grid, kGroups * kWarpsPerGroup * 32, kSmem, stream>>>(a);
+  decode_kernel<kFp8, kGroups><<<grid, kGroups * kWarpsPerGroup * 32, smem_bytes, stream>>>(a);
   LKV_CUDA_CHECK_LAUNCH("mla_decode");
+}
+
+template <bool kFp8, int kGroups>
+int wide_blocks_per_sm() {
+  int blocks = 0;
+  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &blocks, decode_kernel<kFp8, kGroups>, kGroups * kWarpsPerGroup * 32,
+                                   configure<kFp8, kGroups>()));
+  return blocks;
+}
+
+// CTAs one SM holds at once for the kernel these shapes run.
+int blocks_per_sm(bool fp8, int rows) {
+  if (fp8 && rows <= kNarrowMaxRows) return narrow_blocks_per_sm(rows);
+  const int groups = groups_for(rows);
+  if (fp8) return groups == 1 ? wide_blocks_per_sm<true, 1>() : wide_blocks_per_sm<true, 2>();
+  return groups == 1 ? wide_blocks_per_sm<false, 1>() : wide_blocks_per_sm<false, 2>();
 }
 
 }  // namespace
@@ -386,9 +409,12 @@ Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
   const auto rows = static_cast<int>(p.q.size(1) * p.q.size(2));
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   const int groups = groups_for(rows);
-  const int row_blocks = (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
-  const std::int64_t base = static_cast<std::int64_t>(batch) * row_blocks;
-  const std::int64_t wanted = (static_cast<std::int64_t>(kTargetCtasPerSm) * multiprocessors + base - 1) / std::max<std::int64_t>(base, 1);
+  const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
+  const int row_blocks = fp8 && rows <= kNarrowMaxRows ? 1 : (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
+  const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
+  // As many splits as fill the SMs in one wave (never a partial second wave), within the tokens.
+  const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows)) * multiprocessors;
+  const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
   const std::int64_t useful = std::max<std::int64_t>(1, capacity / kMinTokensPerSplit);
   Plan plan;
   plan.num_splits = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));

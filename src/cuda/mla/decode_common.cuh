@@ -53,5 +53,7 @@ __device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, int b, in
 // decode_narrow.cu. Writes o/lse or, with splits, the partials that decode.cu's combine merges.
 inline constexpr int kNarrowMaxRows = 16;
 void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
+// CTAs of the narrow kernel for `rows` that one SM holds at once (the occupancy API's answer).
+int narrow_blocks_per_sm(int rows);
 
 }  // namespace latentkv::cuda::mla

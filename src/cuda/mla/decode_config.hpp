@@ -37,9 +37,11 @@ struct DecodeSmem {
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
 };
 
-// Split-KV: aim for this many CTAs per multiprocessor, and give each split at least this many tokens.
-// (Initial choice; tuned on the H200 in docs/benchmarks.md.)
-inline constexpr int kTargetCtasPerSm = 3;
+// Split-KV: plan_mla_decode() fills one wave of resident CTAs (the occupancy API's count) and gives
+// each split at least kMinTokensPerSplit tokens. On the H200 (2026-11-29, docs/benchmarks.md): 256
+// tokens per split ran glm5 B 1 L 32K in 41.2 us with the first kernel, 128 in 27.2 us with the
+// narrow one. B 64 L 8K with a fixed 3 CTAs/SM target ran 448 CTAs on 396 slots (a partial second
+// wave): 232.7 us; one full wave (6 splits, 384 CTAs): 161.2 us.
 inline constexpr int kMinTokensPerSplit = 128;
 inline constexpr int kMaxSplits = 1024;  // the combine step keeps one weight per split in shared memory
 

@@ -8,7 +8,7 @@
 // fp8 codes become f16 with one cvt per two codes, exactly; each token's four fp8 scales stay out of
 // the products: they weight the per-block score partials, and fold into P' for the output block.
 //
-// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, double-buffered:
+// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, kStages deep:
 //   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2)
 //   softmax: all threads, over the tile's partials in shared memory (running max and sum per row)
 //   output:  warp w: the 128 dims of fp8 scale block w
@@ -33,6 +33,7 @@ constexpr int kTile = 32;          // tokens per tile
 constexpr int kTokenBytes = 656;   // fp8 main-cache entry
 constexpr int kTokenChunks = kTokenBytes / 16;
 constexpr int kStageBytes = kTile * kTokenBytes;
+constexpr int kStages = 3;       // tiles in flight per CTA: the current one and two ahead
 constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
 constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
 constexpr int kPStride = 36;       // floats per row of P
@@ -40,8 +41,8 @@ constexpr int kPStride = 36;       // floats per row of P
 template <int kNt>
 struct NarrowSmem {
   static constexpr int kRows = 8 * kNt;
-  static constexpr int kStage = 0;                                   // u8  [2][kTile * 656]
-  static constexpr int kQ = kStage + 2 * kStageBytes;                // f16 [kRows][kQStride / 2]
+  static constexpr int kStage = 0;                                   // u8  [kStages][kTile * 656]
+  static constexpr int kQ = kStage + kStages * kStageBytes;                // f16 [kRows][kQStride / 2]
   static constexpr int kQRope = kQ + kRows * kQStride;               // bf16 [kRows][kRopeStride / 2]
   static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kTile][kRows]
   static constexpr int kP = kSPart + 4 * 2 * kTile * kRows;          // f32 [kRows][kPStride]
@@ -52,8 +53,8 @@ struct NarrowSmem {
   static constexpr int kUnit = kRowQScale + 4 * kRows;               // f32 [4], running max scale per block
   static constexpr int kGamma = kUnit + 16;                          // f32 [4], this tile's unit rescale
   static constexpr int kRatio = kGamma + 16;                         // f32 [4][kTile], scale / unit
-  static constexpr int kSlots = kRatio + 4 * 4 * kTile;              // i32 [2][kTile]
-  static constexpr int kBytes = kSlots + 4 * 2 * kTile;
+  static constexpr int kSlots = kRatio + 4 * 4 * kTile;              // i32 [kStages][kTile]
+  static constexpr int kBytes = kSlots + 4 * kStages * kTile;
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
 };
 
@@ -130,14 +131,20 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   }
   if (tid < 4) unit[tid] = 0.0f;
   if (tid < kTile) {
-    slot_s[tid] = num_tiles > 0 ? slot_of(begin + tid) : -1;
-    slot_s[kTile + tid] = num_tiles > 1 ? slot_of(begin + kTile + tid) : -1;
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) slot_s[t * kTile + tid] = t < num_tiles ? slot_of(begin + t * kTile + tid) : -1;
   }
   __syncthreads();
 
-  auto issue_tile = [&](int tile) {  // cp.async of tile `tile` into stage tile & 1
-    const std::int32_t* slots = slot_s + (tile & 1) * kTile;
-    std::uint8_t* stage = stages + (tile & 1) * kStageBytes;
+  // cp.async of tile `tile` into stage tile % kStages, as one commit group; past the last tile an
+  // empty group, so that "all but the newest kStages - 2 groups have landed" always means "this tile".
+  auto issue_tile = [&](int tile) {
+    if (tile >= num_tiles) {
+      cp_async_commit();
+      return;
+    }
+    const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
+    std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
     for (int ch = tid; ch < kTile * kTokenChunks; ch += kThreads) {
       const int token = ch / kTokenChunks, piece = ch % kTokenChunks;
       const std::int32_t slot = slots[token];
@@ -146,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
     }
     cp_async_commit();
   };
-  if (num_tiles > 0) issue_tile(0);
+  for (int t = 0; t < kStages - 1; ++t) issue_tile(t);
 
   float acc_o[8][kNt][4];
 #pragma unroll
@@ -155,14 +162,14 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
     for (int n = 0; n < kNt; ++n) acc_o[m][n][0] = acc_o[m][n][1] = acc_o[m][n][2] = acc_o[m][n][3] = 0.0f;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<0>();
+    cp_async_wait<kStages - 2>();
     __syncthreads();  // (A) this tile is staged; the previous tile's output math is done
-    if (tile + 1 < num_tiles) issue_tile(tile + 1);
-    std::int32_t ahead_page = -1;  // page of token `tid` of tile + 2, turned into a slot at the end
-    const int ahead_t = begin + (tile + 2) * kTile + tid;
-    if (tid < kTile && tile + 2 < num_tiles && ahead_t < end) ahead_page = table[ahead_t / a.page_size];
+    issue_tile(tile + kStages - 1);
+    std::int32_t ahead_page = -1;  // page of token `tid` of tile + kStages, made a slot at the end
+    const int ahead_t = begin + (tile + kStages) * kTile + tid;
+    if (tid < kTile && tile + kStages < num_tiles && ahead_t < end) ahead_page = table[ahead_t / a.page_size];
 
-    const std::uint8_t* kv = stages + (tile & 1) * kStageBytes;
+    const std::uint8_t* kv = stages + (tile % kStages) * kStageBytes;
     const int tile_begin = begin + tile * kTile;
 
     // ---- score partials S^T for tokens tok0 = 16 (warp % 2) + r and tok0 + 8 ----
@@ -334,9 +341,9 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
         }
       }
     }
-    if (tid < kTile && tile + 2 < num_tiles) {  // read by issue_tile(tile + 2), after sync (A)
+    if (tid < kTile && tile + kStages < num_tiles) {  // read by issue_tile(tile + kStages) after sync (A)
       const bool valid = ahead_t < end && ahead_page >= 0 && ahead_page < a.num_pages;
-      slot_s[(tile & 1) * kTile + tid] = valid ? ahead_page * a.page_size + ahead_t % a.page_size : -1;
+      slot_s[(tile % kStages) * kTile + tid] = valid ? ahead_page * a.page_size + ahead_t % a.page_size : -1;
     }
   }
 
@@ -373,15 +380,30 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   }
 }
 
+// Raises the kernel's dynamic shared-memory limit once; returns the bytes it launches with.
 template <int kNt>
-void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
+int configure() {
   constexpr int kSmem = NarrowSmem<kNt>::kBytes;
   static const cudaError_t configured =
       cudaFuncSetAttribute(narrow_kernel<kNt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   LKV_CUDA_CHECK("mla_decode", configured);
+  return kSmem;
+}
+
+template <int kNt>
+void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
+  const int smem_bytes = configure<kNt>();
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  narrow_kernel<kNt><<<grid, kThreads, kSmem, stream>>>(a);
+  narrow_kernel<kNt><<<grid, kThreads, smem_bytes, stream>>>(a);
   LKV_CUDA_CHECK_LAUNCH("mla_decode");
+}
+
+template <int kNt>
+int blocks_per_sm() {
+  int blocks = 0;
+  LKV_CUDA_CHECK("mla_decode",
+                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, narrow_kernel<kNt>, kThreads, configure<kNt>()));
+  return blocks;
 }
 
 }  // namespace
@@ -390,5 +412,7 @@ void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
   if (a.rows <= 8) launch_instance<1>(a, stream);
   else launch_instance<2>(a, stream);
 }
+
+int narrow_blocks_per_sm(int rows) { return rows <= 8 ? blocks_per_sm<1>() : blocks_per_sm<2>(); }
 
 }  // namespace latentkv::cuda::mla
