@@ -1,0 +1,336 @@
+// `latentkv config` end to end (argv in, text or JSON out, exit code 2 on a rejected configuration),
+// and fuzz tests of the configuration parsers: thousands of mutated TOML and JSON files, environments
+// and argv vectors must each end in success, latentkv::Error or CLI::ParseError - never a crash and
+// never another exception type. The seed is printed; LATENTKV_FUZZ_SEED replays one and
+// LATENTKV_FUZZ_SCALE runs longer.
+#include <gtest/gtest.h>
+#include <gmock/gmock.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "latentkv/config.hpp"
+
+// The command's own source, compiled into this test so argv is parsed through exactly the options the
+// program defines (tools/ builds an executable, not a library).
+#include "../../tools/config_cmd.cpp"
+
+namespace latentkv {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct CommandResult {
+  int exit_code = 0;  // as tools/main.cpp maps it: 0, or 2 for any CLI::ParseError
+  std::string out, err;
+};
+
+CommandResult run_cli(const std::vector<std::string>& args, std::map<std::string, std::string> env = {}) {
+  std::ostringstream out, err;
+  CLI::App app{"latentkv"};
+  app.require_subcommand(1);
+  tools::ConfigCommandIo io;
+  io.out = &out;
+  io.err = &err;
+  io.environment = environment_from(std::move(env));
+  io.device = [] { return DeviceInfo{}; };
+  tools::add_config_command(app, io);
+  std::vector<std::string> storage = {"latentkv"};
+  storage.insert(storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : storage) argv.push_back(s.data());
+  CommandResult result;
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::ParseError& e) {
+    std::ostringstream help_out, help_err;
+    result.exit_code = app.exit(e, help_out, help_err) == 0 ? 0 : tools::kExitUsage;
+  }
+  result.out = out.str();
+  result.err = err.str();
+  return result;
+}
+
+// LATENTKV_FUZZ_SCALE multiplies the iteration counts for a longer run (e.g. under sanitizers).
+int fuzz_scale() {
+  const char* s = std::getenv("LATENTKV_FUZZ_SCALE");
+  const int scale = s != nullptr ? std::atoi(s) : 1;
+  return scale > 0 ? scale : 1;
+}
+
+std::uint64_t fuzz_seed() {
+  std::uint64_t seed = 20261129;
+  if (const char* s = std::getenv("LATENTKV_FUZZ_SEED")) seed = std::strtoull(s, nullptr, 10);
+  std::printf("[fuzz] seed %llu (set LATENTKV_FUZZ_SEED to replay)\n", static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+// ---- the command --------------------------------------------------------------------------------
+
+TEST(ConfigCommand, PrintsResolvedConfigurationWithProvenance) {
+  const CommandResult r = run_cli({"config", "--model", "glm5", "--tp", "8", "--kv-dtype", "fp8_e4m3"},
+                                  {{"LATENTKV_PAGE_SIZE", "128"}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_THAT(r.out, HasSubstr("precedence: flags > environment > config file > defaults"));
+  EXPECT_THAT(r.out, HasSubstr("flag --model"));
+  EXPECT_THAT(r.out, HasSubstr("flag --tp"));
+  EXPECT_THAT(r.out, HasSubstr("environment LATENTKV_PAGE_SIZE"));
+  EXPECT_THAT(r.out, HasSubstr("8 of 64 attention heads per GPU"));
+  EXPECT_THAT(r.out, HasSubstr("device: cpu"));
+  EXPECT_THAT(r.out, HasSubstr("kernel reference.sparse_mla_decode"));
+  EXPECT_THAT(r.out, HasSubstr("kernel reference.indexer_logits"));
+  EXPECT_THAT(r.out, HasSubstr("why: auto"));
+  EXPECT_THAT(r.out, HasSubstr("DSA rule: glm5 is a DSA model"));
+}
+
+TEST(ConfigCommand, ImpossibleCombinationsExitTwoWithOneActionableError) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"config", "--sparse-decode", "nosuch"},
+           {"config", "--tp", "3"},
+           {"config", "--q-len", "5"},
+           {"config", "--config", "/nonexistent.toml"},
+       }) {
+    const CommandResult r = run_cli(args);
+    EXPECT_EQ(r.exit_code, 2) << args[1];
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr("error: config: "));
+    EXPECT_EQ(r.err.find("error:"), r.err.rfind("error:")) << "one error only: " << r.err;
+  }
+  const CommandResult bad = run_cli({"config", "--sparse-decode", "nosuch"});
+  EXPECT_THAT(bad.err, HasSubstr("sparse_decode = 'nosuch' (flag --sparse-decode)"));
+  EXPECT_THAT(bad.err, HasSubstr("here: reference (or auto)"));
+  // An error from the environment names the variable.
+  const CommandResult env = run_cli({"config"}, {{"LATENTKV_TP", "7"}});
+  EXPECT_EQ(env.exit_code, 2);
+  EXPECT_THAT(env.err, HasSubstr("tp = 7 (environment LATENTKV_TP)"));
+}
+
+TEST(ConfigCommand, UsageErrorsAlsoExitTwo) {
+  EXPECT_EQ(run_cli({"config", "--tp"}).exit_code, 2);
+  EXPECT_EQ(run_cli({"config", "--nosuch-flag"}).exit_code, 2);
+  EXPECT_EQ(run_cli({"config", "--help"}).exit_code, 0);
+}
+
+TEST(ConfigCommand, JsonIsTheResolvedConfiguration) {
+  const CommandResult r = run_cli({"config", "--json", "--tp", "4", "--q-len", "2"}, {{"LATENTKV_KV_DTYPE", "bf16"}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["settings"]["tp"]["value"], 4);
+  EXPECT_EQ(j["settings"]["tp"]["source"]["kind"], "flag");
+  EXPECT_EQ(j["settings"]["tp"]["source"]["where"], "--tp");
+  EXPECT_EQ(j["settings"]["kv_dtype"]["value"], "bf16");
+  EXPECT_EQ(j["settings"]["kv_dtype"]["source"]["where"], "LATENTKV_KV_DTYPE");
+  EXPECT_EQ(j["settings"]["model"]["source"]["kind"], "default");
+  EXPECT_TRUE(j["config_file"].is_null());
+  EXPECT_EQ(j["shard"]["heads_per_gpu"], 16);
+  EXPECT_EQ(j["slots"]["sparse_decode"]["backend"], "reference");
+  EXPECT_EQ(j["slots"]["sparse_decode"]["kernel"], "reference.sparse_mla_decode");
+  EXPECT_EQ(j["slots"]["sparse_decode"]["problem"]["q_len"], 2);
+  EXPECT_EQ(j["slots"]["sparse_decode"]["problem"]["topk"], 2048);
+  EXPECT_EQ(j["supporting"]["topk"]["backend"], "reference");
+  EXPECT_EQ(j["dense_rule"]["dense_max_visible_tokens"], 2048);
+  EXPECT_FALSE(j.contains("capabilities"));
+  const nlohmann::json with_matrix = nlohmann::json::parse(run_cli({"config", "--json", "--explain"}).out);
+  ASSERT_TRUE(with_matrix.contains("capabilities"));
+  EXPECT_EQ(with_matrix["capabilities"][0]["backend"], "reference");
+}
+
+TEST(ConfigCommand, ExplainPrintsTheMatrixEvenWhenTheConfigurationFails) {
+  const CommandResult ok = run_cli({"config", "--explain"});
+  ASSERT_EQ(ok.exit_code, 0);
+  EXPECT_THAT(ok.out, HasSubstr("capability matrix"));
+  EXPECT_THAT(ok.out, HasSubstr("reference  (preference 0; extra traffic: none)"));
+  EXPECT_THAT(ok.out, HasSubstr("heads all but 129"));
+  EXPECT_THAT(ok.out, HasSubstr("sm_89,sm_90,sm_100,sm_120"));
+  const CommandResult bad = run_cli({"config", "--explain", "--tp", "5"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.out, HasSubstr("capability matrix"));
+  EXPECT_THAT(bad.err, HasSubstr("tp = 5"));
+}
+
+// ---- fuzzing ------------------------------------------------------------------------------------
+
+const std::vector<std::string> kTomlSeeds = {
+    "model = \"glm5\"\ntp = 8\nkv_dtype = \"fp8_e4m3\"\npage_size = 64\nq_len = 1\n",
+    "model = \"deepseek-v3.2\"\ntp = 16\ndense_prefill = \"auto\"\ndense_decode = \"reference\"\n"
+    "sparse_prefill = \"reference\"\nsparse_decode = \"auto\"\n",
+    "# comment\ntp = 4 # four\npage_size = 1\nq_len = 4\nkv_dtype = 'bf16'\n",
+    "",
+};
+const std::vector<std::string> kJsonSeeds = {
+    R"({"model": "glm5", "tp": 8, "kv_dtype": "fp8_e4m3", "page_size": 64, "q_len": 1})",
+    R"({"model": "deepseek-v3.2", "tp": 16, "dense_decode": "reference", "sparse_decode": "auto"})",
+    R"({"page_size": 1, "q_len": 4, "kv_dtype": "bf16", "sparse_prefill": "reference"})",
+    "{}",
+};
+// Fragments that make mutations land on interesting syntax.
+const std::vector<std::string> kFragments = {
+    "=", "\"", "'", "[", "]", "{", "}", ",", ":", "\n", "#", " ", "\t", "\\", "\\u", "0", "-1", "9999999999999999999999",
+    "1e400", "nan", "inf", "true", "null", "3.5", "tp", "q_len", "page_size", "model", "kv_dtype", "sparse_decode",
+    "[[a]]", "[a.b]", "\"\"\"", "'''", std::string("\0", 1), "\xff", "\xc3\x28", "\xef\xbb\xbf", "glm5", "bf16",
+    "reference", "auto", "nosuch", "0x10", "1_000", "+8", "2024-01-01",
+};
+
+std::string mutate(std::string text, std::mt19937_64& rng) {
+  const int edits = 1 + static_cast<int>(rng() % 4);
+  for (int i = 0; i < edits; ++i) {
+    const std::size_t at = text.empty() ? 0 : rng() % (text.size() + 1);
+    switch (rng() % 6) {
+      case 0:  // flip a byte
+        if (!text.empty()) text[std::min(at, text.size() - 1)] = static_cast<char>(rng() % 256);
+        break;
+      case 1:  // insert a fragment
+        text.insert(at, kFragments[rng() % kFragments.size()]);
+        break;
+      case 2:  // delete a range
+        if (!text.empty()) text.erase(std::min(at, text.size() - 1), 1 + rng() % 8);
+        break;
+      case 3:  // duplicate a range
+        if (!text.empty()) {
+          const std::size_t from = rng() % text.size();
+          text.insert(at, text.substr(from, 1 + rng() % 16));
+        }
+        break;
+      case 4:  // truncate
+        text.resize(at);
+        break;
+      default:  // insert a random byte
+        text.insert(at, 1, static_cast<char>(rng() % 256));
+        break;
+    }
+  }
+  return text;
+}
+
+// Parses, checks and resolves `text`; true on success, false on a latentkv::Error. Any other
+// exception escapes and fails the test.
+bool try_config_text(const std::string& text, ConfigFormat format) {
+  try {
+    AttentionConfig c;
+    apply_config_text(c, text, format == ConfigFormat::kJson ? "fuzz.json" : "fuzz.toml", format);
+    check_config(c);
+    resolve_config(c, DeviceInfo{});
+    return true;
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("config: ", 0), 0u) << e.what();
+    return false;
+  }
+}
+
+TEST(ConfigFuzz, MutatedTomlAndJsonFilesEndInSuccessOrError) {
+  std::mt19937_64 rng(fuzz_seed());
+  const int iterations = 4000 * fuzz_scale();
+  for (ConfigFormat format : {ConfigFormat::kToml, ConfigFormat::kJson}) {
+    const std::vector<std::string>& seeds = format == ConfigFormat::kJson ? kJsonSeeds : kTomlSeeds;
+    for (const std::string& seed : seeds) EXPECT_TRUE(try_config_text(seed, format)) << seed;
+    int ok = 0, rejected = 0;
+    for (int i = 0; i < iterations; ++i) {
+      const std::string text = mutate(seeds[rng() % seeds.size()], rng);
+      try {
+        (try_config_text(text, format) ? ok : rejected)++;
+      } catch (const std::exception& e) {
+        FAIL() << "iteration " << i << ": " << typeid(e).name() << ": " << e.what() << "\ninput:\n" << text;
+      }
+    }
+    std::printf("[fuzz] %s: %d accepted, %d rejected\n", format == ConfigFormat::kJson ? "json" : "toml", ok, rejected);
+    EXPECT_GT(ok, 0);
+    EXPECT_GT(rejected, iterations / 2);
+  }
+}
+
+TEST(ConfigFuzz, RandomBytesEndInError) {
+  std::mt19937_64 rng(fuzz_seed() + 1);
+  for (int i = 0; i < 2000 * fuzz_scale(); ++i) {
+    std::string text(rng() % 64, '\0');
+    for (char& ch : text) ch = static_cast<char>(rng() % 256);
+    for (ConfigFormat format : {ConfigFormat::kToml, ConfigFormat::kJson}) {
+      try {
+        try_config_text(text, format);
+      } catch (const std::exception& e) {
+        FAIL() << "iteration " << i << ": " << e.what();
+      }
+    }
+  }
+}
+
+// Inputs on which toml++ 3.3 breaks its own preconditions (found by this fuzz test with assertions on).
+TEST(ConfigFuzz, InputsThatBreakTomlPlusPlusPreconditionsAreErrors) {
+  for (const std::string text : {"tp =2024-01-01 8\n", "page_size = 1979-05-27 1\n", "[%[", "[[[1]]]", "[[=",
+                                 "s = \"\"\"\\\n\xc2\xa7\"\"\"\n", "\xcc\xaa"}) {
+    EXPECT_FALSE(try_config_text(text, ConfigFormat::kToml)) << text;
+  }
+}
+
+TEST(ConfigFuzz, DeeplyNestedInputIsRejectedNotOverflowed) {
+  EXPECT_FALSE(try_config_text("tp = " + std::string(100000, '[') + std::string(100000, ']'), ConfigFormat::kToml));
+  EXPECT_FALSE(try_config_text("{\"tp\": " + std::string(100000, '[') + std::string(100000, ']') + "}",
+                               ConfigFormat::kJson));
+  EXPECT_FALSE(try_config_text("tp = " + std::string(100000, '{'), ConfigFormat::kToml));
+}
+
+const std::vector<std::string> kFlags = {"--model",        "--tp",           "--kv-dtype",    "--page-size",
+                                         "--q-len",        "--dense-prefill", "--dense-decode", "--sparse-prefill",
+                                         "--sparse-decode", "--config",       "--json",        "--explain",
+                                         "-h",             "--",             "-x",            "--tp=4",
+                                         "--model=glm5",   "--nosuch"};
+const std::vector<std::string> kValues = {
+    "glm5", "deepseek-v3.2", "8", "1", "3", "64", "0", "-1", "129", "4", "5", "fp8_e4m3", "bf16", "fp16",
+    "reference", "auto", "nosuch", "", " ", "1e3", "99999999999999999999", "--tp", "/nonexistent.toml",
+    std::string("\xff\xfe", 2), "a b", "=", "config"};
+
+std::string random_token(std::mt19937_64& rng) {
+  switch (rng() % 4) {
+    case 0: return kFlags[rng() % kFlags.size()];
+    case 1:
+    case 2: return kValues[rng() % kValues.size()];
+    default: return mutate(kValues[rng() % kValues.size()], rng);
+  }
+}
+
+TEST(ConfigFuzz, RandomArgvAndEnvironmentEndInSuccessOrUsageError) {
+  std::mt19937_64 rng(fuzz_seed() + 2);
+  const int iterations = 3000 * fuzz_scale();
+  int ok = 0, usage = 0;
+  for (int i = 0; i < iterations; ++i) {
+    std::vector<std::string> args;
+    if (rng() % 16 != 0) args.push_back("config");
+    const int n = static_cast<int>(rng() % 9);
+    for (int k = 0; k < n; ++k) {
+      std::string token = random_token(rng);
+      if (token == "--explain" && rng() % 8 != 0) continue;  // the matrix is slow to print thousands of times
+      args.push_back(token);
+      if (token.rfind("--", 0) == 0 && rng() % 4 != 0) args.push_back(kValues[rng() % kValues.size()]);
+    }
+    std::map<std::string, std::string> env;
+    if (rng() % 3 == 0) {
+      const std::vector<std::string_view>& keys = config_keys();
+      env[environment_variable(keys[rng() % keys.size()])] = random_token(rng);
+    }
+    try {
+      const CommandResult r = run_cli(args, env);
+      (r.exit_code == 0 ? ok : usage)++;
+      if (r.exit_code != 0 && !r.err.empty()) EXPECT_THAT(r.err, HasSubstr("error: config: "));
+    } catch (const Error& e) {
+      FAIL() << "iteration " << i << ": latentkv::Error escaped the command: " << e.what();
+    } catch (const std::exception& e) {
+      std::string joined;
+      for (const std::string& a : args) joined += " [" + a + "]";
+      FAIL() << "iteration " << i << ": " << typeid(e).name() << ": " << e.what() << "\nargv:" << joined;
+    }
+  }
+  std::printf("[fuzz] argv: %d succeeded, %d exited 2\n", ok, usage);
+  EXPECT_GT(ok, 0);
+  EXPECT_GT(usage, 0);
+}
+
+}  // namespace
+}  // namespace latentkv
