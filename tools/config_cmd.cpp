@@ -42,6 +42,7 @@ struct ConfigCommandState {
   std::map<std::string, CLI::Option*> options;   // key -> its option
   bool explain = false;
   bool json = false;
+  std::string device = "detected";  // or "cpu": resolve for the CPU whatever the machine has
 };
 
 std::string join(const std::vector<std::string>& items, std::string_view separator = ", ") {
@@ -320,7 +321,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
   std::string error;
   try {
     const AttentionConfig config = load_config(sources);
-    resolved = resolve_config(config, io.device(), backends);
+    resolved = resolve_config(config, state.device == "cpu" ? DeviceInfo{} : io.device(), backends);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -377,6 +378,9 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
   }
   cmd->add_flag("--explain", state->explain, "also print the capability matrix of every registered backend");
   cmd->add_flag("--json", state->json, "print the resolved configuration as JSON");
+  cmd->add_option("--device", state->device, "resolve for the detected device, or for the cpu")
+      ->check(CLI::IsMember({"detected", "cpu"}))
+      ->capture_default_str();
   cmd->callback([state, io = std::move(io)] { run_config_command(*state, io); });
   return cmd;
 }
