@@ -91,6 +91,10 @@ struct SparseMlaDecodeParams {
   TensorView o;                 // [B, q_len, H, 512] bf16 (reference: also f32/f64); zeros for an empty row
   TensorView lse;               // [B, q_len, H] f32; -inf for an empty row
   float softmax_scale = 0.0f;
+  // Split schedule and scratch, from Backend::plan() (as in MlaDecodeParams).
+  int num_splits = 0;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // Sparse MLA prefill: every new token attends to its own selected slots.

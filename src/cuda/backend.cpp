@@ -1,5 +1,5 @@
 // The CUDA backends:
-//   cuda        - FP8-native kernels (append, dense MLA decode); also reads bf16 caches.
+//   cuda        - FP8-native kernels (append, dense and sparse MLA decode); also reads bf16 caches.
 //   cast_full   - what engines do today: cast the whole FP8 pool to bf16, then bf16 decode.
 //   gather_cast - gather each request's tokens, cast them to a contiguous bf16 cache, then decode.
 // Each backend's select() is the only place that decides both support and the kernel that runs.
@@ -55,14 +55,22 @@ class CudaBackend final : public Backend {
       case Op::kMlaDecode:
         return Selection::yes(Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p)), run_decode},
                               "split-KV decode, any head count and page size");
+      case Op::kSparseMlaDecode:
+        if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
+        return Selection::yes(
+            Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, true), run_sparse_decode},
+            "each query token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       default:
         return Selection::no(std::string(op_name(p.op)) + " has no CUDA kernel yet");
     }
   }
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
-    if (op_of(args) != Op::kMlaDecode) return {};
-    return cuda::plan_mla_decode(decode_args(args), device.multiprocessors);
+    if (op_of(args) == Op::kMlaDecode) return cuda::plan_mla_decode(decode_args(args), device.multiprocessors);
+    if (op_of(args) == Op::kSparseMlaDecode) {
+      return cuda::plan_sparse_mla_decode(std::get<SparseMlaDecodeParams>(args), device.multiprocessors);
+    }
+    return {};
   }
 
  private:
@@ -75,6 +83,11 @@ class CudaBackend final : public Backend {
     const auto& p = decode_args(args);
     detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
     cuda::launch_mla_decode(p, stream_of(c));
+  }
+  static void run_sparse_decode(const OpArgs& args, const ExecContext& c) {
+    const auto& p = std::get<SparseMlaDecodeParams>(args);
+    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    cuda::launch_sparse_mla_decode(p, stream_of(c));
   }
 };
 

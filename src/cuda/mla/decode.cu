@@ -53,17 +53,6 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 
   const SplitRange range = split_range(a, b, split, kTileTokens);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
-  const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
-
-  // Physical slot of tile token j, or -1 past the chunk or on a page id outside the pool.
-  auto tile_slot = [&](int tile, int j) -> std::int32_t {
-    const int t = begin + tile * kTileTokens + j;
-    if (t >= end) return -1;
-    const std::int32_t page = table[t / a.page_size];
-    if (page < 0 || page >= a.num_pages) return -1;
-    return page * a.page_size + t % a.page_size;
-  };
-
   // Queries of this CTA's rows into shared memory (rows past the last are zero).
   for (int c = tid; c < kGroups * kRowsPerGroup * 72; c += kThreads) {
     const int r = c / 72, piece = c % 72;
@@ -75,8 +64,8 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     *reinterpret_cast<uint4*>(q_s + r * kRowStride + piece * 8) = v;
   }
   if (tid < kTileTokens) {
-    slot_s[tid] = num_tiles > 0 ? tile_slot(0, tid) : -1;
-    slot_s[kTileTokens + tid] = num_tiles > 1 ? tile_slot(1, tid) : -1;
+    slot_s[tid] = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
+    slot_s[kTileTokens + tid] = num_tiles > 1 ? token_slot(a, b, begin + kTileTokens + tid, end) : -1;
   }
   __syncthreads();
 
@@ -147,9 +136,9 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     __syncthreads();  // (B) K tile ready
     // Page id of token `tid` of tile + 2: loaded now, turned into a slot after this tile's math, so
     // the block-table read overlaps the tensor-core work instead of stalling warp 0.
-    std::int32_t ahead_page = -1;
+    std::int32_t ahead_entry = -1;
     const int ahead_t = begin + (tile + 2) * kTileTokens + tid;
-    if (tid < kTileTokens && tile + 2 < num_tiles && ahead_t < end) ahead_page = table[ahead_t / a.page_size];
+    if (tid < kTileTokens && tile + 2 < num_tiles && ahead_t < end) ahead_entry = load_token_entry(a, b, ahead_t);
 
     // ---- S = Q K^T for tokens [8w, 8w+8) of the tile ----
     // One accumulator per 128-dim block plus rope: fp8 scales differ per block, and for both
@@ -186,7 +175,8 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
         v = ((acc_s[0][e] + acc_s[1][e]) + (acc_s[2][e] + acc_s[3][e])) + acc_s[4][e];
       }
       const int t = tile_begin + token;
-      s[e] = (t < end && t < visible[e / 2]) ? v * a.scale_log2 : -INFINITY;
+      const bool read = slot_s[(tile & 1) * kTileTokens + token] >= 0;  // -1: outside the pool, or no index
+      s[e] = (t < end && t < visible[e / 2] && read) ? v * a.scale_log2 : -INFINITY;
     }
     // Row maxima across the tile: 4 lanes per row in this warp, then the group's 4 warps.
     float* my_red_max = red_max + (g * kWarpsPerGroup) * kRowsPerGroup;
@@ -266,8 +256,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
       }
     }
     if (tid < kTileTokens && tile + 2 < num_tiles) {  // read by issue_loads(tile + 2), after sync (A)
-      const bool valid = ahead_t < end && ahead_page >= 0 && ahead_page < a.num_pages;
-      slot_s[(tile & 1) * kTileTokens + tid] = valid ? ahead_page * a.page_size + ahead_t % a.page_size : -1;
+      slot_s[(tile & 1) * kTileTokens + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry) : -1;
     }
   }
 
@@ -403,25 +392,61 @@ int blocks_per_sm(bool fp8, int rows) {
 }  // namespace
 }  // namespace mla
 
-Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
-  using namespace mla;
-  const auto batch = static_cast<int>(p.q.size(0));
-  const auto rows = static_cast<int>(p.q.size(1) * p.q.size(2));
-  const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+namespace mla {
+namespace {
+
+// The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
+// rows each: as many splits as fill the SMs in one wave (never a partial second wave), each split at
+// least kMinTokensPerSplit tokens.
+Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors) {
   const int groups = groups_for(rows);
-  const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   const int row_blocks = fp8 && rows <= kNarrowMaxRows ? 1 : (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
-  // As many splits as fill the SMs in one wave (never a partial second wave), within the tokens.
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
-  const std::int64_t useful = std::max<std::int64_t>(1, capacity / kMinTokensPerSplit);
+  const std::int64_t useful = std::max<std::int64_t>(1, tokens / kMinTokensPerSplit);
   Plan plan;
   plan.num_splits = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
   if (plan.num_splits > 1) {
     plan.workspace_bytes = sizeof(float) * static_cast<std::size_t>(plan.num_splits) * batch * rows * (kDimV + 1);
   }
   return plan;
+}
+
+// Checks the schedule and scratch, then runs the kernel these shapes take and the split combine.
+void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::size_t workspace_bytes, const char* op,
+                cudaStream_t stream) {
+  a.num_splits = num_splits;
+  if (a.num_splits < 1) throw Error(op, "num_splits", std::to_string(num_splits), ">= 1, from the backend's plan()");
+  if (a.num_splits > 1) {
+    const std::size_t need = sizeof(float) * static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * (kDimV + 1);
+    if (workspace == nullptr || workspace_bytes < need) {
+      throw Error(op, "workspace_bytes", std::to_string(workspace_bytes),
+                  ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
+    }
+    a.o_part = static_cast<float*>(workspace);
+    a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
+  }
+  if (a.batch == 0) return;
+  const int groups = groups_for(a.rows);
+  if (fp8 && a.rows <= kNarrowMaxRows) launch_decode_narrow(a, stream);
+  else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
+  else if (fp8) launch_instance<true, 2>(a, stream);
+  else if (groups == 1) launch_instance<false, 1>(a, stream);
+  else launch_instance<false, 2>(a, stream);
+  if (a.num_splits > 1) {
+    combine_kernel<<<dim3(static_cast<unsigned>(a.batch * a.rows), kDimV / kCombineDims), kCombineThreads, 0, stream>>>(a);
+    LKV_CUDA_CHECK_LAUNCH(op);
+  }
+}
+
+}  // namespace
+}  // namespace mla
+
+Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
+  const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+  return mla::plan_splits(static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1) * p.q.size(2)), capacity,
+                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors);
 }
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
@@ -440,37 +465,43 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   a.q_len = static_cast<int>(p.q.size(1));
   a.heads = static_cast<int>(p.q.size(2));
   a.rows = a.q_len * a.heads;
-  a.num_splits = p.num_splits;
   a.scale_log2 = p.softmax_scale * kLog2e;
-  if (a.num_splits < 1) throw Error("mla_decode", "num_splits", std::to_string(p.num_splits), ">= 1, from the backend's plan()");
-  if (a.num_splits > 1) {
-    const std::size_t need = sizeof(float) * static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * (kDimV + 1);
-    if (p.workspace == nullptr || p.workspace_bytes < need) {
-      throw Error("mla_decode", "workspace_bytes", std::to_string(p.workspace_bytes),
-                  ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
-    }
-    a.o_part = static_cast<float*>(p.workspace);
-    a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
-  }
-  if (a.batch == 0) return;
-  const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
-  const int groups = groups_for(a.rows);
-  if (fp8 && a.rows <= kNarrowMaxRows) launch_decode_narrow(a, stream);
-  else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
-  else if (fp8) launch_instance<true, 2>(a, stream);
-  else if (groups == 1) launch_instance<false, 1>(a, stream);
-  else launch_instance<false, 2>(a, stream);
-  if (a.num_splits > 1) {
-    combine_kernel<<<dim3(static_cast<unsigned>(a.batch * a.rows), kDimV / kCombineDims), kCombineThreads, 0, stream>>>(a);
-    LKV_CUDA_CHECK_LAUNCH("mla_decode (combine)");
-  }
+  run_decode(a, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
-std::string mla_decode_kernel_name(KvDtype dtype, int rows) {
+// Sparse decode is the same kernels over each query token's own index row: the B x q_len query
+// tokens become independent "requests" of H rows whose tokens are their index_cols slots.
+Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors) {
+  return mla::plan_splits(static_cast<int>(p.q.size(0) * p.q.size(1)), static_cast<int>(p.q.size(2)),
+                          p.indices.size(2), p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors);
+}
+
+void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream) {
+  using namespace mla;
+  DecodeArgs a{};
+  a.q = p.q.as<const std::uint16_t>();
+  a.cache = p.cache.data;
+  a.indices = p.indices.as<const std::int32_t>();
+  a.index_cols = static_cast<int>(p.indices.size(2));
+  a.o = p.o.as<std::uint16_t>();
+  a.lse = p.lse.as<float>();
+  a.num_pages = p.cache.num_pages;
+  a.page_size = p.cache.page_size;
+  a.batch = static_cast<int>(p.q.size(0) * p.q.size(1));
+  a.q_len = 1;
+  a.heads = static_cast<int>(p.q.size(2));
+  a.rows = a.heads;
+  a.scale_log2 = p.softmax_scale * kLog2e;
+  run_decode(a, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
+             "sparse_mla_decode", stream);
+}
+
+std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {
+  const std::string op = sparse ? "sparse_mla_decode" : "mla_decode";
   if (dtype == KvDtype::kFp8E4M3 && rows <= mla::kNarrowMaxRows) {
-    return "mla_decode_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
+    return op + "_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
   }
-  return std::string("mla_decode<") + (dtype == KvDtype::kFp8E4M3 ? "fp8" : "bf16") + ", " +
+  return op + "<" + (dtype == KvDtype::kFp8E4M3 ? "fp8" : "bf16") + ", " +
          std::to_string(mla::groups_for(rows) * mla::kRowsPerGroup) + " rows/cta>";
 }
 

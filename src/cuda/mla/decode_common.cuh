@@ -15,7 +15,9 @@ struct DecodeArgs {
   const std::uint16_t* q;            // [B, q_len, H, 576] bf16
   const std::uint8_t* cache;         // [num_pages * page_size, token_bytes]
   const std::int32_t* block_table;   // [B, max_pages]
-  const std::int32_t* seq_lens;      // [B]
+  const std::int32_t* seq_lens;      // [B] (dense)
+  const std::int32_t* indices;       // [B, index_cols] physical slots, -1 ignored (sparse); null for dense
+  int index_cols;
   std::uint16_t* o;                  // [B, rows, 512] bf16 (rows = q_len * H)
   float* lse;                        // [B, rows]
   float* o_part;                     // [splits, B, rows, 512] f32, when num_splits > 1
@@ -34,19 +36,37 @@ struct DecodeArgs {
 // The tokens [begin, end) of request b that split `split` covers: the request's length (clamped to
 // its block table's capacity) cut into num_splits chunks of whole tiles. Read on the device, so a
 // captured step follows the lengths as they grow.
+// Sparse decode has no lengths: a row's tokens are the index_cols entries of its index row.
 struct SplitRange {
   int len, begin, end, num_tiles;
 };
 __device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, int b, int split, int tile_tokens) {
   const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   SplitRange s;
-  s.len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  s.len = a.indices != nullptr ? a.index_cols
+                               : static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
   int chunk = (s.len + a.num_splits - 1) / a.num_splits;
   chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
   s.begin = min(split * chunk, s.len);
   s.end = min(s.begin + chunk, s.len);
   s.num_tiles = (s.end - s.begin + tile_tokens - 1) / tile_tokens;
   return s;
+}
+
+// Token t of request b comes from its block table (dense: page t / page_size) or its index row
+// (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the
+// global load can be issued early and used late. A slot outside the pool, or -1, gives -1: the
+// kernels read nothing for it and mask it out of the softmax.
+__device__ __forceinline__ std::int32_t load_token_entry(const DecodeArgs& a, int b, int t) {
+  return a.indices != nullptr ? a.indices[static_cast<std::int64_t>(b) * a.index_cols + t]
+                              : a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
+}
+__device__ __forceinline__ std::int32_t entry_to_slot(const DecodeArgs& a, int t, std::int32_t entry) {
+  if (a.indices != nullptr) return entry >= 0 && entry < a.num_pages * a.page_size ? entry : -1;
+  return entry >= 0 && entry < a.num_pages ? entry * a.page_size + t % a.page_size : -1;
+}
+__device__ __forceinline__ std::int32_t token_slot(const DecodeArgs& a, int b, int t, int end) {
+  return t < end ? entry_to_slot(a, t, load_token_entry(a, b, t)) : -1;
 }
 
 // Few query rows over an fp8 cache (rows <= kNarrowMaxRows): the transposed kernel of

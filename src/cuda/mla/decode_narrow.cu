@@ -89,14 +89,6 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
 
   const SplitRange range = split_range(a, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
-  const std::int32_t* table = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
-  auto slot_of = [&](int t) -> std::int32_t {  // logical position -> slot, or -1
-    if (t >= end) return -1;
-    const std::int32_t page = table[t / a.page_size];
-    if (page < 0 || page >= a.num_pages) return -1;
-    return page * a.page_size + t % a.page_size;
-  };
-
   // ---- queries: latent as f16 scaled by 2^e per row (max |q| in [2^12, 2^13)), rope as bf16 ----
   for (int row = warp; row < kRows; row += 4) {
     uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   if (tid < 4) unit[tid] = 0.0f;
   if (tid < kTile) {
 #pragma unroll
-    for (int t = 0; t < kStages; ++t) slot_s[t * kTile + tid] = t < num_tiles ? slot_of(begin + t * kTile + tid) : -1;
+    for (int t = 0; t < kStages; ++t) slot_s[t * kTile + tid] = t < num_tiles ? token_slot(a, b, begin + t * kTile + tid, end) : -1;
   }
   __syncthreads();
 
@@ -165,11 +157,12 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // (A) this tile is staged; the previous tile's output math is done
     issue_tile(tile + kStages - 1);
-    std::int32_t ahead_page = -1;  // page of token `tid` of tile + kStages, made a slot at the end
+    std::int32_t ahead_entry = -1;  // token `tid` of tile + kStages: loaded now, made a slot at the end
     const int ahead_t = begin + (tile + kStages) * kTile + tid;
-    if (tid < kTile && tile + kStages < num_tiles && ahead_t < end) ahead_page = table[ahead_t / a.page_size];
+    if (tid < kTile && tile + kStages < num_tiles && ahead_t < end) ahead_entry = load_token_entry(a, b, ahead_t);
 
     const std::uint8_t* kv = stages + (tile % kStages) * kStageBytes;
+    const std::int32_t* tile_slots = slot_s + (tile % kStages) * kTile;  // rewritten only at the end
     const int tile_begin = begin + tile * kTile;
 
     // ---- score partials S^T for tokens tok0 = 16 (warp % 2) + r and tok0 + 8 ----
@@ -245,7 +238,8 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
       for (int i = 0; i < 4; ++i) {
         const int t = t0 + i, pos = tile_begin + t;
         const float v = (s_part[t * kRows + row] + s_part[(kTile + t) * kRows + row]) * a.scale_log2;
-        s[i] = (pos < end && pos < visible) ? v : -INFINITY;
+        const bool read = tile_slots[t] >= 0;  // a slot outside the pool (or a -1 index) is not attended
+        s[i] = (pos < end && pos < visible && read) ? v : -INFINITY;
         mx = fmaxf(mx, s[i]);
       }
       const float old_max = row_max[row];
@@ -342,8 +336,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
       }
     }
     if (tid < kTile && tile + kStages < num_tiles) {  // read by issue_tile(tile + kStages) after sync (A)
-      const bool valid = ahead_t < end && ahead_page >= 0 && ahead_page < a.num_pages;
-      slot_s[(tile % kStages) * kTile + tid] = valid ? ahead_page * a.page_size + ahead_t % a.page_size : -1;
+      slot_s[(tile % kStages) * kTile + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry) : -1;
     }
   }
 

@@ -1,4 +1,4 @@
-// src/cuda/mla/launch.hpp - planning and launching dense MLA decode.
+// src/cuda/mla/launch.hpp - planning and launching dense and sparse MLA decode.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,7 +18,11 @@ Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors);
 // p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes.
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
 
-// The kernel instance a call with these shapes runs, for printing.
-std::string mla_decode_kernel_name(KvDtype dtype, int rows);
+// Sparse MLA decode: the same kernels, each query token attending to its own index row.
+Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors);
+void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream);
+
+// The kernel instance a call with these shapes runs (rows = q_len x heads dense, heads sparse).
+std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse = false);
 
 }  // namespace latentkv::cuda
