@@ -16,6 +16,7 @@ struct BenchOptions {
   std::int64_t context = 32768;
   std::int64_t pool = 495000;
   int q_len = 1;
+  int topk = 2048;  // index row width of sparse_mla_decode
   int page_size = 64;
   std::string kv_dtype = "fp8_e4m3";
   std::vector<std::string> backends = {"cuda", "gather_cast", "cast_full"};
@@ -42,7 +43,7 @@ struct BenchReport {
   std::vector<BenchRow> rows;
 };
 
-// Runs on the CUDA device; throws latentkv::Error or std::runtime_error on failure.
+// mla_decode or sparse_mla_decode on the CUDA device; throws latentkv::Error or std::runtime_error.
 BenchReport run_decode_bench(const BenchOptions& options);
 
 }  // namespace latentkv::tools

@@ -3,6 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <numeric>
+#include <random>
+#include <variant>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -29,30 +32,74 @@ struct Reference {
   std::vector<double> o, lse;  // [checked, q_len, H, 512], [checked, q_len, H]
 };
 
+// The float64 reference of the first `checked` requests, from a host copy of the whole pool (the very
+// bytes the GPU read); `indices` (sparse) holds set 0's index rows [B, q_len, topk], else empty.
 Reference reference_for(const DevicePool& pool, const RequestSets& sets, int checked, const std::vector<std::uint16_t>& q,
-                        int q_len, int heads, float scale) {
-  // The whole pool is brought to the host once: the reference reads the very bytes the GPU read.
+                        int q_len, int heads, float scale, const std::vector<std::int32_t>& indices, int topk) {
   std::vector<std::uint8_t> bytes(pool.latent_bytes.bytes());
   cuda_ok(cudaMemcpy(bytes.data(), pool.latent_bytes.get(), bytes.size(), cudaMemcpyDeviceToHost), "pool download");
   LatentCache cache = pool.cache();
   cache.data = bytes.data();
   cache.device = Device::cpu();
-  std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + static_cast<std::ptrdiff_t>(checked) * sets.max_pages);
-  std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
   std::vector<std::uint16_t> q_checked(q.begin(), q.begin() + static_cast<std::ptrdiff_t>(checked) * q_len * heads * 576);
   Reference r;
   r.o.resize(static_cast<std::size_t>(checked) * q_len * heads * 512);
   r.lse.resize(static_cast<std::size_t>(checked) * q_len * heads);
+  const TensorView q_view = TensorView::contiguous(q_checked.data(), DType::kBF16, {checked, q_len, heads, 576});
+  const TensorView o_view = TensorView::contiguous(r.o.data(), DType::kF64, {checked, q_len, heads, 512});
+  const TensorView lse_view = TensorView::contiguous(r.lse.data(), DType::kF64, {checked, q_len, heads});
+  if (!indices.empty()) {
+    std::vector<std::int32_t> rows(indices.begin(), indices.begin() + static_cast<std::ptrdiff_t>(checked) * q_len * topk);
+    SparseMlaDecodeParams p;
+    p.q = q_view;
+    p.cache = cache;
+    p.indices = TensorView::contiguous(rows.data(), DType::kI32, {checked, q_len, topk});
+    p.o = o_view;
+    p.lse = lse_view;
+    p.softmax_scale = scale;
+    cpu::sparse_mla_decode(p);
+    return r;
+  }
+  std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + static_cast<std::ptrdiff_t>(checked) * sets.max_pages);
+  std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
   MlaDecodeParams p;
-  p.q = TensorView::contiguous(q_checked.data(), DType::kBF16, {checked, q_len, heads, 576});
+  p.q = q_view;
   p.cache = cache;
   p.block_table = TensorView::contiguous(table.data(), DType::kI32, {checked, sets.max_pages});
   p.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {checked});
-  p.o = TensorView::contiguous(r.o.data(), DType::kF64, {checked, q_len, heads, 512});
-  p.lse = TensorView::contiguous(r.lse.data(), DType::kF64, {checked, q_len, heads});
+  p.o = o_view;
+  p.lse = lse_view;
   p.softmax_scale = scale;
   cpu::mla_decode(p);
   return r;
+}
+
+// Index rows [sets, B, q_len, topk]: for each query token, topk distinct positions it can see (all
+// of them when fewer), as physical slots, in random order, padded with -1.
+std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
+                                            int page_size, std::uint64_t seed) {
+  std::vector<std::int32_t> out;
+  std::mt19937_64 rng(seed);
+  std::vector<std::int64_t> positions;
+  for (int s = 0; s < sets.sets; ++s) {
+    for (int b = 0; b < sets.batch; ++b) {
+      const std::int32_t* table = sets.host_tables.data() + (static_cast<std::size_t>(s) * sets.batch + b) * sets.max_pages;
+      for (int i = 0; i < q_len; ++i) {
+        const std::int64_t visible = context - q_len + i + 1;
+        positions.resize(static_cast<std::size_t>(visible));
+        std::iota(positions.begin(), positions.end(), 0);
+        const std::int64_t take = std::min<std::int64_t>(topk, visible);
+        for (std::int64_t k = 0; k < take; ++k) {  // partial Fisher-Yates: the first `take` are a random subset
+          std::swap(positions[static_cast<std::size_t>(k)],
+                    positions[static_cast<std::size_t>(k + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(visible - k)))]);
+          const std::int64_t t = positions[static_cast<std::size_t>(k)];
+          out.push_back(table[t / page_size] * page_size + static_cast<std::int32_t>(t % page_size));
+        }
+        for (std::int64_t k = take; k < topk; ++k) out.push_back(-1);
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -79,45 +126,73 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     report.copy_gbps = c.copy_gbps;
   }
 
+  const bool sparse = opt.op == "sparse_mla_decode";
   const DevicePool pool(opt.pool, opt.page_size, dtype, false, opt.seed, stream);
   const std::int64_t token_bytes = static_cast<std::int64_t>(kv_token_bytes(dtype));
-  const std::int64_t bytes_per_call = opt.batch * opt.context * token_bytes;
+  // Tokens each call reads: every visible token (dense) or every selected one (sparse).
+  double attended = 0;
+  for (int i = 0; i < opt.q_len; ++i) {
+    const double visible = static_cast<double>(opt.context - opt.q_len + i + 1);
+    attended += sparse ? std::min<double>(visible, opt.topk) : visible;
+  }
+  const std::int64_t bytes_per_call = static_cast<std::int64_t>(attended) * opt.batch * token_bytes;
   report.rotation_sets = rotation_sets(bytes_per_call, prop.l2CacheSize, pool.num_pages * pool.page_size,
                                        opt.batch * (opt.context + opt.page_size));
   const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
 
-  // Queries and outputs, one set per rotation.
+  // Queries, outputs (and index rows), one set per rotation.
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 576;
   const std::size_t o_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 512;
   const std::size_t lse_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads;
+  const std::size_t index_elems = sparse ? static_cast<std::size_t>(opt.batch) * opt.q_len * opt.topk : 0;
   DeviceMemory q(q_elems * 2 * sets.sets), o(o_elems * 2 * sets.sets), lse(lse_elems * 4 * sets.sets);
   launch_random_bf16(q.get<std::uint16_t>(), q_elems * sets.sets, opt.seed * 7 + 3, 1.0f, stream);
   std::vector<std::uint16_t> host_q(q_elems);
   cuda_ok(cudaMemcpy(host_q.data(), q.get(), q_elems * 2, cudaMemcpyDeviceToHost), "q download");
+  std::vector<std::int32_t> host_indices;
+  DeviceMemory indices;
+  if (sparse) {
+    host_indices = random_index_rows(sets, opt.q_len, opt.topk, opt.context, opt.page_size, opt.seed * 13 + 5);
+    indices = DeviceMemory(host_indices.size() * 4);
+    cuda_ok(cudaMemcpy(indices.get(), host_indices.data(), host_indices.size() * 4, cudaMemcpyHostToDevice), "indices");
+  }
 
-  auto params_for = [&](int set) {
+  auto params_for = [&](int set) -> OpArgs {
+    const TensorView qv = TensorView::contiguous(q.get<std::uint16_t>() + set * q_elems, DType::kBF16,
+                                                 {opt.batch, opt.q_len, heads, 576}, Device::cuda());
+    const TensorView ov = TensorView::contiguous(o.get<std::uint16_t>() + set * o_elems, DType::kBF16,
+                                                 {opt.batch, opt.q_len, heads, 512}, Device::cuda());
+    const TensorView lv = TensorView::contiguous(lse.get<float>() + set * lse_elems, DType::kF32,
+                                                 {opt.batch, opt.q_len, heads}, Device::cuda());
+    if (sparse) {
+      SparseMlaDecodeParams p;
+      p.q = qv;
+      p.cache = pool.cache();
+      p.indices = TensorView::contiguous(indices.get<std::int32_t>() + set * index_elems, DType::kI32,
+                                         {opt.batch, opt.q_len, opt.topk}, Device::cuda());
+      p.o = ov;
+      p.lse = lv;
+      p.softmax_scale = scale;
+      return p;
+    }
     MlaDecodeParams p;
-    p.q = TensorView::contiguous(q.get<std::uint16_t>() + set * q_elems, DType::kBF16,
-                                 {opt.batch, opt.q_len, heads, 576}, Device::cuda());
+    p.q = qv;
     p.cache = pool.cache();
     p.block_table = TensorView::contiguous(const_cast<std::int32_t*>(sets.table(set)), DType::kI32,
                                            {opt.batch, sets.max_pages}, Device::cuda());
     p.seq_lens = TensorView::contiguous(const_cast<std::int32_t*>(sets.lengths(set)), DType::kI32, {opt.batch},
                                         Device::cuda());
-    p.o = TensorView::contiguous(o.get<std::uint16_t>() + set * o_elems, DType::kBF16,
-                                 {opt.batch, opt.q_len, heads, 512}, Device::cuda());
-    p.lse = TensorView::contiguous(lse.get<float>() + set * lse_elems, DType::kF32, {opt.batch, opt.q_len, heads},
-                                   Device::cuda());
+    p.o = ov;
+    p.lse = lv;
     p.softmax_scale = scale;
     return p;
   };
 
-  // Work the op must do: every visible token's bytes once, the queries and outputs; 2 H (576 + 512)
+  // Work the op must do: each attended token's bytes once, the queries and outputs; 2 H (576 + 512)
   // FLOP per attended token and query row.
-  double attended = 0;
-  for (int i = 0; i < opt.q_len; ++i) attended += static_cast<double>(opt.context - opt.q_len + i + 1);
   const double flops = 2.0 * heads * (576 + 512) * attended * opt.batch;
-  const double bytes = static_cast<double>(bytes_per_call) + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems;
+  const double bytes = static_cast<double>(bytes_per_call) + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +
+                       4.0 * static_cast<double>(index_elems);
 
   const int checked = std::min(opt.check_requests, opt.batch);
   Reference ref;
@@ -134,7 +209,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       report.rows.push_back(row);
       continue;
     }
-    MlaDecodeParams p0 = params_for(0);
+    const OpArgs p0 = params_for(0);
     const Selection sel = backend->select(problem_of(p0, device));
     if (!sel) {
       row.status = "unsupported: " + sel.reason;
@@ -146,11 +221,17 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     row.num_splits = plan.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
     auto call = [&](int i) {
-      MlaDecodeParams p = params_for(i % sets.sets);
-      p.num_splits = plan.num_splits;
-      p.workspace = workspace.get();
-      p.workspace_bytes = workspace.bytes();
-      sel.kernel->launch(p, {stream});
+      OpArgs args = params_for(i % sets.sets);
+      std::visit(
+          [&](auto& p) {
+            if constexpr (requires { p.num_splits; }) {
+              p.num_splits = plan.num_splits;
+              p.workspace = workspace.get();
+              p.workspace_bytes = workspace.bytes();
+            }
+          },
+          args);
+      sel.kernel->launch(args, {stream});
     };
 
     // Check first: the outputs of set 0 against the float64 reference.
@@ -160,7 +241,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     if (checked > 0) {
       if (!have_ref) {
-        ref = reference_for(pool, sets, checked, host_q, opt.q_len, heads, scale);
+        ref = reference_for(pool, sets, checked, host_q, opt.q_len, heads, scale, host_indices, opt.topk);
         have_ref = true;
       }
       std::vector<std::uint16_t> got_o(ref.o.size());
