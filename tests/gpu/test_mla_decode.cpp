@@ -13,6 +13,7 @@
 #include "latentkv/backend.hpp"
 #include "support/compare.hpp"
 #include "support/paged_fixture.hpp"
+#include "support/reference_ops.hpp"
 
 namespace latentkv::testing {
 namespace {
@@ -82,23 +83,6 @@ struct DeviceDecode {
   }
 };
 
-// The float64 reference of the same call on the host copies.
-void reference_decode(PagedFixture& f, HostTensor& q, float scale, std::vector<std::int32_t> lens, HostTensor& o,
-                      HostTensor& lse) {
-  const auto& shape = q.shape();
-  o = HostTensor(DType::kF64, {shape[0], shape[1], shape[2], 512});
-  lse = HostTensor(DType::kF64, {shape[0], shape[1], shape[2]});
-  MlaDecodeParams ref;
-  ref.q = q.view();
-  ref.cache = f.cache();
-  ref.block_table = f.block_table_view();
-  ref.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {shape[0]});
-  ref.o = o.view();
-  ref.lse = lse.view();
-  ref.softmax_scale = scale;
-  cpu::mla_decode(ref);
-}
-
 // Builds the case, runs the reference and the backend, downloads the outputs.
 DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   PagedFixtureOptions opt;
@@ -110,7 +94,9 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   const float scale = 0.0625f;
   DecodeRun r;
-  reference_decode(f, q, scale, f.seq_lens, r.ref_o, r.ref_lse);
+  AttentionOutputs ref = reference_mla_decode(f, q, scale);
+  r.ref_o = std::move(ref.o);
+  r.ref_lse = std::move(ref.lse);
 
   DeviceDecode d(f, q, scale);
   const Backend& backend = *find_backend(c.backend);
@@ -225,10 +211,10 @@ TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
     LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
     LKV_CUDA_OK(cudaStreamSynchronize(stream));
     d.download();
-    HostTensor ref_o, ref_lse;
-    reference_decode(f, q, 0.0625f, step, ref_o, ref_lse);
-    EXPECT_TRUE(compare("o", d.o_host, ref_o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
-    EXPECT_TRUE(compare("lse", d.lse_host, ref_lse, Tolerance::lse()));
+    f.seq_lens = step;  // the host side of the reference follows the same lengths
+    const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+    EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
+    EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

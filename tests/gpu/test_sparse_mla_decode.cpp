@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "cpu/reference.hpp"
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
 #include "support/compare.hpp"
 #include "support/paged_fixture.hpp"
+#include "support/reference_ops.hpp"
 
 namespace latentkv::testing {
 namespace {
@@ -69,15 +69,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
   const float scale = 0.0625f;
 
-  HostTensor ref_o(DType::kF64, {batch, c.q_len, c.heads, 512}), ref_lse(DType::kF64, {batch, c.q_len, c.heads});
-  SparseMlaDecodeParams ref;
-  ref.q = q.view();
-  ref.cache = f.cache();
-  ref.indices = indices.view();
-  ref.o = ref_o.view();
-  ref.lse = ref_lse.view();
-  ref.softmax_scale = scale;
-  cpu::sparse_mla_decode(ref);
+  const AttentionOutputs ref = reference_sparse_decode(f, q, indices, scale);
 
   HostTensor o = sentinel_tensor(DType::kBF16, {batch, c.q_len, c.heads, 512});
   HostTensor lse = sentinel_tensor(DType::kF32, {batch, c.q_len, c.heads});
@@ -101,8 +93,8 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   LKV_CUDA_OK(cudaDeviceSynchronize());
   d_o.download(o.raw(), o.bytes());
   d_lse.download(lse.raw(), lse.bytes());
-  EXPECT_TRUE(compare("o", o, ref_o, Tolerance::bf16_output())) << plan.num_splits << " splits";
-  EXPECT_TRUE(compare("lse", lse, ref_lse, Tolerance::lse()));
+  EXPECT_TRUE(compare("o", o, ref.o, Tolerance::bf16_output())) << plan.num_splits << " splits";
+  EXPECT_TRUE(compare("lse", lse, ref.lse, Tolerance::lse()));
 }
 
 std::vector<SparseCase> sparse_cases() {
