@@ -37,7 +37,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 void print_step(const char* step, const std::string& what, double bytes_read, double seconds) {
-  std::printf("  %-18s %-58s read %9.2f MB  (%.3f s on the CPU reference)\n", step, what.c_str(), bytes_read / 1e6,
+  std::printf("  %-18s %-66s read %9.2f MB  (%.3f s on the CPU reference)\n", step, what.c_str(), bytes_read / 1e6,
               seconds);
 }
 
