@@ -1,14 +1,14 @@
-// tools/gpu/bench_decode.cpp - `latentkv bench --op mla_decode`: the FP8-native decode against the
-// cast baselines on the same pool, same requests, same queries.
+// tools/gpu/bench_decode.cpp - `latentkv bench`: dense (or sparse) MLA decode of the backends side by
+// side on the same pool, same requests, same queries, each output checked before it is timed.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <random>
-#include <variant>
-#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "bench.hpp"

@@ -1,5 +1,7 @@
-// Dense MLA decode over the paged cache, FP8 read natively (and the same kernel family on bf16).
-// Layout of the work and shared memory: decode_config.hpp. Math: SPEC section 4.2.
+// MLA decode over the paged cache, FP8 read natively: the "wide" kernel (more than 16 query rows per
+// request, and bf16 caches), the split combine, planning, and the launchers of dense and sparse
+// decode (sparse = each query token over its own index row). Few rows over fp8 go to
+// decode_narrow.cu. Layout of the work and shared memory: decode_config.hpp. Math: SPEC 4.2, 4.6.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -134,8 +136,8 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     store_tile();
     if (tile + 1 < num_tiles) issue_loads(tile + 1);
     __syncthreads();  // (B) K tile ready
-    // Page id of token `tid` of tile + 2: loaded now, turned into a slot after this tile's math, so
-    // the block-table read overlaps the tensor-core work instead of stalling warp 0.
+    // Block-table (or index) entry of token `tid` of tile + 2: loaded now, turned into a slot after
+    // this tile's math, so the global read overlaps the tensor-core work instead of stalling warp 0.
     std::int32_t ahead_entry = -1;
     const int ahead_t = begin + (tile + 2) * kTileTokens + tid;
     if (tid < kTileTokens && tile + 2 < num_tiles && ahead_t < end) ahead_entry = load_token_entry(a, b, ahead_t);
