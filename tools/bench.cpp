@@ -94,7 +94,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
 void add_bench_command(CLI::App& app) {
   auto opt = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
-  cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode"}));
+  cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits"}));
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
   cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
@@ -112,7 +112,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
   cmd->callback([opt] {
-    const BenchReport report = run_decode_bench(*opt);
+    const BenchReport report = opt->op == "indexer_logits" ? run_indexer_bench(*opt) : run_decode_bench(*opt);
     print_report(*opt, report);
     if (!opt->json.empty()) write_json(*opt, report, opt->json);
     for (const BenchRow& row : report.rows) {
@@ -125,6 +125,7 @@ void add_bench_command(CLI::App& app) {
 BenchReport run_decode_bench(const BenchOptions&) {
   throw Error("bench", "device", "cpu", "a CUDA GPU (this build has no CUDA backends)");
 }
+BenchReport run_indexer_bench(const BenchOptions& options) { return run_decode_bench(options); }
 #endif
 
 }  // namespace latentkv::tools

@@ -45,5 +45,7 @@ struct BenchReport {
 
 // mla_decode or sparse_mla_decode on the CUDA device; throws latentkv::Error or std::runtime_error.
 BenchReport run_decode_bench(const BenchOptions& options);
+// indexer_logits on the CUDA device (heads: the model's indexer heads unless --heads).
+BenchReport run_indexer_bench(const BenchOptions& options);
 
 }  // namespace latentkv::tools

@@ -1,5 +1,6 @@
 // The CUDA backends:
-//   cuda        - FP8-native kernels (append, dense and sparse MLA decode); also reads bf16 caches.
+//   cuda        - FP8-native kernels (append, dense and sparse MLA decode, indexer logits); also reads
+//                 bf16 main caches.
 //   cast_full   - what engines do today: cast the whole FP8 pool to bf16, then bf16 decode.
 //   gather_cast - gather each request's tokens, cast them to a contiguous bf16 cache, then decode.
 // Each backend's select() is the only place that decides both support and the kernel that runs.
@@ -10,6 +11,7 @@
 
 #include "core/validate.hpp"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/indexer/launch.hpp"
 #include "cuda/kv_cache/launch.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/backend.hpp"
@@ -55,6 +57,12 @@ class CudaBackend final : public Backend {
       case Op::kMlaDecode:
         return Selection::yes(Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p)), run_decode},
                               "split-KV decode, any head count and page size");
+      case Op::kIndexerLogits:
+        if (p.heads > kMaxIndexerHeads) {
+          return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
+        }
+        return Selection::yes(Kernel{"indexer_logits<fp8, cuda cores>", run_indexer_logits},
+                              "one thread per cached token, float32 dot products of exact fp8 values");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
@@ -83,6 +91,11 @@ class CudaBackend final : public Backend {
     const auto& p = decode_args(args);
     detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
     cuda::launch_mla_decode(p, stream_of(c));
+  }
+  static void run_indexer_logits(const OpArgs& args, const ExecContext& c) {
+    const auto& p = std::get<IndexerLogitsParams>(args);
+    detail::validate_shapes(p, Device::cuda());
+    cuda::launch_indexer_logits(p, stream_of(c));
   }
   static void run_sparse_decode(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<SparseMlaDecodeParams>(args);

@@ -5,6 +5,7 @@ list(APPEND LKV_SOURCES
   src/cuda/backend.cpp
 )
 set(LKV_CUDA_SOURCES
+  src/cuda/indexer/logits.cu
   src/cuda/kv_cache/append.cu
   src/cuda/kv_cache/cast.cu
   src/cuda/mla/decode.cu

@@ -76,6 +76,11 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t two_codes)
   return r;
 }
 
+__device__ __forceinline__ float fp8_to_float(std::uint8_t code) {
+  const std::uint32_t h = fp8x2_to_f16x2(code);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)));
+}
+
 // x = hi + lo with hi, lo f16.
 __device__ __forceinline__ void split_f16x2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);
