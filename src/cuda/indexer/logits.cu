@@ -55,9 +55,15 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
     const std::uint8_t* page_base = a.cache + static_cast<std::int64_t>(page) * a.page_size * 132;
     const int offset = t % a.page_size;
     kscale = reinterpret_cast<const float*>(page_base + static_cast<std::int64_t>(a.page_size) * kDim)[offset];
-    const uint4* k = reinterpret_cast<const uint4*>(page_base + static_cast<std::int64_t>(offset) * kDim);
+    const std::uint8_t* key = page_base + static_cast<std::int64_t>(offset) * kDim;
+    if (a.page_size % 4 == 0) {  // pages of 132 x page_size bytes: 16-byte aligned keys
 #pragma unroll
-    for (int c = 0; c < kDim / 16; ++c) codes[c] = k[c];
+      for (int c = 0; c < kDim / 16; ++c) codes[c] = reinterpret_cast<const uint4*>(key)[c];
+    } else {  // only 4-byte alignment is guaranteed
+      const std::uint32_t* k32 = reinterpret_cast<const std::uint32_t*>(key);
+#pragma unroll
+      for (int c = 0; c < kDim / 16; ++c) codes[c] = make_uint4(k32[4 * c], k32[4 * c + 1], k32[4 * c + 2], k32[4 * c + 3]);
+    }
   }
 
   for (int i = 0; i < a.q_len; ++i) {
