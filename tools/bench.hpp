@@ -36,6 +36,17 @@ struct BenchRow {
   bool timed = false;
 };
 
+// Fills a row's timing columns from its median (row.bytes and row.flops already set).
+inline void set_timing(BenchRow& row, double median_us, double p10_us, double p90_us, double read_gbps) {
+  row.timed = true;
+  row.median_us = median_us;
+  row.p10_us = p10_us;
+  row.p90_us = p90_us;
+  row.gbps = row.bytes / (median_us * 1e3);
+  row.pct_of_read = 100.0 * row.gbps / read_gbps;
+  row.tflops = row.flops / (median_us * 1e6);
+}
+
 struct BenchReport {
   std::string device;
   double read_gbps = 0, copy_gbps = 0;

@@ -126,13 +126,7 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
       row.status = "unchecked";
     }
     const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
-    row.timed = true;
-    row.median_us = t.median_us;
-    row.p10_us = t.p10_us;
-    row.p90_us = t.p90_us;
-    row.gbps = bytes / (t.median_us * 1e3);
-    row.pct_of_read = 100.0 * row.gbps / report.read_gbps;
-    row.tflops = flops / (t.median_us * 1e6);
+    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
     report.rows.push_back(row);
   }
   cudaStreamDestroy(stream);
