@@ -399,14 +399,14 @@ namespace {
 
 // The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
 // rows each: as many splits as fill the SMs in one wave (never a partial second wave), each split at
-// least kMinTokensPerSplit tokens.
-Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors) {
+// least min_tokens_per_split tokens.
+Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split) {
   const int groups = groups_for(rows);
   const int row_blocks = fp8 && rows <= kNarrowMaxRows ? 1 : (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
-  const std::int64_t useful = std::max<std::int64_t>(1, tokens / kMinTokensPerSplit);
+  const std::int64_t useful = std::max<std::int64_t>(1, tokens / min_tokens_per_split);
   Plan plan;
   plan.num_splits = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
   if (plan.num_splits > 1) {
@@ -448,7 +448,7 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
 Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   return mla::plan_splits(static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1) * p.q.size(2)), capacity,
-                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors);
+                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit);
 }
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
@@ -475,7 +475,8 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
 // tokens become independent "requests" of H rows whose tokens are their index_cols slots.
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors) {
   return mla::plan_splits(static_cast<int>(p.q.size(0) * p.q.size(1)), static_cast<int>(p.q.size(2)),
-                          p.indices.size(2), p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors);
+                          p.indices.size(2), p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors,
+                          mla::kMinTokensPerSparseSplit);
 }
 
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream) {

@@ -43,6 +43,9 @@ struct DecodeSmem {
 // narrow one. B 64 L 8K with a fixed 3 CTAs/SM target ran 448 CTAs on 396 slots (a partial second
 // wave): 232.7 us; one full wave (6 splits, 384 CTAs): 161.2 us.
 inline constexpr int kMinTokensPerSplit = 128;
+// Sparse rows hold at most 2048 tokens: with 128 per split one request ran on 16 CTAs (19.0 us for
+// top-k 2048 at B 1 on the H200); one tile per split spreads it over 64 CTAs: 13.2 us.
+inline constexpr int kMinTokensPerSparseSplit = 32;
 inline constexpr int kMaxSplits = 1024;  // the combine step keeps one weight per split in shared memory
 
 }  // namespace latentkv::cuda::mla
