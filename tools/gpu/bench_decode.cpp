@@ -14,6 +14,7 @@
 #include "bench.hpp"
 #include "check.hpp"
 #include "cpu/reference.hpp"
+#include "gpu/bench_context.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/measure.hpp"
 #include "gpu/pool.hpp"
@@ -105,26 +106,16 @@ std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, 
 }  // namespace
 
 BenchReport run_decode_bench(const BenchOptions& opt) {
-  const DeviceInfo device = detect_device();
-  if (device.kind != DeviceKind::kCuda) throw Error("bench", "device", "cpu", "a CUDA GPU (bench times GPU kernels)");
   const ModelShard shard = shard_model(model_preset(opt.model), opt.tp);
   const int heads = opt.heads > 0 ? opt.heads : shard.heads_per_gpu;
   const auto scale = static_cast<float>(shard.model.softmax_scale);
   const KvDtype dtype = parse_kv_dtype(opt.kv_dtype);
   if (opt.context < opt.q_len) throw Error("bench", "context", std::to_string(opt.context), ">= q_len");
 
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreate(&stream), "stream");
-  cudaDeviceProp prop{};
-  cuda_ok(cudaGetDeviceProperties(&prop, device.index), "properties");
-
-  BenchReport report;
-  report.device = device.name + " (sm_" + std::to_string(device.sm) + ", " + std::to_string(device.multiprocessors) + " SMs)";
-  {
-    const Ceilings c = measure_ceilings(std::size_t{4} << 30, device.multiprocessors, stream);
-    report.read_gbps = c.read_gbps;
-    report.copy_gbps = c.copy_gbps;
-  }
+  BenchContext ctx;
+  const DeviceInfo& device = ctx.device;
+  cudaStream_t stream = ctx.stream;
+  BenchReport& report = ctx.report;
 
   const bool sparse = opt.op == "sparse_mla_decode";
   const DevicePool pool(opt.pool, opt.page_size, dtype, false, opt.seed, stream);
@@ -136,7 +127,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     attended += sparse ? std::min<double>(visible, opt.topk) : visible;
   }
   const std::int64_t bytes_per_call = static_cast<std::int64_t>(attended) * opt.batch * token_bytes;
-  report.rotation_sets = rotation_sets(bytes_per_call, prop.l2CacheSize, pool.num_pages * pool.page_size,
+  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size,
                                        opt.batch * (opt.context + opt.page_size));
   const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
 
@@ -273,7 +264,6 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       if (base.backend == "cast_full" && base.timed && row.timed) row.speedup = base.median_us / row.median_us;
     }
   }
-  cudaStreamDestroy(stream);
   return report;
 }
 

@@ -10,6 +10,7 @@
 #include "bench.hpp"
 #include "check.hpp"
 #include "cpu/reference.hpp"
+#include "gpu/bench_context.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/measure.hpp"
 #include "gpu/pool.hpp"
@@ -22,24 +23,16 @@ namespace latentkv::tools {
 using namespace gpu;
 
 BenchReport run_indexer_bench(const BenchOptions& opt) {
-  const DeviceInfo device = detect_device();
-  if (device.kind != DeviceKind::kCuda) throw Error("bench", "device", "cpu", "a CUDA GPU (bench times GPU kernels)");
   const ModelPreset& model = model_preset(opt.model);
   const int heads = opt.heads > 0 ? opt.heads : model.indexer_heads;
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreate(&stream), "stream");
-  cudaDeviceProp prop{};
-  cuda_ok(cudaGetDeviceProperties(&prop, device.index), "properties");
-
-  BenchReport report;
-  report.device = device.name + " (sm_" + std::to_string(device.sm) + ", " + std::to_string(device.multiprocessors) + " SMs)";
-  const Ceilings ceilings = measure_ceilings(std::size_t{4} << 30, device.multiprocessors, stream);
-  report.read_gbps = ceilings.read_gbps;
-  report.copy_gbps = ceilings.copy_gbps;
+  BenchContext ctx;
+  const DeviceInfo& device = ctx.device;
+  cudaStream_t stream = ctx.stream;
+  BenchReport& report = ctx.report;
 
   const DevicePool pool(opt.pool, opt.page_size, KvDtype::kFp8E4M3, true, opt.seed, stream);
   const std::int64_t bytes_per_call = opt.batch * opt.context * static_cast<std::int64_t>(kIndexerTokenBytes);
-  report.rotation_sets = rotation_sets(bytes_per_call, prop.l2CacheSize, pool.num_pages * pool.page_size,
+  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size,
                                        opt.batch * (opt.context + opt.page_size));
   const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
 
@@ -129,7 +122,6 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
     set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
     report.rows.push_back(row);
   }
-  cudaStreamDestroy(stream);
   return report;
 }
 
