@@ -81,6 +81,9 @@ struct TopkParams {
   int page_size = kDefaultPageSize;
   int k = kMaxTopk;             // 1 .. 2048
   TensorView slots;             // [B, q_len, k] i32 physical slots; -1 pads rows with fewer than k visible
+  // Device scratch from Backend::plan() (the GPU selection keeps per-row histograms there).
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // Sparse MLA decode: each query row attends only to the slots of its index row.

@@ -1,0 +1,72 @@
+// latentkv/dsa.hpp - one layer's DeepSeek Sparse Attention decode as one call:
+// indexer logits -> top-k -> sparse MLA decode, every step reading the FP8 caches natively.
+//
+// The three ops run back to back on the caller's stream through the chosen backends, with their
+// intermediate results (logits, selected slots) and scratch in one caller-owned workspace. Nothing
+// is allocated and nothing waits for the host, so on a GPU a whole layer (or a whole model's step)
+// can be captured once in a CUDA graph and replayed as the lengths in seq_lens grow.
+#pragma once
+
+#include <cstddef>
+
+#include "latentkv/backend.hpp"
+#include "latentkv/cache.hpp"
+#include "latentkv/ops.hpp"
+#include "latentkv/tensor.hpp"
+
+namespace latentkv {
+
+struct DsaDecodeParams {
+  TensorView q;            // [B, q_len, H, 576] bf16, absorbed queries
+  TensorView q_idx;        // [B, q_len, Hi, 128] fp8 e4m3, indexer queries
+  TensorView weights;      // [B, q_len, Hi] f32, indexer head weights (q scale folded in)
+  LatentCache cache;       // main cache, read only
+  IndexerCache indexer;    // indexer key cache, read only; same page size and pool as `cache`
+  TensorView block_table;  // [B, max_pages] i32, shared by both caches
+  TensorView seq_lens;     // [B] i32, L_b (new tokens included)
+  TensorView o;            // [B, q_len, H, 512] bf16
+  TensorView lse;          // [B, q_len, H] f32
+  float softmax_scale = 0.0f;
+  int topk = kMaxTopk;     // index_topk: slots each query row attends to (rows seeing fewer take all)
+  int max_len = 0;         // logits columns, >= every L_b; 0 = the block table's capacity
+  void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
+  std::size_t workspace_bytes = 0;
+};
+
+// The backend of each step, normally from the resolved configuration (indexer, topk, sparse_decode).
+struct DsaBackends {
+  const Backend* indexer_logits = nullptr;
+  const Backend* topk = nullptr;
+  const Backend* sparse_decode = nullptr;
+};
+DsaBackends same_backend(const Backend& backend);
+
+// The three ops of one call, with views into the workspace. Their schedules (split counts,
+// scratch) are filled in when they come from plan_dsa_decode / dsa_steps.
+struct DsaSteps {
+  IndexerLogitsParams indexer;
+  TopkParams topk;
+  SparseMlaDecodeParams sparse;
+};
+
+struct DsaPlan {
+  std::size_t workspace_bytes = 0;  // all of it: logits, slots, then the two plans' scratch
+  Plan topk;                        // the top-k backend's own schedule and scratch
+  Plan sparse;                      // the sparse decode's split schedule and scratch
+};
+
+// The schedule and scratch of a call with these shapes (tensor data may still be null). Depends on
+// shapes and the device only, never on the current lengths.
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p,
+                        const DeviceInfo& device = detect_device());
+
+// The three ops a call runs, carved out of p.workspace (which must hold plan.workspace_bytes).
+// For timing or inspecting the steps one by one; dsa_decode runs exactly these.
+DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
+
+// Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into
+// o and lse. Throws Error naming the step and its argument on bad input.
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context = {}, const DeviceInfo& device = detect_device());
+
+}  // namespace latentkv

@@ -1,0 +1,132 @@
+// One layer's DSA decode: indexer logits -> top-k -> sparse MLA decode (include/latentkv/dsa.hpp).
+#include "latentkv/dsa.hpp"
+
+#include <string>
+
+#include "latentkv/error.hpp"
+
+namespace latentkv {
+namespace {
+
+constexpr std::string_view kOp = "dsa_decode";
+constexpr std::size_t kAlign = 256;
+
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+void check_backends(const DsaBackends& b) {
+  if (b.indexer_logits == nullptr) throw Error(std::string(kOp), "backends.indexer_logits", "null", "a backend");
+  if (b.topk == nullptr) throw Error(std::string(kOp), "backends.topk", "null", "a backend");
+  if (b.sparse_decode == nullptr) throw Error(std::string(kOp), "backends.sparse_decode", "null", "a backend");
+}
+
+// Where each intermediate lives in the workspace.
+struct Layout {
+  std::size_t logits = 0, slots = 0, topk = 0, sparse = 0, end = 0;
+};
+
+std::int64_t logits_columns(const DsaDecodeParams& p) {
+  if (p.max_len > 0) return p.max_len;
+  return p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+}
+
+void check_shapes(const DsaDecodeParams& p) {
+  if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
+  if (p.q_idx.rank != 4) throw Error(std::string(kOp), "q_idx", p.q_idx.shape_string(), "[B, q_len, Hi, 128] fp8");
+  if (p.block_table.rank != 2) {
+    throw Error(std::string(kOp), "block_table", p.block_table.shape_string(), "[B, max_pages] i32");
+  }
+  if (p.indexer.page_size != p.cache.page_size || p.indexer.num_pages != p.cache.num_pages) {
+    throw Error(std::string(kOp), "indexer",
+                "page_size " + std::to_string(p.indexer.page_size) + ", " + std::to_string(p.indexer.num_pages) + " pages",
+                "the main cache's page_size " + std::to_string(p.cache.page_size) + " and " +
+                    std::to_string(p.cache.num_pages) + " pages (one block table serves both)");
+  }
+  if (p.topk < 1 || p.topk > kMaxTopk) {
+    throw Error(std::string(kOp), "topk", std::to_string(p.topk), "1 .. " + std::to_string(kMaxTopk));
+  }
+  if (p.max_len < 0) throw Error(std::string(kOp), "max_len", std::to_string(p.max_len), ">= 0 (0: table capacity)");
+}
+
+Layout layout_of(const DsaDecodeParams& p, const DsaPlan& plan) {
+  const auto rows = static_cast<std::size_t>(p.q.size(0) * p.q.size(1));
+  Layout l;
+  l.logits = 0;
+  l.slots = align_up(l.logits + rows * static_cast<std::size_t>(logits_columns(p)) * sizeof(float));
+  l.topk = align_up(l.slots + rows * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
+  l.sparse = align_up(l.topk + plan.topk.workspace_bytes);
+  l.end = align_up(l.sparse + plan.sparse.workspace_bytes);
+  return l;
+}
+
+// The steps with views at `base` (null while planning).
+DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base) {
+  const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
+  const Device device = p.q.device;
+  const auto at = [base](std::size_t offset) -> void* { return base ? base + offset : nullptr; };
+
+  DsaSteps s;
+  s.indexer.q = p.q_idx;
+  s.indexer.weights = p.weights;
+  s.indexer.cache = p.indexer;
+  s.indexer.block_table = p.block_table;
+  s.indexer.seq_lens = p.seq_lens;
+  s.indexer.logits = TensorView::contiguous(at(l.logits), DType::kF32, {b, q_len, logits_columns(p)}, device);
+
+  s.topk.logits = s.indexer.logits;
+  s.topk.block_table = p.block_table;
+  s.topk.seq_lens = p.seq_lens;
+  s.topk.page_size = p.cache.page_size;
+  s.topk.k = p.topk;
+  s.topk.slots = TensorView::contiguous(at(l.slots), DType::kI32, {b, q_len, p.topk}, device);
+
+  s.sparse.q = p.q;
+  s.sparse.cache = p.cache;
+  s.sparse.indices = s.topk.slots;
+  s.sparse.o = p.o;
+  s.sparse.lse = p.lse;
+  s.sparse.softmax_scale = p.softmax_scale;
+  return s;
+}
+
+}  // namespace
+
+DsaBackends same_backend(const Backend& backend) { return {&backend, &backend, &backend}; }
+
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
+  check_backends(backends);
+  check_shapes(p);
+  DsaPlan plan;
+  DsaSteps s = steps_at(p, layout_of(p, plan), nullptr);
+  plan.topk = backends.topk->plan(s.topk, device);
+  plan.sparse = backends.sparse_decode->plan(s.sparse, device);
+  plan.workspace_bytes = layout_of(p, plan).end;
+  return plan;
+}
+
+DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
+  check_shapes(p);
+  const Layout l = layout_of(p, plan);
+  if (p.workspace == nullptr || p.workspace_bytes < l.end) {
+    throw Error(std::string(kOp), "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(l.end) + " (plan_dsa_decode's workspace_bytes for these shapes)");
+  }
+  auto* base = static_cast<std::uint8_t*>(p.workspace);
+  DsaSteps s = steps_at(p, l, base);
+  s.topk.workspace = plan.topk.workspace_bytes ? base + l.topk : nullptr;
+  s.topk.workspace_bytes = plan.topk.workspace_bytes;
+  s.sparse.num_splits = plan.sparse.num_splits;
+  s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.sparse : nullptr;
+  s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
+  return s;
+}
+
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context, const DeviceInfo& device) {
+  check_backends(backends);
+  const DsaSteps s = dsa_steps(p, plan);
+  run(*backends.indexer_logits, s.indexer, context, device);
+  run(*backends.topk, s.topk, context, device);
+  run(*backends.sparse_decode, s.sparse, context, device);
+}
+
+}  // namespace latentkv
