@@ -67,7 +67,7 @@ for step in "${steps[@]}"; do
         log "bench $name: $*"
         "$cli" bench "$@" --json "$L/bench_$name.json" >"$L/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
         cat "$L/bench_$name.log" >>"$OUT/summary.txt"
-        grep -E "^(cuda|cast_full|gather_cast|ceilings)" "$L/bench_$name.log"
+        grep -E "^(cuda|cast_full|gather_cast|ceilings|  )" "$L/bench_$name.log"
       }
       run_bench glm5_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --pool 495000
       run_bench h8_b64_8k --model glm5 --tp 8 --batch 64 --context 8192 --pool 600000 --backends cuda,gather_cast
@@ -79,6 +79,11 @@ for step in "${steps[@]}"; do
       run_bench sparse_h128_b64_k2048 --op sparse_mla_decode --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --topk 2048 --pool 600000 --backends cuda --iters 20 --check-requests 1
       run_bench indexer_hi32_b1_128k --op indexer_logits --model glm5 --batch 1 --context 131072 --pool 600000 --backends cuda
       run_bench indexer_hi32_b16_128k --op indexer_logits --model glm5 --batch 16 --context 131072 --pool 2200000 --backends cuda --check-requests 1
+      run_bench topk_b1_128k --op topk --batch 1 --context 131072 --topk 2048 --pool 600000 --backends cuda
+      run_bench topk_b64_32k --op topk --batch 64 --context 32768 --topk 2048 --pool 2200000 --backends cuda --check-requests 4
+      run_bench dsa_glm5_b1_32k --op dsa_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 495000
+      run_bench dsa_glm5_b64_8k --op dsa_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000 --check-requests 2
+      run_bench sparse_h8_b64_k2048_baselines --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000
       if [ "$step" = bench-full ]; then
         run_bench glm5_b1_32k_q2 --model glm5 --tp 8 --batch 1 --context 32768 --q-len 2 --pool 495000
         run_bench bf16_h8_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --kv-dtype bf16 --pool 300000 --backends cuda

@@ -16,7 +16,7 @@ struct BenchOptions {
   std::int64_t context = 32768;
   std::int64_t pool = 495000;
   int q_len = 1;
-  int topk = 2048;  // index row width of sparse_mla_decode
+  int topk = 2048;  // index row width of sparse_mla_decode, k of topk and dsa_decode
   int page_size = 64;
   std::string kv_dtype = "fp8_e4m3";
   std::vector<std::string> backends = {"cuda", "gather_cast", "cast_full"};
@@ -51,6 +51,7 @@ struct BenchReport {
   std::string device;
   double read_gbps = 0, copy_gbps = 0;
   int rotation_sets = 0;
+  std::string timing = "stream launches";  // or "CUDA graph replays"
   std::vector<BenchRow> rows;
 };
 
@@ -58,5 +59,9 @@ struct BenchReport {
 BenchReport run_decode_bench(const BenchOptions& options);
 // indexer_logits on the CUDA device (heads: the model's indexer heads unless --heads).
 BenchReport run_indexer_bench(const BenchOptions& options);
+// topk over synthetic logits [batch, q_len, context] on the CUDA device.
+BenchReport run_topk_bench(const BenchOptions& options);
+// One layer's DSA decode (indexer -> top-k -> sparse decode); --backends names the sparse step's backend.
+BenchReport run_dsa_bench(const BenchOptions& options);
 
 }  // namespace latentkv::tools

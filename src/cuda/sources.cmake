@@ -3,6 +3,7 @@
 list(APPEND LKV_SOURCES
   src/cuda/common/device.cpp
   src/cuda/backend.cpp
+  src/cuda/baselines/cast_baselines.cpp
 )
 set(LKV_CUDA_SOURCES
   src/cuda/indexer/logits.cu
@@ -10,5 +11,6 @@ set(LKV_CUDA_SOURCES
   src/cuda/kv_cache/cast.cu
   src/cuda/mla/decode.cu
   src/cuda/mla/decode_narrow.cu
+  src/cuda/topk/select.cu
 )
 list(APPEND LKV_BACKENDS cuda cast_full gather_cast)

@@ -34,6 +34,36 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   return t;
 }
 
+Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream) {
+  std::vector<cudaGraphExec_t> execs;
+  struct Release {
+    std::vector<cudaGraphExec_t>& execs;
+    ~Release() {
+      for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
+    }
+  } release{execs};
+  for (int v = 0; v < variants; ++v) {
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "graph capture");
+    try {
+      call(v);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "graph capture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    cuda_ok(status, "graph instantiate");
+    execs.push_back(exec);
+  }
+  return time_calls(
+      [&](int i) { cuda_ok(cudaGraphLaunch(execs[static_cast<std::size_t>(i % variants)], stream), "graph launch"); },
+      warmup, iters, stream);
+}
+
 Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream) {
   Ceilings c;
   c.bytes = bytes;

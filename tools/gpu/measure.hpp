@@ -25,6 +25,11 @@ struct Timing {
 // Times `call(i)` for i = 0 .. iters-1 after `warmup` untimed calls, each call between two events.
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream);
 
+// Captures `call(v)` for v = 0 .. variants-1 into one CUDA graph each, then times graph launches
+// (variant i % variants for call i) as time_calls does: what a decode step captured once and
+// replayed costs, without per-kernel launch overhead.
+Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream);
+
 struct Ceilings {
   double read_gbps = 0;   // read-only streaming kernel, 16-byte loads
   double copy_gbps = 0;   // device-to-device copy, bytes read plus written

@@ -70,6 +70,21 @@ __global__ void __launch_bounds__(kThreads) gather_cast_kernel(const std::uint8_
   }
 }
 
+__global__ void __launch_bounds__(kThreads) gather_cast_indices_kernel(const std::uint8_t* src, std::int64_t num_slots,
+                                                                       const std::int32_t* indices, std::int64_t entries,
+                                                                       std::uint8_t* dst, std::int32_t* dst_indices) {
+  const std::int64_t total = entries * kPiecesPerToken;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * kThreads) {
+    const std::int64_t e = i / kPiecesPerToken;
+    const int piece = static_cast<int>(i % kPiecesPerToken);
+    const std::int32_t slot = indices[e];
+    const bool valid = slot >= 0 && slot < num_slots;
+    if (piece == 0) dst_indices[e] = valid ? static_cast<std::int32_t>(e) : -1;
+    if (valid) cast_piece(src + static_cast<std::int64_t>(slot) * 656, dst + e * 1152, piece);
+  }
+}
+
 int grid_for(std::int64_t work) {
   const std::int64_t blocks = (work + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);  // grid-stride beyond
@@ -92,6 +107,14 @@ void launch_gather_cast(const LatentCache& src, const std::int32_t* block_table,
   const int blocks_x = grid_for(capacity * kPiecesPerToken);
   gather_cast_kernel<<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(batch)), kThreads, 0, stream>>>(
       src.data, src.num_pages, src.page_size, block_table, seq_lens, max_pages, dst, dst_block_table);
+  LKV_CUDA_CHECK_LAUNCH("gather_cast");
+}
+
+void launch_gather_cast_indices(const LatentCache& src, const std::int32_t* indices, std::int64_t entries,
+                                std::uint8_t* dst, std::int32_t* dst_indices, cudaStream_t stream) {
+  if (entries == 0) return;
+  gather_cast_indices_kernel<<<grid_for(entries * kPiecesPerToken), kThreads, 0, stream>>>(
+      src.data, src.num_slots(), indices, entries, dst, dst_indices);
   LKV_CUDA_CHECK_LAUNCH("gather_cast");
 }
 

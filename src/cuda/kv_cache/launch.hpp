@@ -25,4 +25,9 @@ void launch_gather_cast(const LatentCache& src, const std::int32_t* block_table,
                         int batch, int max_pages, std::uint8_t* dst, std::int32_t* dst_block_table,
                         cudaStream_t stream);
 
+// Gathers and dequantizes the `entries` selected slots of an index tensor into dst [entries, 1152]
+// bytes, and writes dst_indices [entries]: entry e -> e, or -1 where the slot is -1 or outside the pool.
+void launch_gather_cast_indices(const LatentCache& src, const std::int32_t* indices, std::int64_t entries,
+                                std::uint8_t* dst, std::int32_t* dst_indices, cudaStream_t stream);
+
 }  // namespace latentkv::cuda

@@ -1,0 +1,196 @@
+// The cast baselines, registered as backends for honest side-by-side figures, for dense and sparse
+// MLA decode over an fp8 cache:
+//   cast_full   - what engines do today: cast the whole FP8 pool to bf16, then the bf16 decode.
+//   gather_cast - dense: gather each request's tokens; sparse: gather each query row's selected
+//                 slots; cast them into a contiguous bf16 cache, then the bf16 decode over it.
+// Both are never preferred by `auto`; bench and step name them explicitly. The scratch of a call is
+// [bf16 copy (and its table or indices)][the bf16 decode's own workspace].
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "core/validate.hpp"
+#include "cuda/common/backend_support.hpp"
+#include "cuda/kv_cache/launch.hpp"
+#include "cuda/mla/launch.hpp"
+#include "latentkv/backend.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv {
+namespace {
+
+using cuda::device_problem;
+using cuda::rows_of;
+using cuda::stream_of;
+
+std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+
+class CastBaseline : public Backend {
+ public:
+  int preference() const override { return 1; }  // never preferred over FP8-native kernels
+
+  Selection select(const Problem& p) const override {
+    if (std::string why = device_problem(p); !why.empty()) return Selection::no(why);
+    if (p.op != Op::kMlaDecode && p.op != Op::kSparseMlaDecode) {
+      return Selection::no("baseline for mla_decode and sparse_mla_decode only");
+    }
+    if (p.kv_dtype != KvDtype::kFp8E4M3) return Selection::no("casts an fp8_e4m3 cache; the cache is bf16");
+    if (p.op == Op::kSparseMlaDecode && p.topk > kMaxTopk) {
+      return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
+    }
+    const bool sparse = p.op == Op::kSparseMlaDecode;
+    const Backend* self = this;
+    const std::string inner = cuda::mla_decode_kernel_name(KvDtype::kBf16, sparse ? std::max(p.heads, 1) : rows_of(p), sparse);
+    return Selection::yes(Kernel{std::string(name()) + " + " + inner,
+                                 [self](const OpArgs& args, const ExecContext& c) {
+                                   static_cast<const CastBaseline*>(self)->run(args, stream_of(c));
+                                 }},
+                          "baseline: " + std::string(extra_traffic()));
+  }
+
+  Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
+    if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
+      Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);
+      plan.workspace_bytes += copy_bytes(*dense);
+      return plan;
+    }
+    const auto& sparse = std::get<SparseMlaDecodeParams>(args);
+    Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors);
+    plan.workspace_bytes += copy_bytes(sparse);
+    return plan;
+  }
+
+ protected:
+  // Bytes of the bf16 copy (and its table or indices) at the start of the workspace.
+  virtual std::size_t copy_bytes(const MlaDecodeParams& p) const = 0;
+  virtual std::size_t copy_bytes(const SparseMlaDecodeParams& p) const = 0;
+  // The decode parameters that read the bf16 copy at `scratch`; with a stream, the cast that fills
+  // it is launched first (without one, only the parameters are computed, for planning).
+  virtual MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const = 0;
+  virtual SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const = 0;
+
+ private:
+  template <typename Params>
+  Params with_copy(const Params& p, std::string_view op, cudaStream_t s) const {
+    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    const std::size_t copy = copy_bytes(p);
+    if (p.workspace == nullptr || p.workspace_bytes < copy) {
+      throw Error(std::string(op), "workspace_bytes", std::to_string(p.workspace_bytes),
+                  ">= " + std::to_string(copy) + " for the " + std::string(name()) + " bf16 copy (see plan())");
+    }
+    auto* scratch = static_cast<std::uint8_t*>(p.workspace);
+    Params inner = cast(p, scratch, s);
+    inner.workspace = scratch + copy;
+    inner.workspace_bytes = p.workspace_bytes - copy;
+    return inner;
+  }
+
+  void run(const OpArgs& args, cudaStream_t s) const {
+    if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
+      cuda::launch_mla_decode(with_copy(*dense, "mla_decode", s), s);
+    } else {
+      cuda::launch_sparse_mla_decode(with_copy(std::get<SparseMlaDecodeParams>(args), "sparse_mla_decode", s), s);
+    }
+  }
+};
+
+class CastFullBackend final : public CastBaseline {
+ public:
+  std::string_view name() const override { return "cast_full"; }
+  std::string_view description() const override {
+    return "baseline: cast the whole FP8 pool to bf16 every call, then bf16 decode (what engines do today)";
+  }
+  std::string_view extra_traffic() const override {
+    return "reads 656 B and writes 1152 B for every slot of the pool, every call";
+  }
+
+ protected:
+  static std::size_t pool_bytes(const LatentCache& c) { return align256(static_cast<std::size_t>(c.num_slots()) * kBf16TokenBytes); }
+  std::size_t copy_bytes(const MlaDecodeParams& p) const override { return pool_bytes(p.cache); }
+  std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override { return pool_bytes(p.cache); }
+
+  static LatentCache cast_pool(const LatentCache& fp8, std::uint8_t* scratch, cudaStream_t s) {
+    if (scratch != nullptr) cuda::launch_cast_pool(fp8, scratch, s);
+    LatentCache bf16 = fp8;
+    bf16.data = scratch;
+    bf16.dtype = KvDtype::kBf16;
+    return bf16;
+  }
+  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+    MlaDecodeParams inner = p;
+    inner.cache = cast_pool(p.cache, scratch, s);
+    return inner;
+  }
+  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+    SparseMlaDecodeParams inner = p;
+    inner.cache = cast_pool(p.cache, scratch, s);
+    return inner;
+  }
+};
+
+class GatherCastBackend final : public CastBaseline {
+ public:
+  std::string_view name() const override { return "gather_cast"; }
+  std::string_view description() const override {
+    return "baseline: gather the FP8 tokens a call reads (a request's, or a row's selected slots), cast them to a "
+           "contiguous bf16 cache, then bf16 decode";
+  }
+  std::string_view extra_traffic() const override {
+    return "writes 1152 B and reads it back for every token read, every call";
+  }
+
+ protected:
+  // Dense: [batch, capacity] bf16 tokens, then an identity block table.
+  static std::size_t capacity(const MlaDecodeParams& p) {
+    return static_cast<std::size_t>(p.block_table.size(1)) * static_cast<std::size_t>(p.cache.page_size);
+  }
+  static std::size_t table_offset(const MlaDecodeParams& p) {
+    return static_cast<std::size_t>(p.q.size(0)) * capacity(p) * kBf16TokenBytes;
+  }
+  std::size_t copy_bytes(const MlaDecodeParams& p) const override {
+    return align256(table_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.block_table.numel()));
+  }
+  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+    MlaDecodeParams inner = p;
+    inner.cache.data = scratch;
+    inner.cache.dtype = KvDtype::kBf16;
+    inner.cache.num_pages = p.q.size(0) * p.block_table.size(1);
+    inner.block_table.data = scratch ? scratch + table_offset(p) : nullptr;
+    if (scratch != nullptr) {
+      cuda::launch_gather_cast(p.cache, p.block_table.as<const std::int32_t>(), p.seq_lens.as<const std::int32_t>(),
+                               static_cast<int>(p.q.size(0)), static_cast<int>(p.block_table.size(1)), scratch,
+                               inner.block_table.as<std::int32_t>(), s);
+    }
+    return inner;
+  }
+
+  // Sparse: one bf16 token per index entry [B * q_len * topk], then the remapped indices.
+  static std::size_t indices_offset(const SparseMlaDecodeParams& p) {
+    return align256(static_cast<std::size_t>(p.indices.numel()) * kBf16TokenBytes);
+  }
+  std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override {
+    return align256(indices_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.indices.numel()));
+  }
+  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+    SparseMlaDecodeParams inner = p;
+    inner.cache.data = scratch;
+    inner.cache.dtype = KvDtype::kBf16;
+    inner.cache.page_size = 1;
+    inner.cache.num_pages = std::max<std::int64_t>(p.indices.numel(), 1);
+    inner.indices.data = scratch ? scratch + indices_offset(p) : nullptr;
+    if (scratch != nullptr) {
+      cuda::launch_gather_cast_indices(p.cache, p.indices.as<const std::int32_t>(), p.indices.numel(), scratch,
+                                       inner.indices.as<std::int32_t>(), s);
+    }
+    return inner;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend_cast_full() { return std::make_unique<CastFullBackend>(); }
+std::unique_ptr<Backend> make_backend_gather_cast() { return std::make_unique<GatherCastBackend>(); }
+
+}  // namespace latentkv

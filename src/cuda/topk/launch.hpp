@@ -1,0 +1,20 @@
+// src/cuda/topk/launch.hpp - top-k of each query row's visible logits, as physical slots.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "latentkv/backend.hpp"
+#include "latentkv/ops.hpp"
+
+namespace latentkv::cuda {
+
+// Scratch for these shapes: per query row, a histogram, counters and a candidate list.
+Plan plan_topk(const TopkParams& p);
+
+// A memset of the row states and two kernels; never synchronizes. Arguments must be validated and
+// p.workspace must hold plan_topk(p).workspace_bytes (else Error).
+void launch_topk(const TopkParams& p, cudaStream_t stream);
+
+}  // namespace latentkv::cuda

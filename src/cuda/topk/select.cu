@@ -1,0 +1,332 @@
+// Top-k (SPEC 4.5) on the GPU: a radix select over the bits of each row's visible logits.
+//
+// Keys are the logits' float bits mapped to unsigned integers of the same order. The k-th largest
+// key K* is found a digit at a time - the top 11 bits over the whole row, the other 21 bits only
+// among the candidates that share K*'s top digit - in two kernels after a memset of the row states:
+//   1. histogram (rows x chunks CTAs): each CTA counts its chunk's top digits in shared memory and
+//      adds them into the row's histogram. The last CTA of the row to finish finds the digit T that
+//      holds the k-th largest key, and how many keys lie above T.
+//   2. select (rows x chunks CTAs): each key above T is selected on the spot (its slot written to
+//      the output); keys in T's bin are listed, with their positions, as candidates. The last CTA of
+//      the row to finish resolves the remaining bits among the candidates (two histograms in shared
+//      memory) and selects the rest: the candidates above K*, then as many ties at K* as needed.
+// Rows that see k tokens or fewer skip the selection: every visible slot, then -1s.
+// A row with more candidates than the list holds (masses of equal logits) re-reads its logits
+// instead; slower, same answer.
+#include <cub/block/block_scan.cuh>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/topk/launch.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPerThread = 8;
+constexpr int kChunk = kThreads * kPerThread;  // logits per CTA
+constexpr int kTopBits = 11, kMidBits = 11, kLowBits = 10;
+constexpr int kTopShift = kMidBits + kLowBits;  // 21
+constexpr int kTopBins = 1 << kTopBits;         // 2048
+constexpr int kMidBins = 1 << kMidBits;         // 2048
+constexpr int kLowBins = 1 << kLowBits;         // 1024
+constexpr int kCandidates = 4096;               // listed candidates per row
+
+// A row's state in the workspace (32-bit words); zeroed by a memset before every call.
+enum StateWord : int {
+  kHist = 0,                          // [kTopBins] counts of top digits
+  kArrivedHistogram = kTopBins,       // CTAs of the row done with kernel 1
+  kArrivedSelect,                     // ... with kernel 2
+  kSelected,                          // keys above T written so far
+  kListed,                            // candidates found (may exceed kCandidates)
+  kDigit,                             // T
+  kAbove,                             // keys whose top digit is above T
+  kStateWords = kTopBins + 8,
+};
+
+using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+
+struct TopkArgs {
+  const float* logits;              // [rows, max_len]
+  const std::int32_t* block_table;  // [B, max_pages]
+  const std::int32_t* seq_lens;     // [B]
+  std::int32_t* slots;              // [rows, k]
+  std::uint32_t* state;             // [rows, kStateWords]
+  uint2* candidates;                // [rows, kCandidates] {position, key}
+  std::int64_t capacity;            // max_pages * page_size
+  int max_len;
+  int max_pages;
+  int page_size;
+  int q_len;
+  int k;
+  int chunks;                       // CTAs per row: ceil(max_len / kChunk), at least 1
+};
+
+__device__ __forceinline__ std::uint32_t order_key(float x) {
+  const std::uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Positions row (b, i) sees: L_b - q_len + i + 1, L_b clamped to what the logits and table hold.
+__device__ __forceinline__ int visible_count(const TopkArgs& a, int b, int i) {
+  const std::int64_t len = min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)),
+                               min(static_cast<std::int64_t>(a.max_len), a.capacity));
+  return static_cast<int>(max(len - a.q_len + i + 1, std::int64_t{0}));
+}
+
+__device__ __forceinline__ std::int32_t slot_of(const TopkArgs& a, int b, int t) {
+  const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
+  return page < 0 ? -1 : page * a.page_size + t % a.page_size;
+}
+
+// The bin (counting down from the top) where the need-th largest key falls, and the keys above it.
+// Every thread gets the answer; the histogram must hold at least `need` keys.
+template <int kBins>
+__device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Scan::TempStorage& scan,
+                               std::uint32_t (&result)[2], std::uint32_t& bin, std::uint32_t& above) {
+  constexpr int kPer = kBins / kThreads;
+  std::uint32_t counts[kPer], local = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    counts[e] = hist[kBins - 1 - (threadIdx.x * kPer + e)];
+    local += counts[e];
+  }
+  std::uint32_t before;
+  Scan(scan).ExclusiveSum(local, before);
+  if (before < need && need <= before + local) {  // exactly one thread
+    std::uint32_t running = before;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if (running < need && need <= running + counts[e]) {
+        result[0] = kBins - 1 - (threadIdx.x * kPer + e);
+        result[1] = running;
+      }
+      running += counts[e];
+    }
+  }
+  __syncthreads();
+  bin = result[0];
+  above = result[1];
+  __syncthreads();  // result may be reused
+}
+
+// True in the one CTA of the row that arrives last at `counter` (after all others' writes).
+__device__ bool arrive_last(std::uint32_t* counter, std::uint32_t ctas, bool& flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) flag = atomicAdd(counter, 1u) == ctas - 1;
+  __syncthreads();
+  if (flag) __threadfence();
+  return flag;
+}
+
+__global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
+  __shared__ std::uint32_t hist[kTopBins];
+  __shared__ Scan::TempStorage scan;
+  __shared__ std::uint32_t result[2];
+  __shared__ bool last;
+  const int row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
+  const int b = row / a.q_len, i = row % a.q_len;
+  const int n = visible_count(a, b, i);
+  const int base = chunk * kChunk;
+  if (n <= a.k || base >= n) return;
+
+  for (int d = threadIdx.x; d < kTopBins; d += kThreads) hist[d] = 0;
+  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
+  float v[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int t = base + j * kThreads + threadIdx.x;
+    v[j] = t < n ? x[t] : 0.0f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) atomicAdd(&hist[order_key(v[j]) >> kTopShift], 1u);
+  }
+  __syncthreads();
+  std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
+  for (int d = threadIdx.x; d < kTopBins; d += kThreads) {
+    if (hist[d] != 0) atomicAdd(&state[kHist + d], hist[d]);
+  }
+  if (!arrive_last(&state[kArrivedHistogram], (n + kChunk - 1) / kChunk, last)) return;
+
+  for (int d = threadIdx.x; d < kTopBins; d += kThreads) hist[d] = __ldcg(&state[kHist + d]);
+  __syncthreads();
+  std::uint32_t digit, above;
+  find_threshold<kTopBins>(hist, static_cast<std::uint32_t>(a.k), scan, result, digit, above);
+  if (threadIdx.x == 0) {
+    state[kDigit] = digit;
+    state[kAbove] = above;
+  }
+}
+
+// Appends `take` lanes' values to a list through one atomic per warp; returns each lane's index.
+__device__ __forceinline__ std::uint32_t warp_append(bool take, std::uint32_t* counter) {
+  const unsigned mask = __ballot_sync(0xffffffffu, take);
+  const int lane = threadIdx.x % 32;
+  std::uint32_t first = 0;
+  if (mask != 0 && lane == __ffs(mask) - 1) first = atomicAdd(counter, static_cast<std::uint32_t>(__popc(mask)));
+  first = __shfl_sync(0xffffffffu, first, mask != 0 ? __ffs(mask) - 1 : 0);
+  return first + static_cast<std::uint32_t>(__popc(mask & ((1u << lane) - 1u)));
+}
+
+struct FinishShared {
+  std::uint32_t hist[kMidBins];
+  uint2 cands[kCandidates];
+  Scan::TempStorage scan;
+  std::uint32_t result[2];
+  std::uint32_t taken, ties;
+  bool last;
+};
+
+// The last CTA of a row: the low 21 bits of K* among the candidates, then the rest of the selection.
+__device__ void finish_row(const TopkArgs& a, FinishShared& s, int row, int b, int n, std::uint32_t top,
+                           std::uint32_t above, std::uint32_t* state, const uint2* listed) {
+  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
+  std::int32_t* out = a.slots + static_cast<std::int64_t>(row) * a.k;
+  const std::uint32_t found = __ldcg(&state[kListed]);
+  const bool cached = found <= kCandidates;
+  const int count = static_cast<int>(min(found, static_cast<std::uint32_t>(kCandidates)));
+  if (cached) {
+    for (int c = threadIdx.x; c < count; c += kThreads) s.cands[c] = __ldcg(&listed[c]);
+  }
+  // Calls f(position, key) for every candidate: from shared memory, or the row's logits on overflow.
+  const auto for_each = [&](auto&& f) {
+    if (cached) {
+      for (int c = threadIdx.x; c < count; c += kThreads) f(static_cast<int>(s.cands[c].x), s.cands[c].y);
+    } else {
+      for (int t = threadIdx.x; t < n; t += kThreads) {
+        const std::uint32_t key = order_key(x[t]);
+        if (key >> kTopShift == top) f(t, key);
+      }
+    }
+  };
+
+  std::uint32_t need = static_cast<std::uint32_t>(a.k) - above;
+  for (int d = threadIdx.x; d < kMidBins; d += kThreads) s.hist[d] = 0;
+  __syncthreads();
+  for_each([&](int, std::uint32_t key) { atomicAdd(&s.hist[(key >> kLowBits) & (kMidBins - 1)], 1u); });
+  __syncthreads();
+  std::uint32_t mid, mid_above;
+  find_threshold<kMidBins>(s.hist, need, s.scan, s.result, mid, mid_above);
+  need -= mid_above;
+
+  for (int d = threadIdx.x; d < kLowBins; d += kThreads) s.hist[d] = 0;
+  __syncthreads();
+  for_each([&](int, std::uint32_t key) {
+    if (((key >> kLowBits) & (kMidBins - 1)) == mid) atomicAdd(&s.hist[key & (kLowBins - 1)], 1u);
+  });
+  __syncthreads();
+  std::uint32_t low, low_above;
+  find_threshold<kLowBins>(s.hist, need, s.scan, s.result, low, low_above);
+  need -= low_above;  // ties at K* still to take
+
+  const std::uint32_t kth = (top << kTopShift) | (mid << kLowBits) | low;
+  if (threadIdx.x == 0) s.taken = s.ties = 0;
+  __syncthreads();
+  for_each([&](int t, std::uint32_t key) {
+    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) {
+      out[above + atomicAdd(&s.taken, 1u)] = slot_of(a, b, t);
+    }
+  });
+}
+
+__global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
+  __shared__ FinishShared s;
+  const int row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
+  const int b = row / a.q_len, i = row % a.q_len;
+  const int n = visible_count(a, b, i);
+  const int base = chunk * kChunk;
+  std::int32_t* out = a.slots + static_cast<std::int64_t>(row) * a.k;
+
+  if (n <= a.k) {  // every visible token, then padding (written by the row's first CTA)
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int t = base + j * kThreads + threadIdx.x;
+      if (t < n) out[t] = slot_of(a, b, t);
+    }
+    if (chunk == 0) {
+      for (int t = n + threadIdx.x; t < a.k; t += kThreads) out[t] = -1;
+    }
+    return;
+  }
+  if (base >= n) return;
+
+  std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
+  uint2* listed = a.candidates + static_cast<std::int64_t>(row) * kCandidates;
+  const std::uint32_t top = __ldcg(&state[kDigit]);
+  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
+  float v[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int t = base + j * kThreads + threadIdx.x;
+    v[j] = t < n ? x[t] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int t = base + j * kThreads + threadIdx.x;
+    const std::uint32_t key = order_key(v[j]);
+    const std::uint32_t digit = key >> kTopShift;
+    const bool in_row = t < n;
+    const std::uint32_t at = warp_append(in_row && digit > top, &state[kSelected]);
+    if (in_row && digit > top) out[at] = slot_of(a, b, t);
+    const std::uint32_t c = warp_append(in_row && digit == top, &state[kListed]);
+    if (in_row && digit == top && c < kCandidates) listed[c] = make_uint2(static_cast<std::uint32_t>(t), key);
+  }
+  if (!arrive_last(&state[kArrivedSelect], (n + kChunk - 1) / kChunk, s.last)) return;
+  finish_row(a, s, row, b, n, top, __ldcg(&state[kAbove]), state, listed);
+}
+
+std::int64_t rows_of(const TopkParams& p) { return p.logits.size(0) * p.logits.size(1); }
+std::size_t state_bytes(const TopkParams& p) {
+  return static_cast<std::size_t>(rows_of(p)) * kStateWords * sizeof(std::uint32_t);
+}
+
+}  // namespace
+
+Plan plan_topk(const TopkParams& p) {
+  Plan plan;
+  plan.workspace_bytes = state_bytes(p) + static_cast<std::size_t>(rows_of(p)) * kCandidates * sizeof(uint2);
+  return plan;
+}
+
+void launch_topk(const TopkParams& p, cudaStream_t stream) {
+  const std::size_t need = plan_topk(p).workspace_bytes;
+  if (p.workspace == nullptr || p.workspace_bytes < need) {
+    throw Error("topk", "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
+  }
+  if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
+    throw Error("topk", "workspace", "an address not 16-byte aligned", "16-byte aligned device memory");
+  }
+  const std::int64_t rows = rows_of(p);
+  if (rows == 0) return;
+  TopkArgs a{};
+  a.logits = p.logits.as<const float>();
+  a.block_table = p.block_table.as<const std::int32_t>();
+  a.seq_lens = p.seq_lens.as<const std::int32_t>();
+  a.slots = p.slots.as<std::int32_t>();
+  a.state = static_cast<std::uint32_t*>(p.workspace);
+  a.candidates = reinterpret_cast<uint2*>(static_cast<std::uint8_t*>(p.workspace) + state_bytes(p));
+  a.max_len = static_cast<int>(p.logits.size(2));
+  a.max_pages = static_cast<int>(p.block_table.size(1));
+  a.page_size = p.page_size;
+  a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  a.q_len = static_cast<int>(p.logits.size(1));
+  a.k = p.k;
+  a.chunks = a.max_len > 0 ? (a.max_len + kChunk - 1) / kChunk : 1;
+  const std::int64_t ctas = rows * a.chunks;
+  if (ctas > INT32_MAX) throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of 2048");
+  LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
+  topk_histogram_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("topk");
+  topk_select_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("topk");
+}
+
+}  // namespace latentkv::cuda
