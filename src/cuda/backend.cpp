@@ -49,7 +49,7 @@ class CudaBackend final : public Backend {
                               "fp8 tensor cores over the raw key codes, float32 sums, 128 positions per CTA");
       case Op::kTopk:
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{"topk<radix select, 11+11+10 bits>", run_topk},
+        return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},
                               "exact radix select over the float bits; rows seeing <= k tokens take them all");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));

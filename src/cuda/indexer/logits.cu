@@ -7,14 +7,17 @@
 //     The 128 dims are visited in a permuted order (the same for keys and queries, so every
 //     product still pairs the right codes): lane (g, tig) supplies, for the four k-steps, dims
 //     32*tig .. 32*tig + 31 - two 16-byte loads straight from a token's key, no shared memory.
-//   * Each warp owns 32 tokens (two row tiles), loads their keys once into registers and reuses
-//     them for every query row; a CTA of 4 warps covers 128 consecutive positions of one request.
-//   * The queries and weights of a row sit in shared memory; heads are taken 8 at a time (a
-//     missing head has zero queries and weight), relu'd, weighted and summed across the 4 lanes of
-//     a quad, then scaled by kscale_t and written. Positions a row cannot see get -inf.
+//   * A CTA owns a span of one request's positions; its 4 warps take 16-token tiles in turn, each
+//     loading its next tile's keys into registers while it computes the current one, which serves
+//     every query row. The grid has about 4 CTAs per SM whatever the batch, so a single request
+//     spreads over the whole GPU and large batches keep every CTA streaming.
+//   * All query rows and weights of the request sit in shared memory; heads are taken 8 at a time
+//     (a missing head has zero queries and weight), relu'd, weighted and summed across the 4 lanes
+//     of a quad, then scaled by kscale_t and written. Positions a row cannot see get -inf.
 // The products of two e4m3 codes are exact; the sums are float32 in tensor-core order.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -29,9 +32,7 @@ namespace {
 constexpr int kDim = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTilesPerWarp = 2;                          // 16-token row tiles
-constexpr int kTokensPerCta = kWarps * kTilesPerWarp * 16;  // 128
-constexpr int kMaxHeadTiles = 8;                          // 64 indexer heads
+constexpr int kCtasPerSm = 4;  // the grid fills about this many CTAs per SM
 
 struct LogitsArgs {
   const std::uint8_t* q;             // [B, q_len, Hi, 128] fp8
@@ -46,6 +47,7 @@ struct LogitsArgs {
   int q_len;
   int heads;
   int max_len;
+  int tiles_per_cta;                 // 16-token tiles of one CTA's span of positions
 };
 
 // One token's 32 key bytes for this lane (dims 32*tig ..) and its scale; false (and zeros) when the
@@ -84,71 +86,90 @@ __device__ __forceinline__ std::uint32_t word(const uint4 (&k)[2], int w) {
   }
 }
 
+// A 16-token row tile: this lane's 32 key bytes of tokens g and g + 8, their scales and presence.
+struct Tile {
+  uint4 keys[2][2];
+  float scales[2];
+  bool cached[2];
+};
+
 template <bool kAligned16>
-__global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
-  __shared__ __align__(16) std::uint8_t q_s[kMaxHeadTiles * 8 * kDim];  // one row's queries, zero-padded heads
-  __shared__ float w_s[kMaxHeadTiles * 8];
-  const int b = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-  const int head_tiles = (a.heads + 7) / 8;
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
-  const int warp_base = blockIdx.x * kTokensPerCta + warp * kTilesPerWarp * 16;
-
-  // This warp's keys: rows g and g + 8 of each tile.
-  uint4 keys[kTilesPerWarp][2][2];
-  float scales[kTilesPerWarp][2];
-  bool cached[kTilesPerWarp][2];
+__device__ __forceinline__ void load_tile(const LogitsArgs& a, int b, int first, int len, int g, int tig, Tile& t) {
 #pragma unroll
-  for (int m = 0; m < kTilesPerWarp; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      cached[m][r] = load_key<kAligned16>(a, b, warp_base + 16 * m + g + 8 * r, len, tig, keys[m][r], scales[m][r]);
-    }
-  }
+  for (int r = 0; r < 2; ++r) t.cached[r] = load_key<kAligned16>(a, b, first + g + 8 * r, len, tig, t.keys[r], t.scales[r]);
+}
 
+// One tile against every query row: S = K Q^T per 8 heads on the tensor cores, relu, weights, the
+// sum over heads across the quad, kscale; -inf where the row cannot see.
+__device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, int b, int len, int g, int tig,
+                                            int head_tiles, const std::uint8_t* q_s, const float* w_s) {
+  const int padded = head_tiles * 8;
   for (int i = 0; i < a.q_len; ++i) {
-    const std::int64_t row = static_cast<std::int64_t>(b) * a.q_len + i;
-    __syncthreads();  // the previous row's queries are no longer read
-    const uint4* q = reinterpret_cast<const uint4*>(a.q + row * a.heads * kDim);
-    uint4* q_s4 = reinterpret_cast<uint4*>(q_s);
-    for (int j = threadIdx.x; j < head_tiles * 8 * kDim / 16; j += kThreads) {
-      q_s4[j] = j < a.heads * kDim / 16 ? q[j] : make_uint4(0, 0, 0, 0);
-    }
-    for (int j = threadIdx.x; j < head_tiles * 8; j += kThreads) w_s[j] = j < a.heads ? a.weights[row * a.heads + j] : 0.0f;
-    __syncthreads();
-
-    float logit[kTilesPerWarp][2] = {};
+    float logit[2] = {0.0f, 0.0f};
+#pragma unroll 1
     for (int n = 0; n < head_tiles; ++n) {
       // Head n*8 + g's 32 codes for this lane, and the weights of the heads this lane accumulates.
-      const uint4* qh = reinterpret_cast<const uint4*>(q_s + (n * 8 + g) * kDim + 32 * tig);
+      const uint4* qh = reinterpret_cast<const uint4*>(q_s + (i * padded + n * 8 + g) * kDim + 32 * tig);
       const uint4 qk[2] = {qh[0], qh[1]};
-      const float w0 = w_s[n * 8 + 2 * tig], w1 = w_s[n * 8 + 2 * tig + 1];
+      const float w0 = w_s[i * padded + n * 8 + 2 * tig], w1 = w_s[i * padded + n * 8 + 2 * tig + 1];
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int m = 0; m < kTilesPerWarp; ++m) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-          mma_e4m3_16832(s, word(keys[m][0], 2 * step), word(keys[m][1], 2 * step), word(keys[m][0], 2 * step + 1),
-                         word(keys[m][1], 2 * step + 1), word(qk, 2 * step), word(qk, 2 * step + 1));
-        }
-        logit[m][0] = fmaf(w0, fmaxf(s[0], 0.0f), fmaf(w1, fmaxf(s[1], 0.0f), logit[m][0]));
-        logit[m][1] = fmaf(w0, fmaxf(s[2], 0.0f), fmaf(w1, fmaxf(s[3], 0.0f), logit[m][1]));
+      for (int step = 0; step < 4; ++step) {
+        mma_e4m3_16832(s, word(t.keys[0], 2 * step), word(t.keys[1], 2 * step), word(t.keys[0], 2 * step + 1),
+                       word(t.keys[1], 2 * step + 1), word(qk, 2 * step), word(qk, 2 * step + 1));
       }
+      logit[0] = fmaf(w0, fmaxf(s[0], 0.0f), fmaf(w1, fmaxf(s[1], 0.0f), logit[0]));
+      logit[1] = fmaf(w0, fmaxf(s[2], 0.0f), fmaf(w1, fmaxf(s[3], 0.0f), logit[1]));
     }
     const int visible = len - a.q_len + i + 1;  // causal among the new tokens
-    float* out = a.logits + row * a.max_len;
+    float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
 #pragma unroll
-    for (int m = 0; m < kTilesPerWarp; ++m) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float v = logit[m][r];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        const int t = warp_base + 16 * m + g + 8 * r;
-        if (tig == 0 && t < a.max_len) out[t] = t < visible && cached[m][r] ? v * scales[m][r] : -INFINITY;
-      }
+    for (int r = 0; r < 2; ++r) {
+      float v = logit[r];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      const int pos = first + g + 8 * r;
+      if (tig == 0 && pos < a.max_len) out[pos] = pos < visible && t.cached[r] ? v * t.scales[r] : -INFINITY;
     }
+  }
+}
+
+// Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once,
+// then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
+template <bool kAligned16>
+__global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
+  extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] codes, then [q_len, padded] weights
+  const int b = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const int head_tiles = (a.heads + 7) / 8, padded = head_tiles * 8;
+  float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim);
+  {
+    const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
+    uint4* q_s4 = reinterpret_cast<uint4*>(q_s);
+    constexpr int kChunks = kDim / 16;  // 16-byte pieces of one head's codes
+    for (int j = threadIdx.x; j < a.q_len * padded * kChunks; j += kThreads) {
+      const int i = j / (padded * kChunks), h = j / kChunks % padded, c = j % kChunks;
+      q_s4[j] = h < a.heads ? q[(i * a.heads + h) * kChunks + c] : make_uint4(0, 0, 0, 0);
+    }
+    const float* w = a.weights + static_cast<std::int64_t>(b) * a.q_len * a.heads;
+    for (int j = threadIdx.x; j < a.q_len * padded; j += kThreads) {
+      const int i = j / padded, h = j % padded;
+      w_s[j] = h < a.heads ? w[i * a.heads + h] : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  const int tiles = (a.max_len + 15) / 16;
+  const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
+  int tile = blockIdx.x * a.tiles_per_cta + warp;
+  Tile current, next;
+  if (tile < end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
+  for (; tile < end; tile += kWarps) {
+    if (tile + kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
+    tile_logits(a, current, 16 * tile, b, len, g, tig, head_tiles, q_s, w_s);
+    current = next;
   }
 }
 
@@ -173,11 +194,20 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
     throw Error("indexer_logits", "q", "an address not 16-byte aligned", "16-byte aligned device memory");
   }
-  const dim3 grid(static_cast<unsigned>((a.max_len + kTokensPerCta - 1) / kTokensPerCta), static_cast<unsigned>(batch));
+  int device = 0, sms = 0;
+  LKV_CUDA_CHECK("indexer_logits", cudaGetDevice(&device));
+  LKV_CUDA_CHECK("indexer_logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int tiles = (a.max_len + 15) / 16;
+  const int per_request = std::clamp((sms * kCtasPerSm + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
+  a.tiles_per_cta = (tiles + per_request - 1) / per_request;
+  const int ctas = (tiles + a.tiles_per_cta - 1) / a.tiles_per_cta;
+  const int padded = (a.heads + 7) / 8 * 8;
+  const auto smem = static_cast<std::size_t>(a.q_len) * padded * (kDim + sizeof(float));  // <= 33 KB
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(batch));
   if (a.page_size % 4 == 0) {  // 132 x page_size bytes per page: every key 16-byte aligned
-    logits_kernel<true><<<grid, kThreads, 0, stream>>>(a);
+    logits_kernel<true><<<grid, kThreads, smem, stream>>>(a);
   } else {
-    logits_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+    logits_kernel<false><<<grid, kThreads, smem, stream>>>(a);
   }
   LKV_CUDA_CHECK_LAUNCH("indexer_logits");
 }

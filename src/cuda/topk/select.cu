@@ -1,7 +1,7 @@
 // Top-k (SPEC 4.5) on the GPU: a radix select over the bits of each row's visible logits.
 //
 // Keys are the logits' float bits mapped to unsigned integers of the same order. The k-th largest
-// key K* is found a digit at a time - the top 11 bits over the whole row, the other 21 bits only
+// key K* is found a digit at a time - the top 12 bits over the whole row, the other 20 bits only
 // among the candidates that share K*'s top digit - in two kernels after a memset of the row states:
 //   1. histogram (rows x chunks CTAs): each CTA counts its chunk's top digits in shared memory and
 //      adds them into the row's histogram. The last CTA of the row to finish finds the digit T that
@@ -29,10 +29,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8;
 constexpr int kChunk = kThreads * kPerThread;  // logits per CTA
-constexpr int kTopBits = 11, kMidBits = 11, kLowBits = 10;
-constexpr int kTopShift = kMidBits + kLowBits;  // 21
-constexpr int kTopBins = 1 << kTopBits;         // 2048
-constexpr int kMidBins = 1 << kMidBits;         // 2048
+// Digits of the key: 12 top bits (sign, exponent, 3 mantissa bits: eighths of an octave), 10, 10.
+constexpr int kTopBits = 12, kMidBits = 10, kLowBits = 10;
+constexpr int kTopShift = kMidBits + kLowBits;  // 20
+constexpr int kTopBins = 1 << kTopBits;         // 4096
+constexpr int kMidBins = 1 << kMidBits;         // 1024
 constexpr int kLowBins = 1 << kLowBits;         // 1024
 constexpr int kCandidates = 4096;               // listed candidates per row
 
@@ -144,9 +145,15 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
     v[j] = t < n ? x[t] : 0.0f;
   }
   __syncthreads();
+  // Logits crowd into few top digits: lanes with the same digit add once, through their leader.
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) atomicAdd(&hist[order_key(v[j]) >> kTopShift], 1u);
+    const bool in_row = base + j * kThreads + static_cast<int>(threadIdx.x) < n;
+    const std::uint32_t digit = in_row ? order_key(v[j]) >> kTopShift : kTopBins;  // kTopBins: no bin
+    const unsigned same = __match_any_sync(0xffffffffu, digit);
+    if (in_row && (threadIdx.x % 32) == static_cast<unsigned>(__ffs(same) - 1)) {
+      atomicAdd(&hist[digit], static_cast<std::uint32_t>(__popc(same)));
+    }
   }
   __syncthreads();
   std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
