@@ -106,7 +106,10 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_shapes(p);
   const Layout l = layout_of(p, plan);
-  if (p.workspace == nullptr || p.workspace_bytes < l.end) {
+  if (p.workspace == nullptr) {
+    throw Error(std::string(kOp), "workspace", "null", std::to_string(l.end) + " bytes (plan_dsa_decode's workspace_bytes)");
+  }
+  if (p.workspace_bytes < l.end) {
     throw Error(std::string(kOp), "workspace_bytes", std::to_string(p.workspace_bytes),
                 ">= " + std::to_string(l.end) + " (plan_dsa_decode's workspace_bytes for these shapes)");
   }

@@ -72,20 +72,3 @@ __device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, 
 }
 
 }  // namespace latentkv::cuda
-
-namespace latentkv::cuda {
-
-// D = A * B + D, m16n8k32, fp8 e4m3 inputs, f32 accumulators (sm_89 and later).
-// a: 4 regs of 4 codes (row-major 16x32): rows g (a0, a2) and g+8 (a1, a3), columns 4*tig + 0..3
-// (a0, a1) and 16 + 4*tig + 0..3 (a2, a3); b: 2 regs (col-major 32x8): column g, rows 4*tig + 0..3
-// (b0) and 16 + 4*tig + 0..3 (b1); d as in m16n8k16. g = lane / 4, tig = lane % 4.
-__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
-                                               std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-}  // namespace latentkv::cuda

@@ -1,26 +1,28 @@
 // Lightning-indexer logits (SPEC 4.4) over the paged fp8 indexer cache (132 B/token, page-major),
-// on fp8 tensor cores (mma.sync m16n8k32 e4m3, sm_89 and later).
+// on the tensor cores: fp8 codes converted exactly to f16 on chip, mma.sync m16n8k16, f32 sums.
 //
 // Per token t and query row: logit_t = kscale_t * sum_h w_h relu(q_h . k_t). The dot products are
 // one small matrix product per query row, S[token, head] = K[token, 0:128] . Q[head, 0:128]:
-//   * A = 16 tokens x 32 dims of raw fp8 key codes, B = 32 dims x 8 heads of raw fp8 query codes.
-//     The 128 dims are visited in a permuted order (the same for keys and queries, so every
-//     product still pairs the right codes): lane (g, tig) supplies, for the four k-steps, dims
-//     32*tig .. 32*tig + 31 - two 16-byte loads straight from a token's key, no shared memory.
+//   * A = 16 tokens x 16 dims of keys, B = 16 dims x 8 heads of queries, per k-step. The 128 dims
+//     are visited in a permuted order (the same for keys and queries, so every product still pairs
+//     the right values): lane (g, tig) supplies, over the eight k-steps, dims 32*tig .. 32*tig + 31
+//     - two 16-byte loads straight from a token's key, converted to f16 once per tile.
 //   * A CTA owns a span of one request's positions; its 4 warps take 16-token tiles in turn, each
 //     loading its next tile's keys into registers while it computes the current one, which serves
-//     every query row. The grid has about 4 CTAs per SM whatever the batch, so a single request
-//     spreads over the whole GPU and large batches keep every CTA streaming.
+//     every query row. The grid is one wave of resident CTAs whatever the batch.
 //   * All query rows and weights of the request sit in shared memory; heads are taken 8 at a time
 //     (a missing head has zero queries and weight), relu'd, weighted and summed across the 4 lanes
 //     of a quad, then scaled by kscale_t and written. Positions a row cannot see get -inf.
-// The products of two e4m3 codes are exact; the sums are float32 in tensor-core order.
+// f16 holds every e4m3 value exactly, so each product is exact; the sums are float32 in tensor-core
+// order. (mma.sync on raw e4m3 codes was tried first: on sm_90 it converts to f16 inside every
+// instruction, for every 8 heads again, and ran the kernel instruction-bound.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
 #include "cuda/indexer/launch.hpp"
@@ -32,7 +34,6 @@ namespace {
 constexpr int kDim = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kCtasPerSm = 4;  // the grid fills about this many CTAs per SM
 
 struct LogitsArgs {
   const std::uint8_t* q;             // [B, q_len, Hi, 128] fp8
@@ -75,7 +76,7 @@ __device__ __forceinline__ bool load_key(const LogitsArgs& a, int b, int t, int 
   return true;
 }
 
-// Word w (4 codes) of a lane's 32 bytes; k-step s takes words 2s and 2s + 1.
+// Word w (4 codes) of a lane's 32 bytes.
 __device__ __forceinline__ std::uint32_t word(const uint4 (&k)[2], int w) {
   const uint4& v = k[w / 4];
   switch (w % 4) {
@@ -99,24 +100,47 @@ __device__ __forceinline__ void load_tile(const LogitsArgs& a, int b, int first,
   for (int r = 0; r < 2; ++r) t.cached[r] = load_key<kAligned16>(a, b, first + g + 8 * r, len, tig, t.keys[r], t.scales[r]);
 }
 
+// Shared-memory byte offset of 16-byte piece `piece` (0..3) of quarter `quarter` (0..3, dims
+// 32*quarter ..) of head `head`'s f16 queries. The XOR swizzle spreads the 8 lanes of a load phase
+// (heads g, g+1 of one 8-head tile, quarters 0..3) over all 8 16-byte bank groups.
+__device__ __forceinline__ int q_offset(int row_head, int head, int quarter, int piece) {
+  return row_head * kDim * 2 + quarter * 64 + ((piece ^ ((quarter >> 1) | ((head & 1) << 1))) * 16);
+}
+
 // One tile against every query row: S = K Q^T per 8 heads on the tensor cores, relu, weights, the
 // sum over heads across the quad, kscale; -inf where the row cannot see.
 __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, int b, int len, int g, int tig,
                                             int head_tiles, const std::uint8_t* q_s, const float* w_s) {
+  // A fragments of the 8 k-steps: step s covers this lane's dims 32*tig + 4s .. + 3 of both rows.
+  std::uint32_t frag[8][4];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::uint32_t w = word(t.keys[r], s);
+      frag[s][r] = fp8x2_to_f16x2(w & 0xFFFFu);  // dims + 0, + 1
+      frag[s][2 + r] = fp8x2_to_f16x2(w >> 16);  // dims + 2, + 3
+    }
+  }
   const int padded = head_tiles * 8;
   for (int i = 0; i < a.q_len; ++i) {
     float logit[2] = {0.0f, 0.0f};
 #pragma unroll 1
     for (int n = 0; n < head_tiles; ++n) {
-      // Head n*8 + g's 32 codes for this lane, and the weights of the heads this lane accumulates.
-      const uint4* qh = reinterpret_cast<const uint4*>(q_s + (i * padded + n * 8 + g) * kDim + 32 * tig);
-      const uint4 qk[2] = {qh[0], qh[1]};
+      // Head n*8 + g's 32 f16 queries of this lane's dims, and the weights of the heads it accumulates.
+      const int head = n * 8 + g, row_head = i * padded + head;
+      uint4 q[4];
+#pragma unroll
+      for (int piece = 0; piece < 4; ++piece) {
+        q[piece] = *reinterpret_cast<const uint4*>(q_s + q_offset(row_head, head, tig, piece));
+      }
       const float w0 = w_s[i * padded + n * 8 + 2 * tig], w1 = w_s[i * padded + n * 8 + 2 * tig + 1];
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        mma_e4m3_16832(s, word(t.keys[0], 2 * step), word(t.keys[1], 2 * step), word(t.keys[0], 2 * step + 1),
-                       word(t.keys[1], 2 * step + 1), word(qk, 2 * step), word(qk, 2 * step + 1));
+      for (int step = 0; step < 8; ++step) {
+        const uint4 (&pair)[2] = *reinterpret_cast<const uint4(*)[2]>(&q[step / 4 * 2]);
+        mma_f16_16816(s, frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
+                      word(pair, 2 * (step % 4) + 1));
       }
       logit[0] = fmaf(w0, fmaxf(s[0], 0.0f), fmaf(w1, fmaxf(s[1], 0.0f), logit[0]));
       logit[1] = fmaf(w0, fmaxf(s[2], 0.0f), fmaf(w1, fmaxf(s[3], 0.0f), logit[1]));
@@ -134,22 +158,33 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
   }
 }
 
-// Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once,
-// then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
+// Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once (as
+// f16), then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
 template <bool kAligned16>
 __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
-  extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] codes, then [q_len, padded] weights
+  extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] f16, then [q_len, padded] weights
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const int head_tiles = (a.heads + 7) / 8, padded = head_tiles * 8;
-  float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim);
+  float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
   {
+    // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
-    uint4* q_s4 = reinterpret_cast<uint4*>(q_s);
-    constexpr int kChunks = kDim / 16;  // 16-byte pieces of one head's codes
+    constexpr int kChunks = kDim / 16;
     for (int j = threadIdx.x; j < a.q_len * padded * kChunks; j += kThreads) {
       const int i = j / (padded * kChunks), h = j / kChunks % padded, c = j % kChunks;
-      q_s4[j] = h < a.heads ? q[(i * a.heads + h) * kChunks + c] : make_uint4(0, 0, 0, 0);
+      const uint4 codes = h < a.heads ? q[(i * a.heads + h) * kChunks + c] : make_uint4(0, 0, 0, 0);
+      const std::uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+      std::uint32_t halves[8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        halves[2 * k] = fp8x2_to_f16x2(words[k] & 0xFFFFu);
+        halves[2 * k + 1] = fp8x2_to_f16x2(words[k] >> 16);
+      }
+      // Codes 16c .. 16c + 15 are dims of quarter c / 2, pieces 2 (c % 2) and 2 (c % 2) + 1.
+      const int row_head = i * padded + h, quarter = c / 2, piece = 2 * (c % 2);
+      *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece)) = make_uint4(halves[0], halves[1], halves[2], halves[3]);
+      *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece + 1)) = make_uint4(halves[4], halves[5], halves[6], halves[7]);
     }
     const float* w = a.weights + static_cast<std::int64_t>(b) * a.q_len * a.heads;
     for (int j = threadIdx.x; j < a.q_len * padded; j += kThreads) {
@@ -173,6 +208,26 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   }
 }
 
+// The grid fills one wave of resident CTAs whatever the batch: a single request spreads over the
+// whole GPU, and large batches give every CTA a long span to stream.
+template <bool kAligned16>
+void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
+  const auto kernel = logits_kernel<kAligned16>;
+  if (smem > 48 * 1024) {  // 64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows
+    LKV_CUDA_CHECK("indexer_logits",
+                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  int device = 0, sms = 0, per_sm = 0;
+  LKV_CUDA_CHECK("indexer_logits", cudaGetDevice(&device));
+  LKV_CUDA_CHECK("indexer_logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LKV_CUDA_CHECK("indexer_logits", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int tiles = (a.max_len + 15) / 16;
+  const int per_request = std::clamp((sms * std::max(per_sm, 1) + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
+  a.tiles_per_cta = (tiles + per_request - 1) / per_request;
+  const int ctas = (tiles + a.tiles_per_cta - 1) / a.tiles_per_cta;
+  kernel<<<dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem, stream>>>(a);
+}
+
 }  // namespace
 
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
@@ -194,20 +249,12 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
     throw Error("indexer_logits", "q", "an address not 16-byte aligned", "16-byte aligned device memory");
   }
-  int device = 0, sms = 0;
-  LKV_CUDA_CHECK("indexer_logits", cudaGetDevice(&device));
-  LKV_CUDA_CHECK("indexer_logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int tiles = (a.max_len + 15) / 16;
-  const int per_request = std::clamp((sms * kCtasPerSm + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
-  a.tiles_per_cta = (tiles + per_request - 1) / per_request;
-  const int ctas = (tiles + a.tiles_per_cta - 1) / a.tiles_per_cta;
   const int padded = (a.heads + 7) / 8 * 8;
-  const auto smem = static_cast<std::size_t>(a.q_len) * padded * (kDim + sizeof(float));  // <= 33 KB
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(batch));
+  const auto smem = static_cast<std::size_t>(a.q_len) * padded * (2 * kDim + sizeof(float));
   if (a.page_size % 4 == 0) {  // 132 x page_size bytes per page: every key 16-byte aligned
-    logits_kernel<true><<<grid, kThreads, smem, stream>>>(a);
+    launch<true>(a, batch, smem, stream);
   } else {
-    logits_kernel<false><<<grid, kThreads, smem, stream>>>(a);
+    launch<false>(a, batch, smem, stream);
   }
   LKV_CUDA_CHECK_LAUNCH("indexer_logits");
 }

@@ -162,7 +162,11 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
   }
   if (!arrive_last(&state[kArrivedHistogram], (n + kChunk - 1) / kChunk, last)) return;
 
-  for (int d = threadIdx.x; d < kTopBins; d += kThreads) hist[d] = __ldcg(&state[kHist + d]);
+  std::uint32_t counts[kTopBins / kThreads];  // all loads in flight at once, then to shared memory
+#pragma unroll
+  for (int e = 0; e < kTopBins / kThreads; ++e) counts[e] = __ldcg(&state[kHist + e * kThreads + threadIdx.x]);
+#pragma unroll
+  for (int e = 0; e < kTopBins / kThreads; ++e) hist[e * kThreads + threadIdx.x] = counts[e];
   __syncthreads();
   std::uint32_t digit, above;
   find_threshold<kTopBins>(hist, static_cast<std::uint32_t>(a.k), scan, result, digit, above);
@@ -170,16 +174,6 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
     state[kDigit] = digit;
     state[kAbove] = above;
   }
-}
-
-// Appends `take` lanes' values to a list through one atomic per warp; returns each lane's index.
-__device__ __forceinline__ std::uint32_t warp_append(bool take, std::uint32_t* counter) {
-  const unsigned mask = __ballot_sync(0xffffffffu, take);
-  const int lane = threadIdx.x % 32;
-  std::uint32_t first = 0;
-  if (mask != 0 && lane == __ffs(mask) - 1) first = atomicAdd(counter, static_cast<std::uint32_t>(__popc(mask)));
-  first = __shfl_sync(0xffffffffu, first, mask != 0 ? __ffs(mask) - 1 : 0);
-  return first + static_cast<std::uint32_t>(__popc(mask & ((1u << lane) - 1u)));
 }
 
 struct FinishShared {
@@ -199,8 +193,19 @@ __device__ void finish_row(const TopkArgs& a, FinishShared& s, int row, int b, i
   const std::uint32_t found = __ldcg(&state[kListed]);
   const bool cached = found <= kCandidates;
   const int count = static_cast<int>(min(found, static_cast<std::uint32_t>(kCandidates)));
-  if (cached) {
-    for (int c = threadIdx.x; c < count; c += kThreads) s.cands[c] = __ldcg(&listed[c]);
+  if (cached) {  // all loads in flight at once, then to shared memory
+    constexpr int kPer = kCandidates / kThreads;
+    uint2 mine[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int c = e * kThreads + threadIdx.x;
+      if (c < count) mine[e] = __ldcg(&listed[c]);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int c = e * kThreads + threadIdx.x;
+      if (c < count) s.cands[c] = mine[e];
+    }
   }
   // Calls f(position, key) for every candidate: from shared memory, or the row's logits on overflow.
   const auto for_each = [&](auto&& f) {
@@ -274,16 +279,33 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a)
     const int t = base + j * kThreads + threadIdx.x;
     v[j] = t < n ? x[t] : 0.0f;
   }
+  // Room for the CTA's selected keys and candidates: one scan of both counts (packed in 16-bit
+  // halves) and one atomic per list for the whole CTA.
+  std::uint32_t counts = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const std::uint32_t digit = order_key(v[j]) >> kTopShift;
+    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) counts += digit > top ? 1u : digit == top ? 0x10000u : 0u;
+  }
+  std::uint32_t before, total;
+  Scan(s.scan).ExclusiveSum(counts, before, total);
+  if (threadIdx.x == 0) {
+    s.result[0] = (total & 0xFFFFu) ? atomicAdd(&state[kSelected], total & 0xFFFFu) : 0u;
+    s.result[1] = (total >> 16) ? atomicAdd(&state[kListed], total >> 16) : 0u;
+  }
+  __syncthreads();
+  std::uint32_t at = s.result[0] + (before & 0xFFFFu), c = s.result[1] + (before >> 16);
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int t = base + j * kThreads + threadIdx.x;
     const std::uint32_t key = order_key(v[j]);
     const std::uint32_t digit = key >> kTopShift;
-    const bool in_row = t < n;
-    const std::uint32_t at = warp_append(in_row && digit > top, &state[kSelected]);
-    if (in_row && digit > top) out[at] = slot_of(a, b, t);
-    const std::uint32_t c = warp_append(in_row && digit == top, &state[kListed]);
-    if (in_row && digit == top && c < kCandidates) listed[c] = make_uint2(static_cast<std::uint32_t>(t), key);
+    if (t >= n) continue;
+    if (digit > top) out[at++] = slot_of(a, b, t);
+    if (digit == top) {
+      if (c < kCandidates) listed[c] = make_uint2(static_cast<std::uint32_t>(t), key);
+      ++c;
+    }
   }
   if (!arrive_last(&state[kArrivedSelect], (n + kChunk - 1) / kChunk, s.last)) return;
   finish_row(a, s, row, b, n, top, __ldcg(&state[kAbove]), state, listed);
@@ -304,7 +326,8 @@ Plan plan_topk(const TopkParams& p) {
 
 void launch_topk(const TopkParams& p, cudaStream_t stream) {
   const std::size_t need = plan_topk(p).workspace_bytes;
-  if (p.workspace == nullptr || p.workspace_bytes < need) {
+  if (p.workspace == nullptr) throw Error("topk", "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
+  if (p.workspace_bytes < need) {
     throw Error("topk", "workspace_bytes", std::to_string(p.workspace_bytes),
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
   }

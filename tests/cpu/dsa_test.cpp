@@ -1,0 +1,232 @@
+// dsa_decode on the reference backend (host memory, the workspace sized by plan_dsa_decode): it is
+// the reference indexer_logits -> topk -> sparse_mla_decode run by hand, with the intermediates
+// left in the caller's workspace where dsa_steps says; with topk >= every length it is dense
+// decode; and a rejected call names dsa_decode and the argument and writes nothing.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "latentkv/backend.hpp"
+#include "latentkv/dsa.hpp"
+#include "support/compare.hpp"
+#include "support/expect_error.hpp"
+#include "support/host_tensor.hpp"
+#include "support/paged_fixture.hpp"
+#include "support/reference_ops.hpp"
+
+namespace latentkv::testing {
+namespace {
+
+constexpr float kScale = 0.0625f;
+constexpr std::uint8_t kWorkspaceGarbage = 0xA5;
+
+// The reference runs on the CPU also where a GPU is present (detect_device() would name the GPU).
+const DeviceInfo kCpu{};
+
+const Backend& reference() { return *find_backend("reference"); }
+
+// One dsa_decode call over host memory: a fixture with both caches, random inputs, sentinel o and
+// lse (bf16 / f32 as on the GPU unless asked otherwise), and a garbage-filled planned workspace.
+struct HostDsa {
+  Rng rng;
+  PagedFixture f;
+  HostTensor q, q_idx, weights, o, lse;
+  DsaDecodeParams params;
+  DsaPlan plan;
+  std::vector<std::uint8_t> workspace;
+
+  HostDsa(Rng r, int page_size, std::vector<std::int64_t> lengths, int q_len, int heads, int indexer_heads, int topk,
+          int max_len = 0, DType o_dtype = DType::kBF16, DType lse_dtype = DType::kF32)
+      : rng(r),
+        f(make_paged_fixture(options(page_size, std::move(lengths)), rng)),
+        q(random_bf16(rng, {f.batch(), q_len, heads, kQkDim})),
+        q_idx(random_fp8(rng, {f.batch(), q_len, indexer_heads, kIndexerDim})),
+        weights(random_f32(rng, {f.batch(), q_len, indexer_heads}, -1.0, 1.0)),
+        o(sentinel_tensor(o_dtype, {f.batch(), q_len, heads, kLatentDim})),
+        lse(sentinel_tensor(lse_dtype, {f.batch(), q_len, heads})) {
+    params.q = q.view();
+    params.q_idx = q_idx.view();
+    params.weights = weights.view();
+    params.cache = f.cache();
+    params.indexer = f.indexer();
+    params.block_table = f.block_table_view();
+    params.seq_lens = f.seq_lens_view();
+    params.o = o.view();
+    params.lse = lse.view();
+    params.softmax_scale = kScale;
+    params.topk = topk;
+    params.max_len = max_len;
+    plan = plan_dsa_decode(same_backend(reference()), params, kCpu);
+    workspace.assign(plan.workspace_bytes, kWorkspaceGarbage);
+    params.workspace = workspace.data();
+    params.workspace_bytes = workspace.size();
+  }
+
+  static PagedFixtureOptions options(int page_size, std::vector<std::int64_t> lengths) {
+    PagedFixtureOptions o;
+    o.page_size = page_size;
+    o.lengths = std::move(lengths);
+    return o;
+  }
+
+  void run() { dsa_decode(same_backend(reference()), params, plan, {}, kCpu); }
+
+  ::testing::AssertionResult untouched() const {
+    if (!is_sentinel(o)) return ::testing::AssertionFailure() << "o was written";
+    if (!is_sentinel(lse)) return ::testing::AssertionFailure() << "lse was written";
+    for (std::uint8_t byte : workspace) {
+      if (byte != kWorkspaceGarbage) return ::testing::AssertionFailure() << "the workspace was written";
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+// A host tensor holding a copy of what `view` (host memory) shows.
+HostTensor copy_of(const TensorView& view) {
+  HostTensor t(view.dtype, std::vector<std::int64_t>(view.shape.begin(), view.shape.begin() + view.rank));
+  std::memcpy(t.raw(), view.data, t.bytes());
+  return t;
+}
+
+// ---- the three steps by hand -----------------------------------------------------------------------
+
+struct StepsCase {
+  int page_size;
+  int q_len;
+  int heads;
+  int indexer_heads;
+  int topk;
+  int max_len;  // 0: the block table's capacity
+  std::vector<std::int64_t> lengths;
+};
+
+std::ostream& operator<<(std::ostream& os, const StepsCase& c) {
+  return os << "ps" << c.page_size << "_q" << c.q_len << "_H" << c.heads << "_Hi" << c.indexer_heads << "_k" << c.topk
+            << "_maxlen" << c.max_len;
+}
+
+class DsaDecode : public ::testing::TestWithParam<StepsCase> {};
+
+TEST_P(DsaDecode, EqualsTheStepsByHand) {
+  const StepsCase& c = GetParam();
+  HostDsa d(test_rng(), c.page_size, c.lengths, c.q_len, c.heads, c.indexer_heads, c.topk, c.max_len);
+  d.run();
+
+  const std::int64_t columns = c.max_len > 0 ? c.max_len : std::int64_t{d.f.max_pages} * d.f.page_size;
+  const HostTensor logits = reference_indexer_logits(d.f, d.q_idx, d.weights, columns);
+  const HostTensor slots = reference_topk(d.f, logits, c.topk);
+  const AttentionOutputs want = reference_sparse_decode(d.f, d.q, slots, kScale, DType::kBF16, DType::kF32);
+
+  const DsaSteps steps = dsa_steps(d.params, d.plan);
+  EXPECT_TRUE(compare("workspace logits", copy_of(steps.indexer.logits), logits, Tolerance::exact()));
+  EXPECT_EQ(copy_of(steps.topk.slots).byte_vector(), slots.byte_vector()) << "workspace slots";
+  EXPECT_TRUE(compare("o", d.o, want.o, Tolerance::exact()));
+  EXPECT_TRUE(compare("lse", d.lse, want.lse, Tolerance::exact()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DsaDecode,
+                         ::testing::Values(StepsCase{16, 1, 8, 4, 64, 0, {0, 1, 15, 17, 100, 301}},
+                                           StepsCase{3, 2, 4, 8, 7, 0, {1, 2, 3, 4, 40}},
+                                           StepsCase{1, 4, 2, 2, 2048, 0, {4, 5, 90}},
+                                           StepsCase{64, 3, 16, 64, 100, 333, {3, 64, 65, 250}},
+                                           StepsCase{17, 1, 128, 1, 1, 0, {0, 2, 35}}),
+                         [](const ::testing::TestParamInfo<StepsCase>& info) {
+                           std::ostringstream os;
+                           os << info.param;
+                           return os.str();
+                         });
+
+// With topk >= every length, each row selects everything it sees: sparse attention equals dense.
+TEST(DsaDecodeDense, TopkCoveringEveryTokenEqualsDense) {
+  for (int q_len : {1, 2, 4}) {
+    HostDsa d(test_rng("q_len " + std::to_string(q_len)), 16, {0, 1, 15, 17, 120}, q_len, 4, 4, 120, 0, DType::kF64,
+              DType::kF64);
+    d.run();
+    const AttentionOutputs dense = reference_mla_decode(d.f, d.q, kScale);
+    // Another order of the same float64 sums.
+    EXPECT_TRUE(compare("o q_len " + std::to_string(q_len), d.o, dense.o, Tolerance::float64(1e-12)));
+    EXPECT_TRUE(compare("lse q_len " + std::to_string(q_len), d.lse, dense.lse, Tolerance::float64(1e-12)));
+  }
+}
+
+// ---- rejected inputs ---------------------------------------------------------------------------
+
+HostDsa small_case() { return HostDsa(test_rng(), 4, {9, 3, 0}, 2, 4, 4, 8); }
+
+TEST(DsaDecodeBadInput, NullBackend) {
+  HostDsa d = small_case();
+  DsaBackends backends = same_backend(reference());
+  backends.indexer_logits = nullptr;
+  EXPECT_TRUE(throws_error([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }, "dsa_decode",
+                           "backends.indexer_logits", "null"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_decode(backends, d.params, kCpu); }, "dsa_decode", "backends.indexer_logits",
+                           "null"));
+  backends = same_backend(reference());
+  backends.topk = nullptr;
+  EXPECT_TRUE(throws_error([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }, "dsa_decode", "backends.topk", "null"));
+  backends = same_backend(reference());
+  backends.sparse_decode = nullptr;
+  EXPECT_TRUE(throws_error([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }, "dsa_decode",
+                           "backends.sparse_decode", "null"));
+  EXPECT_TRUE(d.untouched());
+}
+
+TEST(DsaDecodeBadInput, WorkspaceTooSmall) {
+  HostDsa d = small_case();
+  ASSERT_GT(d.plan.workspace_bytes, 0u);
+  d.params.workspace_bytes = d.plan.workspace_bytes - 1;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "workspace_bytes", std::to_string(d.plan.workspace_bytes - 1)));
+  EXPECT_TRUE(throws_error([&] { dsa_steps(d.params, d.plan); }, "dsa_decode", "workspace_bytes",
+                           std::to_string(d.plan.workspace_bytes - 1)));
+  EXPECT_TRUE(d.untouched());
+
+  d.params.workspace_bytes = d.plan.workspace_bytes;  // the case itself is valid
+  EXPECT_NO_THROW(d.run());
+  EXPECT_FALSE(d.untouched());
+}
+
+TEST(DsaDecodeBadInput, IndexerPageSizeUnlikeTheMainCache) {
+  HostDsa d = small_case();
+  // The same indexer bytes described as pages of 2 tokens: one block table cannot serve both.
+  d.params.indexer.page_size = 2;
+  d.params.indexer.num_pages *= 2;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "indexer", "page_size 2"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode", "indexer",
+                           "page_size 2"));
+  EXPECT_TRUE(d.untouched());
+}
+
+TEST(DsaDecodeBadInput, TopkOutsideOneTo2048) {
+  HostDsa d = small_case();
+  for (int topk : {0, kMaxTopk + 1}) {
+    d.params.topk = topk;
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "topk", std::to_string(topk)));
+    EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode", "topk",
+                             std::to_string(topk)));
+    EXPECT_TRUE(d.untouched());
+  }
+}
+
+TEST(DsaDecodeBadInput, NegativeMaxLen) {
+  HostDsa d = small_case();
+  d.params.max_len = -1;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "max_len", "-1"));
+  EXPECT_TRUE(d.untouched());
+}
+
+// A max_len below a request's length fails in the indexer step (dsa.hpp: the error names the step),
+// before anything reaches o or lse.
+TEST(DsaDecodeBadInput, MaxLenBelowALength) {
+  HostDsa d(test_rng(), 4, {9, 3, 0}, 1, 4, 4, 8, 8);
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "indexer_logits", "seq_lens[0]", "9"));
+  EXPECT_TRUE(is_sentinel(d.o));
+  EXPECT_TRUE(is_sentinel(d.lse));
+}
+
+}  // namespace
+}  // namespace latentkv::testing

@@ -1,0 +1,305 @@
+// GPU dsa_decode (indexer logits -> top-k -> sparse MLA decode, every step on the `cuda` backend)
+// over paged FP8 main and indexer caches: shuffled pages, NaN in every slot that is not cached,
+// sentinels in o, lse and the workspace's logits and slots, garbage in the steps' scratch.
+//
+// The GPU's float32 logits may differ from the float64 reference in their last bits, and so pick
+// the other of two nearly equal logits; one call is therefore checked in three stages:
+//  (a) the logits left in the workspace match the reference indexer logits (the tolerance of
+//      test_indexer_logits.cpp);
+//  (b) the selected slots are a top-k of the GPU's own logits (topk_check.hpp, against the
+//      reference top-k of the downloaded logits);
+//  (c) o and lse match the reference sparse decode over the GPU's selected slots.
+// Also: with topk >= every length, o and lse equal dense decode; and one call captured in a CUDA
+// graph and replayed as the lengths on the device grow.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu/device.hpp"
+#include "gpu/topk_check.hpp"
+#include "latentkv/backend.hpp"
+#include "latentkv/dsa.hpp"
+#include "support/compare.hpp"
+#include "support/host_tensor.hpp"
+#include "support/paged_fixture.hpp"
+#include "support/reference_ops.hpp"
+
+namespace latentkv::testing {
+namespace {
+
+constexpr float kScale = 0.0625f;  // glm5's softmax scale
+// test_indexer_logits.cpp's bound: float32 sums of exact fp8 products in another order.
+const Tolerance kLogitsTolerance{1e-4, 1e-5, 1e-9};
+constexpr int kWorkspaceGarbage = 0xA5;  // the steps' scratch before every call
+
+struct DsaInputs {
+  HostTensor q;        // [B, q_len, H, 576] bf16
+  HostTensor q_idx;    // [B, q_len, Hi, 128] fp8
+  HostTensor weights;  // [B, q_len, Hi] f32
+};
+
+DsaInputs random_inputs(Rng& rng, std::int64_t batch, int q_len, int heads, int indexer_heads) {
+  return {random_bf16(rng, {batch, q_len, heads, kQkDim}), random_fp8(rng, {batch, q_len, indexer_heads, kIndexerDim}),
+          random_f32(rng, {batch, q_len, indexer_heads}, -1.0, 1.0)};
+}
+
+// What one call left on the device.
+struct DsaResult {
+  HostTensor logits;  // [B, q_len, max_len] f32, from the workspace
+  HostTensor slots;   // [B, q_len, topk] i32, from the workspace
+  HostTensor o;       // [B, q_len, H, 512] bf16
+  HostTensor lse;     // [B, q_len, H] f32
+};
+
+void check_cuda(cudaError_t status) {
+  if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
+}
+
+// One dsa_decode call's device side: the fixture's caches and tables, the inputs, o and lse, and
+// the workspace of plan_dsa_decode. `lengths` replaces the fixture's lengths on the device.
+class DeviceDsa {
+ public:
+  DeviceDsa(PagedFixture& f, const DsaInputs& in, int topk, int max_len, const std::vector<std::int32_t>& lengths = {})
+      : backends_(same_backend(*find_backend("cuda"))),
+        device_(detect_device()),
+        cache_(f.cache_bytes),
+        indexer_(f.indexer_bytes),
+        table_(f.block_table),
+        lens_(lengths.empty() ? f.seq_lens : lengths),
+        q_(in.q.raw(), in.q.bytes()),
+        q_idx_(in.q_idx.raw(), in.q_idx.bytes()),
+        weights_(in.weights.raw(), in.weights.bytes()) {
+    const std::int64_t batch = in.q.shape()[0], q_len = in.q.shape()[1], heads = in.q.shape()[2];
+    o_host_ = sentinel_tensor(DType::kBF16, {batch, q_len, heads, kLatentDim});
+    lse_host_ = sentinel_tensor(DType::kF32, {batch, q_len, heads});
+    o_ = DeviceBuffer(o_host_.bytes());
+    lse_ = DeviceBuffer(lse_host_.bytes());
+    params_.q = in.q.view_of(q_.get(), Device::cuda());
+    params_.q_idx = in.q_idx.view_of(q_idx_.get(), Device::cuda());
+    params_.weights = in.weights.view_of(weights_.get(), Device::cuda());
+    params_.cache = f.cache(cache_.get<std::uint8_t>(), Device::cuda());
+    params_.indexer = f.indexer(indexer_.get<std::uint8_t>(), Device::cuda());
+    params_.block_table = f.block_table_view(table_.get<std::int32_t>(), Device::cuda());
+    params_.seq_lens = f.seq_lens_view(lens_.get<std::int32_t>(), Device::cuda());
+    params_.o = o_host_.view_of(o_.get(), Device::cuda());
+    params_.lse = lse_host_.view_of(lse_.get(), Device::cuda());
+    params_.softmax_scale = kScale;
+    params_.topk = topk;
+    params_.max_len = max_len;
+    plan_ = plan_dsa_decode(backends_, params_, device_);
+    workspace_ = DeviceBuffer(plan_.workspace_bytes);
+    params_.workspace = workspace_.get();
+    params_.workspace_bytes = workspace_.bytes();
+    steps_ = dsa_steps(params_, plan_);
+  }
+
+  const DsaSteps& steps() const { return steps_; }
+
+  void set_lengths(const std::vector<std::int32_t>& lengths) {
+    lens_.upload(lengths.data(), lengths.size() * sizeof(std::int32_t));
+  }
+
+  // Sentinels in o, lse and the workspace's logits and slots; garbage in the rest of the workspace.
+  void fill_sentinels() {
+    o_.upload(o_host_.raw(), o_host_.bytes());
+    lse_.upload(lse_host_.raw(), lse_host_.bytes());
+    check_cuda(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
+    const HostTensor logits = sentinel_tensor(DType::kF32, shape_of(steps_.indexer.logits));
+    const HostTensor slots = sentinel_tensor(DType::kI32, shape_of(steps_.topk.slots));
+    check_cuda(cudaMemcpy(steps_.indexer.logits.data, logits.raw(), logits.bytes(), cudaMemcpyHostToDevice));
+    check_cuda(cudaMemcpy(steps_.topk.slots.data, slots.raw(), slots.bytes(), cudaMemcpyHostToDevice));
+  }
+
+  void run(const ExecContext& context = {}) { dsa_decode(backends_, params_, plan_, context, device_); }
+
+  DsaResult download() const {
+    DsaResult r{HostTensor(DType::kF32, shape_of(steps_.indexer.logits)),
+                HostTensor(DType::kI32, shape_of(steps_.topk.slots)), o_host_, lse_host_};
+    check_cuda(cudaMemcpy(r.logits.raw(), steps_.indexer.logits.data, r.logits.bytes(), cudaMemcpyDeviceToHost));
+    check_cuda(cudaMemcpy(r.slots.raw(), steps_.topk.slots.data, r.slots.bytes(), cudaMemcpyDeviceToHost));
+    o_.download(r.o.raw(), r.o.bytes());
+    lse_.download(r.lse.raw(), r.lse.bytes());
+    return r;
+  }
+
+ private:
+  static std::vector<std::int64_t> shape_of(const TensorView& v) {
+    return std::vector<std::int64_t>(v.shape.begin(), v.shape.begin() + v.rank);
+  }
+
+  DsaBackends backends_;
+  DeviceInfo device_;
+  DeviceBuffer cache_, indexer_, table_, lens_, q_, q_idx_, weights_, o_, lse_, workspace_;
+  HostTensor o_host_, lse_host_;  // sentinel-filled, shaped as the outputs
+  DsaDecodeParams params_;
+  DsaPlan plan_;
+  DsaSteps steps_;  // views into workspace_
+};
+
+// Checks one call in the three stages of the file comment, for the fixture's current lengths.
+void check_stages(PagedFixture& f, const DsaInputs& in, const DsaResult& got, int topk) {
+  const HostTensor want_logits = reference_indexer_logits(f, in.q_idx, in.weights, got.logits.shape()[2]);
+  const Comparison logits = compare("logits", got.logits, want_logits, kLogitsTolerance);
+  EXPECT_TRUE(logits) << "stage (a)";
+  ASSERT_EQ(logits.special_failures, 0) << "NaN or inf logits unlike the reference's: top-k not checked";
+
+  const HostTensor want_slots = reference_topk(f, got.logits, topk);
+  ASSERT_TRUE(check_topk_rows(f, got.logits, got.slots, want_slots)) << "stage (b)";
+
+  const AttentionOutputs want = reference_sparse_decode(f, in.q, got.slots, kScale);
+  EXPECT_TRUE(compare("o", got.o, want.o, Tolerance::bf16_output())) << "stage (c)";
+  EXPECT_TRUE(compare("lse", got.lse, want.lse, Tolerance::lse())) << "stage (c)";
+}
+
+PagedFixture make_fixture(int page_size, const std::vector<std::int64_t>& lengths, Rng& rng) {
+  PagedFixtureOptions opt;
+  opt.page_size = page_size;
+  opt.lengths = lengths;
+  return make_paged_fixture(opt, rng);
+}
+
+// ---- one call, three stages ---------------------------------------------------------------------
+
+struct DsaCase {
+  int heads;
+  int q_len;
+  int indexer_heads;
+  int page_size;
+  int topk;
+  std::vector<std::int64_t> lengths;
+  int spare_columns = -1;  // logits columns past the longest request; -1: max_len 0 (the table's capacity)
+};
+
+std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
+  os << "H" << c.heads << "_q" << c.q_len << "_Hi" << c.indexer_heads << "_ps" << c.page_size << "_k" << c.topk << "_B"
+     << c.lengths.size();
+  if (c.spare_columns >= 0) os << "_spare" << c.spare_columns;
+  return os;
+}
+
+class GpuDsaDecode : public ::testing::TestWithParam<DsaCase> {};
+
+TEST_P(GpuDsaDecode, StagesMatchReference) {
+  LKV_REQUIRE_GPU();
+  const DsaCase& c = GetParam();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(c.page_size, c.lengths, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), c.q_len, c.heads, c.indexer_heads);
+  const int max_len = c.spare_columns < 0 ? 0 : static_cast<int>(f.max_len()) + c.spare_columns;
+
+  DeviceDsa d(f, in, c.topk, max_len);
+  const std::int64_t columns = max_len > 0 ? max_len : std::int64_t{f.max_pages} * f.page_size;
+  ASSERT_EQ(d.steps().indexer.logits.size(2), columns) << "logits columns of max_len " << max_len;
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  check_stages(f, in, d.download(), c.topk);
+}
+
+std::vector<DsaCase> dsa_cases() {
+  return {
+      {8, 1, 32, 64, 2048, {0, 1, 63, 65, 2047, 2049, 5000}, 7},  // glm5 at tp 8
+      {16, 2, 64, 64, 2048, {1, 2, 2048, 2049, 3001}},
+      {128, 1, 64, 64, 2048, {1, 4100}},                          // deepseek-v3.2, one GPU
+      {128, 2, 32, 64, 2048, {2, 2500}, 0},
+      {16, 1, 32, 64, 2048, {0, 1, 2, 700, 2048}},                // every row sees at most topk
+      {8, 2, 32, 17, 100, {0, 2, 18, 333}},
+      {16, 1, 32, 1, 64, {1, 65, 200}, 3},
+      {8, 4, 32, 64, 256, {3, 4, 700}},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuDsaDecode, ::testing::ValuesIn(dsa_cases()),
+                         [](const ::testing::TestParamInfo<DsaCase>& info) {
+                           std::ostringstream os;
+                           os << info.param;
+                           return os.str();
+                         });
+
+// ---- sparse with every visible token selected equals dense --------------------------------------
+
+struct DenseCase {
+  int q_len;
+  int topk;
+  std::vector<std::int64_t> lengths;  // none above topk
+};
+
+std::ostream& operator<<(std::ostream& os, const DenseCase& c) {
+  return os << "q" << c.q_len << "_k" << c.topk;
+}
+
+class GpuDsaDecodeDense : public ::testing::TestWithParam<DenseCase> {};
+
+TEST_P(GpuDsaDecodeDense, TopkCoveringEveryTokenEqualsDense) {
+  LKV_REQUIRE_GPU();
+  const DenseCase& c = GetParam();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, c.lengths, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), c.q_len, 16, 32);
+  DeviceDsa d(f, in, c.topk, 0);
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  const DsaResult got = d.download();
+  // Every visible slot selected (the pads counted as the reference's), then attention over them.
+  ASSERT_TRUE(check_topk_rows(f, got.logits, got.slots, reference_topk(f, got.logits, c.topk)));
+  const AttentionOutputs dense = reference_mla_decode(f, in.q, kScale);
+  EXPECT_TRUE(compare("o", got.o, dense.o, Tolerance::bf16_output()));
+  EXPECT_TRUE(compare("lse", got.lse, dense.lse, Tolerance::lse()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuDsaDecodeDense,
+                         ::testing::Values(DenseCase{1, 2048, {0, 1, 2, 63, 65, 700, 2048}},
+                                           DenseCase{2, 2048, {0, 1, 2, 63, 65, 700, 2048}},
+                                           DenseCase{2, 700, {0, 1, 2, 65, 699, 700}}),
+                         [](const ::testing::TestParamInfo<DenseCase>& info) {
+                           std::ostringstream os;
+                           os << info.param;
+                           return os.str();
+                         });
+
+// ---- a CUDA graph replayed as the lengths grow --------------------------------------------------
+
+// One dsa_decode captured once and replayed after the lengths on the device grow: every step reads
+// the lengths from device memory, and the workspace layout fixed by the plan serves every replay.
+TEST(GpuDsaDecodeGraph, ReplaysFollowDeviceLengths) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {2500, 4100}, rng);  // the caches hold the final lengths
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 16, 32);
+  const std::vector<std::vector<std::int32_t>> steps = {{300, 1}, {301, 2}, {2048, 2049}, {2049, 3000}, {2500, 4100}};
+  DeviceDsa d(f, in, kMaxTopk, 0, steps.front());
+
+  cudaStream_t stream;
+  LKV_CUDA_OK(cudaStreamCreate(&stream));
+  d.fill_sentinels();
+  d.run({stream});  // warm-up outside the capture (first-call attribute set-up)
+  LKV_CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  LKV_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  d.run({stream});
+  LKV_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  LKV_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (const std::vector<std::int32_t>& step : steps) {
+    SCOPED_TRACE("lengths " + std::to_string(step[0]) + ", " + std::to_string(step[1]));
+    d.set_lengths(step);
+    d.fill_sentinels();
+    LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
+    LKV_CUDA_OK(cudaStreamSynchronize(stream));
+    f.seq_lens = step;  // the host side of the references follows the same lengths
+    check_stages(f, in, d.download(), kMaxTopk);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace latentkv::testing
