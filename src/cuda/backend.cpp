@@ -45,8 +45,8 @@ class CudaBackend final : public Backend {
         if (p.heads > kMaxIndexerHeads) {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
-        return Selection::yes(Kernel{"indexer_logits<fp8 e4m3 mma m16n8k32>", run_indexer_logits},
-                              "fp8 tensor cores over the raw key codes, float32 sums, 128 positions per CTA");
+        return Selection::yes(Kernel{"indexer_logits<f16 mma m16n8k16>", run_indexer_logits},
+                              "tensor cores over the fp8 keys converted exactly to f16 on chip, float32 sums");
       case Op::kTopk:
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},

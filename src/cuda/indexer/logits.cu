@@ -8,7 +8,7 @@
 //     the right values): lane (g, tig) supplies, over the eight k-steps, dims 32*tig .. 32*tig + 31
 //     - two 16-byte loads straight from a token's key, converted to f16 once per tile.
 //   * A CTA owns a span of one request's positions; its 4 warps take 16-token tiles in turn, each
-//     loading its next tile's keys into registers while it computes the current one, which serves
+//     loading its next two tiles' keys into registers while it computes the current one, which serves
 //     every query row. The grid is one wave of resident CTAs whatever the batch.
 //   * All query rows and weights of the request sit in shared memory; heads are taken 8 at a time
 //     (a missing head has zero queries and weight), relu'd, weighted and summed across the 4 lanes
@@ -198,13 +198,16 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
   const int tiles = (a.max_len + 15) / 16;
   const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
+  // Two tiles in flight per warp while it computes a third.
   int tile = blockIdx.x * a.tiles_per_cta + warp;
-  Tile current, next;
+  Tile current, next, after;
   if (tile < end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
+  if (tile + kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
   for (; tile < end; tile += kWarps) {
-    if (tile + kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
+    if (tile + 2 * kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, after);
     tile_logits(a, current, 16 * tile, b, len, g, tig, head_tiles, q_s, w_s);
     current = next;
+    next = after;
   }
 }
 
