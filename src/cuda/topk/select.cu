@@ -10,8 +10,7 @@
 //      the output); keys in T's bin are listed, with their positions, as candidates. The last CTA of
 //      the row to finish resolves the remaining bits among the candidates (two histograms in shared
 //      memory) and selects the rest: the candidates above K*, then as many ties at K* as needed.
-// Rows that see k tokens or fewer skip the selection: every visible slot, then -1s. Rows of at most
-// 32768 logits take a simpler path: one CTA per row holding the row in registers (topk_row_kernel).
+// Rows that see k tokens or fewer skip the selection: every visible slot, then -1s.
 // A row with more candidates than the list holds (masses of equal logits) re-reads its logits
 // instead; slower, same answer.
 #include <cub/block/block_scan.cuh>
@@ -52,12 +51,6 @@ enum StateWord : int {
 
 using Scan = cub::BlockScan<std::uint32_t, kThreads>;
 
-// Rows of at most kRowMax logits take a single CTA that holds the whole row in registers.
-constexpr int kRowThreads = 512;
-constexpr int kRowPerThread = 64;
-constexpr int kRowMax = kRowThreads * kRowPerThread;  // 32768
-using RowScan = cub::BlockScan<std::uint32_t, kRowThreads>;
-
 struct TopkArgs {
   const float* logits;              // [rows, max_len]
   const std::int32_t* block_table;  // [B, max_pages]
@@ -93,11 +86,10 @@ __device__ __forceinline__ std::int32_t slot_of(const TopkArgs& a, int b, int t)
 
 // The bin (counting down from the top) where the need-th largest key falls, and the keys above it.
 // Every thread gets the answer; the histogram must hold at least `need` keys.
-template <int kBins, int kBlock = kThreads>
-__device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need,
-                               typename cub::BlockScan<std::uint32_t, kBlock>::TempStorage& scan,
+template <int kBins>
+__device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Scan::TempStorage& scan,
                                std::uint32_t (&result)[2], std::uint32_t& bin, std::uint32_t& above) {
-  constexpr int kPer = kBins / kBlock;
+  constexpr int kPer = kBins / kThreads;
   std::uint32_t counts[kPer], local = 0;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
@@ -105,7 +97,7 @@ __device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need,
     local += counts[e];
   }
   std::uint32_t before;
-  cub::BlockScan<std::uint32_t, kBlock>(scan).ExclusiveSum(local, before);
+  Scan(scan).ExclusiveSum(local, before);
   if (before < need && need <= before + local) {  // exactly one thread
     std::uint32_t running = before;
 #pragma unroll
@@ -319,89 +311,6 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a)
   finish_row(a, s, row, b, n, top, __ldcg(&state[kAbove]), state, listed);
 }
 
-// A whole row in one CTA's registers (64 keys per thread): three histogram passes in shared memory,
-// then every key above the k-th and as many ties as needed, placed by one block scan - no global
-// scratch, no atomics on global memory, one read of the logits.
-__global__ void __launch_bounds__(kRowThreads) topk_row_kernel(const TopkArgs a) {
-  __shared__ std::uint32_t hist[kTopBins];
-  __shared__ RowScan::TempStorage scan;
-  __shared__ std::uint32_t result[2];
-  const int row = blockIdx.x, b = row / a.q_len, i = row % a.q_len;
-  const int n = visible_count(a, b, i);
-  std::int32_t* out = a.slots + static_cast<std::int64_t>(row) * a.k;
-  if (n <= a.k) {  // every visible token, then padding
-    for (int t = threadIdx.x; t < a.k; t += kRowThreads) out[t] = t < n ? slot_of(a, b, t) : -1;
-    return;
-  }
-  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
-  std::uint32_t key[kRowPerThread];
-#pragma unroll
-  for (int j = 0; j < kRowPerThread; ++j) {
-    const int t = j * kRowThreads + threadIdx.x;
-    key[j] = t < n ? order_key(x[t]) : 0u;
-  }
-  const int mine = (n - static_cast<int>(threadIdx.x) + kRowThreads - 1) / kRowThreads;  // keys j < mine are in the row
-  const auto valid = [mine](int j) { return j < mine; };
-
-  // Top 12 bits; logits crowd into few digits, so lanes with the same digit add once.
-  for (int d = threadIdx.x; d < kTopBins; d += kRowThreads) hist[d] = 0;
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kRowPerThread; ++j) {
-    const std::uint32_t digit = valid(j) ? key[j] >> kTopShift : kTopBins;
-    const unsigned same = __match_any_sync(0xffffffffu, digit);
-    if (valid(j) && (threadIdx.x % 32) == static_cast<unsigned>(__ffs(same) - 1)) {
-      atomicAdd(&hist[digit], static_cast<std::uint32_t>(__popc(same)));
-    }
-  }
-  __syncthreads();
-  std::uint32_t top, above;
-  find_threshold<kTopBins, kRowThreads>(hist, static_cast<std::uint32_t>(a.k), scan, result, top, above);
-  std::uint32_t need = static_cast<std::uint32_t>(a.k) - above;
-
-  // The next 10 bits among keys with that top digit, then the last 10 among those with both.
-  std::uint32_t prefix = top, digits[2];
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int shift = pass == 0 ? kLowBits : 0;
-    for (int d = threadIdx.x; d < kMidBins; d += kRowThreads) hist[d] = 0;
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kRowPerThread; ++j) {
-      if (valid(j) && key[j] >> (shift + kLowBits) == prefix) atomicAdd(&hist[(key[j] >> shift) & (kMidBins - 1)], 1u);
-    }
-    __syncthreads();
-    std::uint32_t below_need;
-    find_threshold<kMidBins, kRowThreads>(hist, need, scan, result, digits[pass], below_need);
-    need -= below_need;
-    prefix = (prefix << kLowBits) | digits[pass];
-  }
-  const std::uint32_t kth = prefix;  // need = ties at kth still to take
-
-  // Each thread's keys above kth and ties, counted in 16-bit halves, placed by one scan: keys above
-  // fill [0, k - need), ties fill [k - need, k).
-  std::uint32_t counts = 0;
-#pragma unroll
-  for (int j = 0; j < kRowPerThread; ++j) {
-    if (valid(j)) counts += key[j] > kth ? 1u : key[j] == kth ? 0x10000u : 0u;
-  }
-  std::uint32_t before;
-  RowScan(scan).ExclusiveSum(counts, before);
-  std::uint32_t at = before & 0xFFFFu, tie = before >> 16;
-  const std::uint32_t ties_from = static_cast<std::uint32_t>(a.k) - need;
-#pragma unroll
-  for (int j = 0; j < kRowPerThread; ++j) {
-    if (!valid(j)) continue;
-    const int t = j * kRowThreads + threadIdx.x;
-    if (key[j] > kth) {
-      out[at++] = slot_of(a, b, t);
-    } else if (key[j] == kth) {
-      if (tie < need) out[ties_from + tie] = slot_of(a, b, t);
-      ++tie;
-    }
-  }
-}
-
 std::int64_t rows_of(const TopkParams& p) { return p.logits.size(0) * p.logits.size(1); }
 std::size_t state_bytes(const TopkParams& p) {
   return static_cast<std::size_t>(rows_of(p)) * kStateWords * sizeof(std::uint32_t);
@@ -409,36 +318,13 @@ std::size_t state_bytes(const TopkParams& p) {
 
 }  // namespace
 
-bool row_resident(const TopkParams& p) { return p.logits.size(2) <= kRowMax; }
-
 Plan plan_topk(const TopkParams& p) {
   Plan plan;
-  if (row_resident(p)) return plan;  // no scratch
   plan.workspace_bytes = state_bytes(p) + static_cast<std::size_t>(rows_of(p)) * kCandidates * sizeof(uint2);
   return plan;
 }
 
 void launch_topk(const TopkParams& p, cudaStream_t stream) {
-  const std::int64_t rows = rows_of(p);
-  if (rows == 0) return;
-  TopkArgs a{};
-  a.logits = p.logits.as<const float>();
-  a.block_table = p.block_table.as<const std::int32_t>();
-  a.seq_lens = p.seq_lens.as<const std::int32_t>();
-  a.slots = p.slots.as<std::int32_t>();
-  a.max_len = static_cast<int>(p.logits.size(2));
-  a.max_pages = static_cast<int>(p.block_table.size(1));
-  a.page_size = p.page_size;
-  a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  a.q_len = static_cast<int>(p.logits.size(1));
-  a.k = p.k;
-  if (row_resident(p)) {
-    if (rows > INT32_MAX) throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 rows");
-    topk_row_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(a);
-    LKV_CUDA_CHECK_LAUNCH("topk");
-    return;
-  }
-
   const std::size_t need = plan_topk(p).workspace_bytes;
   if (p.workspace == nullptr) throw Error("topk", "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
   if (p.workspace_bytes < need) {
@@ -448,8 +334,21 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
     throw Error("topk", "workspace", "an address not 16-byte aligned", "16-byte aligned device memory");
   }
+  const std::int64_t rows = rows_of(p);
+  if (rows == 0) return;
+  TopkArgs a{};
+  a.logits = p.logits.as<const float>();
+  a.block_table = p.block_table.as<const std::int32_t>();
+  a.seq_lens = p.seq_lens.as<const std::int32_t>();
+  a.slots = p.slots.as<std::int32_t>();
   a.state = static_cast<std::uint32_t*>(p.workspace);
   a.candidates = reinterpret_cast<uint2*>(static_cast<std::uint8_t*>(p.workspace) + state_bytes(p));
+  a.max_len = static_cast<int>(p.logits.size(2));
+  a.max_pages = static_cast<int>(p.block_table.size(1));
+  a.page_size = p.page_size;
+  a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  a.q_len = static_cast<int>(p.logits.size(1));
+  a.k = p.k;
   a.chunks = a.max_len > 0 ? (a.max_len + kChunk - 1) / kChunk : 1;
   const std::int64_t ctas = rows * a.chunks;
   if (ctas > INT32_MAX) throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of 2048");
