@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs what latentkv builds with, from Debian's packages, where something is missing:
-# cmake, ninja, g++, GoogleTest, CLI11, nlohmann-json, toml++ (the CUDA toolkit is optional).
+# cmake, ninja, g++, GoogleTest, CLI11, nlohmann-json, toml++, and matplotlib for `latentkv step --plot`
+# (the CUDA toolkit is optional).
 #
 #   scripts/deps.sh           install what is missing (needs root and apt-get)
 #   scripts/deps.sh --carry   also copy the header-only libraries and GoogleTest's sources into
 #                             .deps/ (git-ignored), for a machine without a package registry
 set -euo pipefail
 cd "$(dirname "$0")/.."
-packages=(cmake ninja-build g++ libgtest-dev googletest libcli11-dev nlohmann-json3-dev libtomlplusplus-dev)
+packages=(cmake ninja-build g++ libgtest-dev googletest libcli11-dev nlohmann-json3-dev libtomlplusplus-dev
+          python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

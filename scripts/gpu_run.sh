@@ -89,6 +89,20 @@ for step in "${steps[@]}"; do
         run_bench bf16_h8_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --kv-dtype bf16 --pool 300000 --backends cuda
       fi
       ;;
+    step)
+      # latentkv step: the attention side of one decode step of all 78 glm5 layers (docs/step.md).
+      cli="$BUILD/tools/latentkv"
+      run_step() {  # name, args...
+        local name=$1; shift
+        log "step $name: $*"
+        "$cli" step "$@" --json "$L/step_$name.json" >"$L/step_$name.log" 2>"$L/step_$name.err" \
+          || { status=1; log "step $name FAILED"; tail -5 "$L/step_$name.err" | tee -a "$OUT/summary.txt"; }
+        cat "$L/step_$name.log" >>"$OUT/summary.txt"
+        grep -E "^(fp8|gather_cast|cast_full|dense|sparse|floors) " "$L/step_$name.log"
+      }
+      run_step glm5_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --pool 495000
+      run_step glm5_b64_8k --model glm5 --tp 8 --batch 64 --context 8192 --pool 600000
+      ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
-# Builds latentkv and runs the main job: on a GPU, the FP8-native decode benchmark against the cast
-# baselines (glm5, tp 8, one request of 32K tokens, 495K-token pool); without one, the DSA decode
-# pipeline of one layer on the CPU reference (small default).
+# Builds latentkv and runs the main job, `latentkv step`: the attention side of one decode step of a
+# whole model, FP8-native against the cast baselines, with the gap of every op to the floors measured
+# in the same run (on a GPU: glm5, tp 8, all 78 layers, one request of 32K tokens, a 495K-token pool
+# per layer; without one: the CPU reference at a small default). Arguments go to `latentkv step`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 BUILD=${BUILD:-build}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD" -j"${JOBS:-$(nproc)}" --target latentkv_cli
-if "$BUILD/tools/latentkv" info | grep -q "^device: cpu"; then
-  exec "$BUILD/tools/latentkv" demo "$@"
-else
-  exec "$BUILD/tools/latentkv" bench "$@"
-fi
+exec "$BUILD/tools/latentkv" step "$@"

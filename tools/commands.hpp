@@ -13,5 +13,6 @@ void add_demo_command(CLI::App& app);
 void add_config_command(CLI::App& app);
 void add_info_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_step_command(CLI::App& app);
 
 }  // namespace latentkv::tools

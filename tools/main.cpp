@@ -8,6 +8,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"latentkv: FP8-native MLA and DeepSeek Sparse Attention over paged caches"};
   app.require_subcommand(1);
+  latentkv::tools::add_step_command(app);
   latentkv::tools::add_demo_command(app);
   latentkv::tools::add_config_command(app);
   latentkv::tools::add_info_command(app);

@@ -1,0 +1,347 @@
+// The arithmetic of `latentkv step` (tools/step_report.*): what each op must move and compute, the
+// floors, shares, gaps and tokens per second derived from measured times, the tables, the JSON
+// round trip that --from-json relies on; and the top-k check the GPU run applies before timing
+// (tools/step_check.hpp).
+#include "step_report.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "step_check.hpp"
+
+namespace latentkv::tools {
+namespace {
+
+// glm5 at tp 8 (SPEC section 2): the yardstick shape of the step issue.
+StepShape glm5_b1_32k() {
+  StepShape s;
+  s.model = "glm5";
+  s.tp = 8;
+  s.layers = 78;
+  s.model_layers = 78;
+  s.heads = 8;
+  s.indexer_heads = 32;
+  s.topk = 2048;
+  s.batch = 1;
+  s.context = 32768;
+  s.q_len = 1;
+  s.pool_tokens = 495040;  // 495000 rounded up to pages of 64
+  s.page_size = 64;
+  return s;
+}
+
+// q [H, 576] bf16 in, o [H, 512] bf16 and lse [H] f32 out, per query row.
+double q_o_lse(const StepShape& s) { return s.heads * (576 * 2 + 512 * 2 + 4.0); }
+
+TEST(StepWork, VisibleTokensAreCausalAmongTheNewOnes) {
+  StepShape s = glm5_b1_32k();
+  s.context = 100;
+  s.q_len = 3;
+  EXPECT_EQ(s.visible(0), 98);
+  EXPECT_EQ(s.visible(2), 100);
+  s.context = 2048;
+  EXPECT_TRUE(s.dense_is_exact());  // every row sees <= index_topk tokens
+  s.context = 2049;
+  EXPECT_FALSE(s.dense_is_exact());
+}
+
+TEST(StepWork, SparseDecodeMovesTheSelectedTokensOnce) {
+  const StepShape s = glm5_b1_32k();
+  const OpWork w = op_work(StepOp::kSparseDecode, "cuda", s);
+  EXPECT_DOUBLE_EQ(w.bytes, 2048 * 656.0 + q_o_lse(s) + 2048 * 4.0);
+  EXPECT_DOUBLE_EQ(w.floor_bytes, w.bytes);
+  EXPECT_DOUBLE_EQ(w.flops, 2.0 * 8 * (576 + 512) * 2048);
+}
+
+TEST(StepWork, TheCastBaselinesMoveMoreButShareTheFloor) {
+  const StepShape s = glm5_b1_32k();
+  const OpWork fp8 = op_work(StepOp::kSparseDecode, "cuda", s);
+  const OpWork full = op_work(StepOp::kSparseDecode, "cast_full", s);
+  const OpWork gather = op_work(StepOp::kSparseDecode, "gather_cast", s);
+  // cast_full reads 656 B and writes 1152 B for every slot of the pool, then reads 1152 B per token.
+  EXPECT_DOUBLE_EQ(full.bytes, 495040 * (656.0 + 1152) + 2048 * 1152.0 + q_o_lse(s) + 2048 * 4.0);
+  EXPECT_NEAR(full.bytes / 1e9, 0.897, 0.001);  // SPEC section 1: about 0.86 GB a layer (without the decode)
+  EXPECT_DOUBLE_EQ(gather.bytes, 2048 * (656.0 + 2 * 1152) + q_o_lse(s) + 2048 * 4.0);
+  for (const OpWork& w : {full, gather}) {
+    EXPECT_DOUBLE_EQ(w.floor_bytes, fp8.floor_bytes);
+    EXPECT_DOUBLE_EQ(w.flops, fp8.flops);
+  }
+  // The ops before the decode do not depend on the decode backend.
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kIndexerLogits, "cast_full", s).bytes,
+                   op_work(StepOp::kIndexerLogits, "cuda", s).bytes);
+}
+
+TEST(StepWork, DenseDecodeReadsEveryVisibleToken) {
+  StepShape s = glm5_b1_32k();
+  s.batch = 64;
+  s.context = 8192;
+  const OpWork w = op_work(StepOp::kDenseDecode, "cuda", s);
+  EXPECT_DOUBLE_EQ(w.bytes, 64 * (8192 * 656.0 + q_o_lse(s)));
+  EXPECT_DOUBLE_EQ(w.flops, 64 * 2.0 * 8 * 1088 * 8192);
+  const OpWork gather = op_work(StepOp::kDenseDecode, "gather_cast", s);
+  EXPECT_DOUBLE_EQ(gather.bytes, 64 * 8192 * (656.0 + 1152) + 64 * (8192 * 1152.0 + q_o_lse(s)));
+}
+
+TEST(StepWork, IndexerTopkAndAppend) {
+  StepShape s = glm5_b1_32k();
+  s.batch = 2;
+  s.context = 1000;
+  s.q_len = 2;
+  const double visible = 2 * (999.0 + 1000.0);  // two requests, rows seeing 999 and 1000 tokens
+  const OpWork idx = op_work(StepOp::kIndexerLogits, "cuda", s);
+  EXPECT_DOUBLE_EQ(idx.bytes, 2 * 1000 * 132.0 + 4 * 32 * (128 + 4.0) + 4 * visible);
+  EXPECT_DOUBLE_EQ(idx.flops, 2.0 * 32 * 128 * visible);
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kTopk, "cuda", s).bytes, 4 * visible + 4 * 2048 * 4.0);
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kTopk, "cuda", s).flops, 0);
+  // Four new tokens: bf16 latent, key and an i32 slot in; 656 + 132 bytes out.
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kAppend, "cuda", s).bytes, 4 * (1152 + 256 + 4 + 656 + 132.0));
+}
+
+TEST(StepWork, FloorIsTheSlowerOfBandwidthAndCompute) {
+  const OpWork memory{4e6, 4e6, 1e6};                  // 4 MB, 1 MFLOP
+  const OpWork compute{1e3, 1e3, 1e12};                // 1 TFLOP
+  EXPECT_DOUBLE_EQ(floor_us(memory, 4000, 800), 1.0);  // 4e6 B / 4000 GB/s = 1 us
+  EXPECT_DOUBLE_EQ(floor_us(compute, 4000, 800), 1250.0);
+  EXPECT_DOUBLE_EQ(floor_us(memory, 0, 800), 1e6 / 800e6);
+  EXPECT_DOUBLE_EQ(floor_us(memory, 0, 0), 0.0);  // nothing measured: no floor
+}
+
+// A measured report of two strategies, as the GPU run fills it (times only).
+StepReport measured_report() {
+  StepReport r;
+  r.command = "latentkv step --batch 1";
+  r.device = "NVIDIA H200 (sm_90, 132 SMs)";
+  r.shape = glm5_b1_32k();
+  r.read_gbps = 4490;
+  r.copy_gbps = 4250;
+  r.matrix_tflops = 766;
+  r.matrix_how = "cuBLAS bf16 GEMM 8192^3, fp32 accumulate, median of 10";
+  r.warmup = 3;
+  r.iters = 20;
+  r.seed = 7;
+  const auto strategy = [](std::string name, std::string backend, double step, std::vector<double> ops) {
+    StrategyResult s;
+    s.name = std::move(name);
+    s.backend = std::move(backend);
+    s.status = "pass";
+    s.timed = true;
+    s.step_us = step;
+    s.step_p10_us = step * 0.99;
+    s.step_p90_us = step * 1.01;
+    const std::vector<StepOp> kinds = step_ops(false);
+    for (std::size_t i = 0; i < kinds.size(); ++i) {
+      OpResult op;
+      op.op = kinds[i];
+      op.backend = i == 3 ? s.backend : "cuda";
+      op.kernel = "k" + std::to_string(i);
+      op.us = ops[i];
+      op.p10_us = ops[i];
+      op.p90_us = ops[i];
+      s.ops.push_back(op);
+    }
+    return s;
+  };
+  r.strategies.push_back(strategy("fp8", "cuda", 1000, {100, 300, 200, 350}));
+  r.strategies.push_back(strategy("cast_full", "cast_full", 80000, {100, 300, 200, 79000}));
+  StrategyResult failed;
+  failed.name = "gather_cast";
+  failed.backend = "gather_cast";
+  failed.status = "FAIL: o 3 of 8 out of tolerance";
+  failed.ops = r.strategies[0].ops;
+  r.strategies.push_back(failed);
+  return r;
+}
+
+TEST(StepAnalysis, SharesRatesGapsAndTokensPerSecond) {
+  StepReport r = measured_report();
+  analyze_step(r);
+  const StrategyResult& fp8 = r.strategies[0];
+  EXPECT_DOUBLE_EQ(fp8.ops_us, 950);
+  EXPECT_DOUBLE_EQ(fp8.tokens_per_s_stream, 1000.0);  // 1 ms a step, one token a step
+  EXPECT_DOUBLE_EQ(fp8.tokens_per_s_batch, 1000.0);
+  EXPECT_DOUBLE_EQ(fp8.speedup_vs_cast_full, 80.0);
+  EXPECT_DOUBLE_EQ(r.strategies[1].speedup_vs_cast_full, 1.0);
+
+  const OpResult& sparse = fp8.ops[3];
+  const OpWork one = op_work(StepOp::kSparseDecode, "cuda", r.shape);
+  EXPECT_DOUBLE_EQ(sparse.work.bytes, 78 * one.bytes);  // summed over the layers
+  EXPECT_DOUBLE_EQ(sparse.share, 0.35);
+  EXPECT_DOUBLE_EQ(sparse.gbps, 78 * one.bytes / (350 * 1e3));
+  EXPECT_DOUBLE_EQ(sparse.pct_of_copy, 100 * sparse.gbps / 4250);
+  EXPECT_DOUBLE_EQ(sparse.tflops, 78 * one.flops / (350 * 1e6));
+  EXPECT_DOUBLE_EQ(sparse.floor_us, floor_us(sparse.work, 4250, 766));
+  EXPECT_DOUBLE_EQ(sparse.gap, 350 / sparse.floor_us);
+  double floor = 0;
+  for (const OpResult& op : fp8.ops) floor += op.floor_us;
+  EXPECT_DOUBLE_EQ(fp8.floor_us, floor);
+  EXPECT_DOUBLE_EQ(fp8.gap, 1000 / floor);
+
+  // The cast_full decode moves the pool every layer, but its floor is the FP8-native op's.
+  const OpResult& cast = r.strategies[1].ops[3];
+  EXPECT_GT(cast.work.bytes, 100 * sparse.work.bytes);
+  EXPECT_DOUBLE_EQ(cast.floor_us, sparse.floor_us);
+
+  // A failed strategy gets no rates, no gap and no speed-up.
+  const StrategyResult& failed = r.strategies[2];
+  EXPECT_EQ(failed.tokens_per_s_stream, 0);
+  EXPECT_EQ(failed.speedup_vs_cast_full, 0);
+  for (const OpResult& op : failed.ops) {
+    EXPECT_EQ(op.gbps, 0);
+    EXPECT_EQ(op.gap, 0);
+  }
+}
+
+TEST(StepAnalysis, QLenCountsEveryNewTokenAndTheBatchMultiplies) {
+  StepReport r = measured_report();
+  r.shape.q_len = 2;
+  r.shape.batch = 4;
+  analyze_step(r);
+  EXPECT_DOUBLE_EQ(r.strategies[0].tokens_per_s_stream, 2000.0);
+  EXPECT_DOUBLE_EQ(r.strategies[0].tokens_per_s_batch, 8000.0);
+}
+
+TEST(StepAnalysis, WithoutCeilingsThereAreNoFloors) {
+  StepReport r = measured_report();
+  r.copy_gbps = r.read_gbps = r.matrix_tflops = 0;
+  r.cpu_reference = true;
+  analyze_step(r);
+  for (const OpResult& op : r.strategies[0].ops) {
+    EXPECT_EQ(op.floor_us, 0);
+    EXPECT_EQ(op.gap, 0);
+    EXPECT_EQ(op.pct_of_copy, 0);
+    EXPECT_GT(op.gbps, 0);
+  }
+  const std::string text = format_report(r);
+  EXPECT_NE(text.find("floors: none measured"), std::string::npos) << text;
+  EXPECT_NE(text.find("step ms"), std::string::npos) << text;  // the CPU reference's times are in ms
+}
+
+TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
+  StepReport r = measured_report();
+  r.notes.push_back("a note");
+  analyze_step(r);
+  const std::string text = format_report(r);
+  for (const char* want :
+       {"copy 4250 GB/s", "bf16 matrix 766 TFLOP/s", "note: a note", "sparse_decode", "indexer_logits", "80.0x",
+        "FAIL: o 3 of 8", "repro: latentkv step --batch 1", "between ops"}) {
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in\n" << text;
+  }
+  EXPECT_NE(text.find("sparse decode"), std::string::npos) << "the model's rule at 32K is sparse:\n" << text;
+}
+
+TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
+  StepReport r = measured_report();
+  r.notes.push_back("pool grown");
+  analyze_step(r);
+  const StepReport back = parse_report_json(report_json(r));
+  EXPECT_EQ(back.command, r.command);
+  EXPECT_EQ(back.device, r.device);
+  EXPECT_EQ(back.notes, r.notes);
+  EXPECT_EQ(back.seed, 7u);
+  EXPECT_EQ(back.shape.pool_tokens, 495040);
+  EXPECT_EQ(back.shape.layers, 78);
+  EXPECT_EQ(back.matrix_how, r.matrix_how);
+  ASSERT_EQ(back.strategies.size(), 3u);
+  for (std::size_t i = 0; i < r.strategies.size(); ++i) {
+    const StrategyResult &a = r.strategies[i], &b = back.strategies[i];
+    EXPECT_EQ(b.name, a.name);
+    EXPECT_EQ(b.status, a.status);
+    EXPECT_EQ(b.timed, a.timed);
+    EXPECT_DOUBLE_EQ(b.step_us, a.step_us);
+    EXPECT_DOUBLE_EQ(b.gap, a.gap);
+    EXPECT_DOUBLE_EQ(b.speedup_vs_cast_full, a.speedup_vs_cast_full);
+    ASSERT_EQ(b.ops.size(), a.ops.size());
+    for (std::size_t k = 0; k < a.ops.size(); ++k) {
+      EXPECT_EQ(b.ops[k].op, a.ops[k].op);
+      EXPECT_EQ(b.ops[k].kernel, a.ops[k].kernel);
+      EXPECT_DOUBLE_EQ(b.ops[k].gap, a.ops[k].gap);
+      EXPECT_DOUBLE_EQ(b.ops[k].work.bytes, a.ops[k].work.bytes);
+    }
+  }
+  EXPECT_EQ(format_report(back), format_report(r));
+}
+
+TEST(StepReportJson, RejectsWhatIsNotAReport) {
+  EXPECT_THROW(parse_report_json("{"), std::invalid_argument);
+  EXPECT_THROW(parse_report_json(R"({"command": "x"})"), std::invalid_argument);
+  std::string text = report_json(measured_report());
+  const std::size_t at = text.find("\"sparse_decode\"");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 15, "\"warp_decode\"");
+  EXPECT_THROW(parse_report_json(text), std::invalid_argument);
+}
+
+// ---- the top-k check ------------------------------------------------------------------------------
+
+// One request of 10 tokens over pages of 4: positions 0-3 on page 2, 4-7 on page 0, 8-9 on page 3.
+struct TopkCase {
+  StepShape shape;
+  StepTables tables;
+  std::vector<float> logits;  // [1, q_len, 12]
+  TopkCase() {
+    shape.page_size = 4;
+    shape.context = 10;
+    shape.q_len = 1;
+    shape.topk = 3;
+    shape.batch = 1;
+    tables.num_pages = 4;
+    tables.max_pages = 3;
+    tables.block_table = {2, 0, 3};
+    tables.seq_lens = {10};
+    logits = {0.1f, 0.9f, 0.3f, 0.9f, 0.2f, 0.0f, 0.5f, 0.4f, 0.6f, 0.7f, -INFINITY, -INFINITY};
+  }
+  std::int32_t slot(int position) const { return tables.block_table[position / 4] * 4 + position % 4; }
+  std::string check(const std::vector<std::int32_t>& slots) const {
+    return topk_problem(logits, slots, shape, tables, 1, 12);
+  }
+};
+
+TEST(StepTopkCheck, AcceptsAnyOrderAndTieBreak) {
+  const TopkCase c;
+  // The top 3 are positions 1 and 3 (0.9 each) and 9 (0.7), in any order.
+  EXPECT_EQ(c.check({c.slot(9), c.slot(3), c.slot(1)}), "");
+  EXPECT_EQ(c.check({c.slot(1), c.slot(9), c.slot(3)}), "");
+  TopkCase tie = c;
+  tie.logits[9] = 0.6f;  // now 8 and 9 tie for the third place: either is a top-3
+  EXPECT_EQ(tie.check({tie.slot(1), tie.slot(3), tie.slot(8)}), "");
+  EXPECT_EQ(tie.check({tie.slot(1), tie.slot(3), tie.slot(9)}), "");
+}
+
+TEST(StepTopkCheck, RejectsWrongAnswers) {
+  const TopkCase c;
+  EXPECT_NE(c.check({c.slot(1), c.slot(3), c.slot(8)}).find("left out"), std::string::npos);  // 0.6 < 0.7
+  EXPECT_NE(c.check({c.slot(1), c.slot(1), c.slot(9)}).find("twice"), std::string::npos);
+  EXPECT_NE(c.check({c.slot(1), c.slot(3), -1}).find("expected min(k, visible)"), std::string::npos);
+  EXPECT_NE(c.check({c.slot(1), c.slot(3), 4 * 1 + 0}).find("not a slot"),
+            std::string::npos);  // page 1 is not the request's
+  EXPECT_NE(c.check({c.slot(1), c.slot(3), static_cast<std::int32_t>(0xA5A5A5A5)}).find("not a slot"),
+            std::string::npos);
+}
+
+TEST(StepTopkCheck, RowsSeeingFewerThanKTakeThemAllAndPad) {
+  TopkCase c;
+  c.shape.topk = 12;
+  std::vector<std::int32_t> all;
+  for (int p = 9; p >= 0; --p) all.push_back(c.slot(p));
+  all.push_back(-1);
+  all.push_back(-1);
+  EXPECT_EQ(c.check(all), "");
+  // With q_len 2 the first new token does not see position 9.
+  c.shape.q_len = 2;
+  c.logits.insert(c.logits.end(), c.logits.begin(), c.logits.end());  // [1, 2, 12]: both rows alike
+  std::vector<std::int32_t> two(all.begin() + 1, all.end());
+  two.push_back(-1);
+  two.insert(two.end(), all.begin(), all.end());
+  EXPECT_EQ(topk_problem(c.logits, two, c.shape, c.tables, 1, 12), "");
+  std::vector<std::int32_t> wrong(all);
+  wrong.insert(wrong.end(), all.begin(), all.end());
+  EXPECT_NE(topk_problem(c.logits, wrong, c.shape, c.tables, 1, 12).find("not a slot the row sees"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace latentkv::tools

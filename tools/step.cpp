@@ -1,0 +1,432 @@
+// `latentkv step`: the attention side of one decode step of a whole model on one GPU - every
+// layer's append, indexer logits, top-k and sparse (or dense) decode, captured once in a CUDA graph
+// and replayed - for several strategies side by side, with the gap of every op to the floors
+// measured in the same run. Without a GPU it runs the CPU reference at a small default size.
+// docs/step.md explains the command and the analysis.
+#include "step.hpp"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "latentkv/backend.hpp"
+#include "latentkv/error.hpp"
+#include "latentkv/fp8.hpp"
+#include "latentkv/model.hpp"
+#include "latentkv/paging.hpp"
+
+namespace latentkv::tools {
+
+extern const char kStepPlotScript[];  // tools/plot/step_plot.py, embedded at build time
+
+namespace {
+
+struct StepOptions {
+  std::string model = "glm5";
+  int tp = 8;
+  int batch = 0;             // 0: 1 on a GPU, 2 on the CPU
+  std::int64_t context = 0;  // 0: 32768 on a GPU, 3000 on the CPU
+  std::int64_t pool = 0;     // tokens per layer; 0: 495000 on a GPU (more when the batch needs it)
+  int q_len = 1;
+  int page_size = kDefaultPageSize;
+  int layers = 0;                       // 0: every layer of the model on a GPU, 4 on the CPU
+  std::vector<std::string> strategies;  // empty: the default list of the device
+  int warmup = -1;                      // -1: 3 on a GPU, 1 on the CPU
+  int iters = 0;                        // 0: 20 on a GPU, 3 on the CPU
+  int check_requests = 2;
+  std::string device = "auto";
+  std::uint64_t seed = 1;
+  bool progress = true;
+  std::string json, plot, from_json;
+};
+
+// Defaults: the yardstick shape on a GPU; on the CPU a size the float64 reference runs in a few
+// seconds on two cores.
+constexpr int kGpuBatch = 1, kCpuBatch = 2;
+constexpr std::int64_t kGpuContext = 32768, kCpuContext = 3000;
+constexpr std::int64_t kGpuPool = 495000;  // the 495K-token pool of SPEC section 6
+constexpr int kCpuLayers = 4;
+constexpr int kGpuWarmup = 3, kGpuIters = 20, kCpuWarmup = 1, kCpuIters = 3;
+const std::vector<std::string> kGpuStrategies = {"fp8", "gather_cast", "cast_full", "dense", "sparse"};
+const std::vector<std::string> kCpuStrategies = {"fp8", "dense", "sparse"};
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+std::int64_t round_up(std::int64_t n, std::int64_t to) { return (n + to - 1) / to * to; }
+
+std::string repro_line(const StepRun& run, bool cpu) {
+  const StepShape& s = run.shape;
+  std::vector<std::string> names;
+  for (const StrategySpec& x : run.strategies) names.push_back(x.name);
+  std::ostringstream os;
+  os << "latentkv step --model " << s.model << " --tp " << s.tp << " --batch " << s.batch << " --context " << s.context
+     << " --q-len " << s.q_len << " --pool " << s.pool_tokens << " --page-size " << s.page_size << " --layers "
+     << s.layers << " --strategies " << join(names) << " --warmup " << run.warmup << " --iters " << run.iters
+     << " --check-requests " << run.check_requests << " --seed " << run.seed << (cpu ? " --device cpu" : "");
+  return os.str();
+}
+
+// Every default filled in for the device the run lands on, every value checked.
+StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
+  const ModelShard shard = shard_model(model_preset(o.model), o.tp);
+  const ModelPreset& m = shard.model;
+  if (m.layers < 1) throw Error("step", "model", m.name, "a preset with its layer count (model.hpp: layers)");
+  StepRun run;
+  StepShape& s = run.shape;
+  s.model = m.name;
+  s.tp = o.tp;
+  s.model_layers = m.layers;
+  s.layers = o.layers > 0 ? o.layers : (cpu ? std::min(kCpuLayers, m.layers) : m.layers);
+  s.heads = shard.heads_per_gpu;
+  s.indexer_heads = m.indexer_heads;
+  s.topk = m.index_topk;
+  s.batch = o.batch > 0 ? o.batch : (cpu ? kCpuBatch : kGpuBatch);
+  s.context = o.context > 0 ? o.context : (cpu ? kCpuContext : kGpuContext);
+  s.q_len = o.q_len;
+  s.page_size = o.page_size;
+  if (s.layers > m.layers) {
+    throw Error("step", "layers", std::to_string(s.layers),
+                "1 .. " + std::to_string(m.layers) + " (the layers of " + m.name + ")");
+  }
+  if (s.context < s.q_len) {
+    throw Error("step", "context", std::to_string(s.context), ">= q_len " + std::to_string(s.q_len));
+  }
+  if (s.context > m.max_positions) {
+    throw Error("step", "context", std::to_string(s.context),
+                "<= " + std::to_string(m.max_positions) + " (max positions of " + m.name + ")");
+  }
+  // The pool must hold every request's pages; the default leaves room as a server would.
+  const std::int64_t needed = static_cast<std::int64_t>(s.batch) * round_up(s.context, s.page_size);
+  std::int64_t pool = o.pool;
+  if (pool == 0) {
+    pool = cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8);
+    if (!cpu && pool != kGpuPool) {
+      run.notes.push_back("pool grown to " + std::to_string(pool) + " tokens per layer to hold the batch");
+    }
+  }
+  s.pool_tokens = round_up(pool, s.page_size);
+  if (s.pool_tokens < needed) {
+    throw Error("step", "pool", std::to_string(o.pool),
+                ">= " + std::to_string(needed) + " tokens (" + std::to_string(s.batch) + " requests of " +
+                    std::to_string(s.context) + " tokens in whole pages of " + std::to_string(s.page_size) + ")");
+  }
+  if (s.pool_tokens > INT32_MAX) {
+    throw Error("step", "pool", std::to_string(s.pool_tokens), "fewer than 2^31 slots (slots are int32)");
+  }
+
+  run.warmup = o.warmup >= 0 ? o.warmup : (cpu ? kCpuWarmup : kGpuWarmup);
+  run.iters = o.iters > 0 ? o.iters : (cpu ? kCpuIters : kGpuIters);
+  run.check_requests = std::min(o.check_requests, s.batch);
+  run.seed = o.seed;
+  run.progress = o.progress;
+
+  // Strategies, in the order asked; one that runs exactly what an earlier one runs is dropped.
+  const std::vector<std::string>& names = o.strategies.empty() ? (cpu ? kCpuStrategies : kGpuStrategies) : o.strategies;
+  for (const std::string& name : names) {
+    const StrategySpec spec = parse_strategy(name, s);
+    const auto same = std::find_if(run.strategies.begin(), run.strategies.end(), [&](const StrategySpec& x) {
+      return x.dense == spec.dense && x.backend == spec.backend;
+    });
+    if (same != run.strategies.end()) {
+      if (!o.strategies.empty()) {
+        const std::string why =
+            spec.by_rule || same->by_rule
+                ? std::string(" (the model's rule picks ") + (spec.dense ? "dense" : "sparse") + " at this context)"
+                : "";
+        run.notes.push_back(name + " runs what " + same->name + " runs here" + why + ": left out");
+      }
+      continue;
+    }
+    run.strategies.push_back(spec);
+  }
+
+  if (cpu) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "%s: CPU reference (float64), %s: batch %d, context %lld, %d of %d layers; times are host wall-clock",
+                  cpu_by_default ? "no GPU" : "--device cpu",
+                  o.batch == 0 && o.context == 0 && o.layers == 0 ? "small default" : "size as asked", s.batch,
+                  static_cast<long long>(s.context), s.layers, m.layers);
+    run.notes.insert(run.notes.begin(), buf);
+  }
+  return run;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw Error("step", "file", path, "a writable path");
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Exit codes of tools/plot/step_plot.py beyond 0 (drawn) and 1 (failed).
+constexpr int kPlotNoMatplotlib = 3;
+constexpr int kShellNotFound = 127;
+
+// Runs the embedded plotting script as `python - <json> <out>` with each candidate interpreter until
+// one has matplotlib: $LATENTKV_PYTHON alone when set, else python3 on the PATH, then the system's
+// /usr/bin/python3 (Debian's python3-matplotlib lives there when the PATH's python3 is another one).
+// Returns false after saying why and how to fix it.
+bool draw_plot(const std::string& json_path, const std::string& out_path) {
+  std::vector<std::string> pythons;
+  if (const char* chosen = std::getenv("LATENTKV_PYTHON"); chosen && *chosen) {
+    pythons.push_back(chosen);
+  } else {
+    pythons = {"python3"};
+    if (access("/usr/bin/python3", X_OK) == 0) pythons.push_back("/usr/bin/python3");
+  }
+  bool any_python = false;
+  for (const std::string& python : pythons) {
+    const std::string command = "command -v " + shell_quote(python) + " >/dev/null 2>&1 || exit 127; exec " +
+                                shell_quote(python) + " - " + shell_quote(json_path) + " " + shell_quote(out_path);
+    FILE* pipe = popen(command.c_str(), "w");
+    if (pipe == nullptr) continue;
+    std::fputs(kStepPlotScript, pipe);
+    const int status = pclose(pipe);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (code == 0) return true;
+    if (code == kShellNotFound) continue;
+    any_python = true;
+    if (code == kPlotNoMatplotlib) continue;
+    std::fprintf(stderr, "error: the plot script failed (%s, exit %d); the data is in %s\n", python.c_str(), code,
+                 json_path.c_str());
+    return false;
+  }
+  if (!any_python) {
+    std::fprintf(stderr,
+                 "error: --plot needs python3 with matplotlib, and no python3 was found.\n"
+                 "  install: apt-get install python3 python3-matplotlib (or set LATENTKV_PYTHON)\n");
+  } else {
+    std::fprintf(stderr,
+                 "error: --plot needs matplotlib, which %s cannot import.\n"
+                 "  install: apt-get install python3-matplotlib, or python3 -m pip install matplotlib\n"
+                 "  (LATENTKV_PYTHON=/path/to/python picks the interpreter)\n",
+                 join(pythons).c_str());
+  }
+  std::fprintf(stderr, "  the run's data is kept in %s; redraw it with: latentkv step --from-json %s --plot %s\n",
+               json_path.c_str(), json_path.c_str(), out_path.c_str());
+  return false;
+}
+
+// Writes the JSON where asked (or to a temporary file that is removed once drawn), then draws.
+bool plot_report(const std::string& json_text, const std::string& json_path, const std::string& out_path) {
+  std::string path = json_path;
+  bool temporary = false;
+  if (path.empty()) {
+    char name[] = "/tmp/latentkv-step-XXXXXX.json";
+    const int fd = mkstemps(name, 5);
+    if (fd < 0) throw Error("step", "plot", out_path, "a writable /tmp for the run's JSON");
+    close(fd);
+    path = name;
+    temporary = true;
+    write_file(path, json_text);
+  }
+  const bool drawn = draw_plot(path, out_path);
+  if (drawn && temporary) std::remove(path.c_str());
+  if (drawn) std::printf("plot: %s\n", out_path.c_str());
+  return drawn;
+}
+
+bool any_failed(const StepReport& r) {
+  for (const StrategyResult& s : r.strategies) {
+    if (s.status.rfind("FAIL", 0) == 0) return true;
+  }
+  return false;
+}
+
+// Reads a saved report; what is not one is a usage error.
+StepReport load_report(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("step", "from-json", path, "a readable file");
+  std::ostringstream text;
+  text << in.rdbuf();
+  try {
+    return parse_report_json(text.str());
+  } catch (const std::invalid_argument& e) {
+    throw Error("step", "from-json", path, std::string("a report of `latentkv step --json` (") + e.what() + ")");
+  }
+}
+
+// Everything about the command line that can be wrong, checked before anything runs; exit code 2
+// (a usage error) when it is, as the other subcommands do.
+template <typename F>
+auto or_usage_error(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    throw CLI::RuntimeError(kExitUsage);
+  }
+}
+
+void run_step_command(const StepOptions& o) {
+  StepReport report;
+  bool cpu = false;
+  StepRun run;
+  or_usage_error([&] {
+    if (!o.plot.empty()) {
+      const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
+      if (ext != ".png" && ext != ".svg") throw Error("step", "plot", o.plot, "a file name ending in .png or .svg");
+    }
+    if (!o.from_json.empty()) {
+      report = load_report(o.from_json);
+      return;
+    }
+    const bool have_gpu = detect_device().kind == DeviceKind::kCuda;
+    if (o.device == "cuda" && !have_gpu) {
+      throw Error("step", "device", "cuda", "a CUDA GPU (none was found, or this build has no CUDA backends)");
+    }
+    cpu = o.device == "cpu" || !have_gpu;
+    run = resolve_run(o, cpu, o.device != "cpu");
+  });
+  if (o.from_json.empty()) {
+    report = cpu ? run_step_cpu(run) : run_step_gpu(run);
+    report.command = repro_line(run, cpu);
+    report.notes.insert(report.notes.begin(), run.notes.begin(), run.notes.end());
+    analyze_step(report);
+  }
+  std::fputs(format_report(report).c_str(), stdout);
+  std::fflush(stdout);
+  const std::string json_text = report_json(report);
+  if (!o.json.empty() && o.from_json.empty()) {
+    write_file(o.json, json_text);
+    std::printf("json: %s\n", o.json.c_str());
+  }
+  bool ok = !any_failed(report);
+  // A saved report is drawn from its JSON written again, with every derived field recomputed.
+  if (!o.plot.empty()) ok = plot_report(json_text, o.from_json.empty() ? o.json : "", o.plot) && ok;
+  if (!ok) throw CLI::RuntimeError(kExitFailure);
+}
+
+}  // namespace
+
+StrategySpec parse_strategy(const std::string& name, const StepShape& shape) {
+  StrategySpec s;
+  s.name = name;
+  std::string backend = name;
+  if (name == "dense" || name == "sparse") {
+    backend = "fp8";
+    s.dense = name == "dense";
+  } else if (name.rfind("dense_", 0) == 0) {
+    backend = name.substr(6);
+    s.dense = true;
+  } else if (name.rfind("sparse_", 0) == 0) {
+    backend = name.substr(7);
+  } else {
+    s.by_rule = true;
+    s.dense = shape.dense_is_exact();
+  }
+  if (backend == "fp8") {
+    s.backend = "cuda";
+  } else if (backend == "gather_cast" || backend == "cast_full") {
+    s.backend = backend;
+  } else {
+    throw Error("step", "strategies", "'" + name + "'",
+                "fp8, gather_cast, cast_full (the path by the model's rule), dense, sparse, or dense_/sparse_ "
+                "followed by fp8, gather_cast or cast_full");
+  }
+  return s;
+}
+
+StepTables make_step_tables(const StepShape& s, std::uint64_t seed) {
+  PageAllocator pool(s.pool_tokens / s.page_size, s.page_size, seed | 1);
+  std::vector<RequestId> requests;
+  for (int b = 0; b < s.batch; ++b) {
+    requests.push_back(pool.add_request());
+    pool.grow(requests.back(), s.context);
+  }
+  StepTables t;
+  t.num_pages = pool.num_pages();
+  t.max_pages = static_cast<int>(pool.pages_for(s.context));
+  t.block_table = pool.block_table_matrix(requests, t.max_pages);
+  t.seq_lens = pool.lengths(requests);
+  for (RequestId r : requests) {
+    for (std::int64_t t_pos = s.context - s.q_len; t_pos < s.context; ++t_pos) {
+      t.new_slots.push_back(static_cast<std::int32_t>(pool.slot(r, t_pos)));
+    }
+  }
+  return t;
+}
+
+float approx_normal(std::uint64_t seed, std::uint64_t i) {
+  std::uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);  // splitmix64
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  float sum = 0.0f;
+  for (int k = 0; k < 4; ++k) sum += static_cast<float>((z >> (16 * k)) & 0xFFFF) * (1.0f / 65536.0f);
+  return (sum - 2.0f) * 1.7320508f;  // the variance of a sum of four U(0,1) is 1/3
+}
+
+void fill_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = bf16_encode(stddev * approx_normal(seed, i));
+}
+
+void fill_random_fp8(std::uint8_t* out, std::size_t n, std::uint64_t seed, float stddev) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = fp8_e4m3_encode(stddev * approx_normal(seed, i));
+}
+
+void fill_random_f32(float* out, std::size_t n, std::uint64_t seed, float stddev) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = stddev * approx_normal(seed, i);
+}
+
+void add_step_command(CLI::App& app) {
+  auto opt = std::make_shared<StepOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "step", "One decode step of a whole model's attention, strategies side by side, with the gap to the floors");
+  cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(CLI::Range(1, 4096));
+  cmd->add_option("--context", opt->context, "Tokens per request, new ones included (default 32768; 3000 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--pool", opt->pool, "Cache slots per layer (default 495000, or what the batch needs)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, kMaxDecodeQLen));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
+  cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--strategies", opt->strategies,
+                  "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse, "
+                  "dense_<backend>, sparse_<backend>")
+      ->delimiter(',');
+  cmd->add_option("--warmup", opt->warmup, "Untimed replays first (default 3; 1 on the CPU)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(CLI::Range(1, 100000));
+  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the float64 reference (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--device", opt->device, "auto (a GPU when there is one), cuda or cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
+  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables");
+  cmd->add_option("--json", opt->json, "Also write the report as JSON to this file");
+  cmd->add_option("--plot", opt->plot, "Draw the step per strategy and each op against its floor (.png or .svg)");
+  cmd->add_option("--from-json", opt->from_json, "Print (and with --plot draw) a saved report instead of running");
+  cmd->add_flag("!--no-progress", opt->progress, "No progress line on stderr");
+  cmd->callback([opt] { run_step_command(*opt); });
+}
+
+#ifndef LKV_WITH_CUDA
+StepReport run_step_gpu(const StepRun&) {
+  throw Error("step", "device", "cuda", "a build with CUDA (this one has the CPU reference only: --device cpu)");
+}
+#endif
+
+}  // namespace latentkv::tools

@@ -1,0 +1,431 @@
+// tools/step_report.cpp - the work model, gap arithmetic, tables and JSON of `latentkv step`.
+#include "step_report.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace latentkv::tools {
+namespace {
+
+// Bytes per token of the cache layouts (SPEC section 3) and of the bf16 inputs.
+constexpr double kFp8Token = 656;      // main cache entry, fp8 e4m3
+constexpr double kBf16Token = 1152;    // main cache entry, bf16 (what the cast baselines write)
+constexpr double kIndexerToken = 132;  // indexer key: 128 fp8 codes and a float32 scale
+constexpr double kLatentIn = 576 * 2;  // a new token's latent and rope, bf16
+constexpr double kKeyIn = 128 * 2;     // a new token's indexer key, bf16
+constexpr double kQkDim = 576, kVDim = 512;
+
+// Token counts of one layer's step.
+struct Counts {
+  double rows = 0;      // query rows, batch x q_len
+  double cached = 0;    // every request's tokens once: batch x context
+  double visible = 0;   // tokens seen, summed over rows
+  double selected = 0;  // tokens attended by the sparse decode, summed over rows: min(visible, topk)
+};
+
+Counts counts_of(const StepShape& s) {
+  Counts c;
+  c.rows = static_cast<double>(s.batch) * s.q_len;
+  c.cached = static_cast<double>(s.batch) * static_cast<double>(s.context);
+  for (int i = 0; i < s.q_len; ++i) {
+    const double v = static_cast<double>(std::max<std::int64_t>(s.visible(i), 0));
+    c.visible += s.batch * v;
+    c.selected += s.batch * std::min<double>(v, s.topk);
+  }
+  return c;
+}
+
+void add(std::string& out, const char* format, ...) __attribute__((format(printf, 2, 3)));
+void add(std::string& out, const char* format, ...) {
+  char buf[1024];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(buf, sizeof buf, format, args);
+  va_end(args);
+  out += buf;
+}
+
+// "70.5 GB", "1.31 MB", "880 kB", "512 B"
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "kB", "MB", "GB", "TB"};
+  int u = 0;
+  while (bytes >= 1000 && u < 4) {
+    bytes /= 1000;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, bytes >= 100 || u == 0 ? "%.0f %s" : "%.3g %s", bytes, units[u]);
+  return buf;
+}
+
+// A rate with three significant digits at most, whole numbers above 100.
+std::string rate(double x) {
+  char buf[32];
+  if (x <= 0) return "-";
+  std::snprintf(buf, sizeof buf, x >= 100 ? "%.0f" : "%.3g", x);
+  return buf;
+}
+
+std::string percent(double x, bool known) {
+  if (!known) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, x >= 10 ? "%.0f%%" : "%.1f%%", x);
+  return buf;
+}
+
+std::string times(double gap) {
+  if (gap <= 0) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, gap >= 100 ? "%.0fx" : "%.1fx", gap);
+  return buf;
+}
+
+std::string time_text(double us) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, us >= 1e5 ? "%.0f" : us >= 1 || us == 0 ? "%.1f" : "%.3f", us);
+  return buf;
+}
+
+const StrategyResult* find_cast_full(const StepReport& r) {
+  for (const StrategyResult& s : r.strategies) {
+    if (s.name == "cast_full" && s.timed) return &s;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::string_view step_op_name(StepOp op) {
+  switch (op) {
+    case StepOp::kAppend:
+      return "append";
+    case StepOp::kIndexerLogits:
+      return "indexer_logits";
+    case StepOp::kTopk:
+      return "topk";
+    case StepOp::kSparseDecode:
+      return "sparse_decode";
+    case StepOp::kDenseDecode:
+      return "dense_decode";
+  }
+  return "?";
+}
+
+StepOp parse_step_op(std::string_view name) {
+  for (StepOp op :
+       {StepOp::kAppend, StepOp::kIndexerLogits, StepOp::kTopk, StepOp::kSparseDecode, StepOp::kDenseDecode}) {
+    if (step_op_name(op) == name) return op;
+  }
+  throw std::invalid_argument("unknown step op '" + std::string(name) +
+                              "' (expected append, indexer_logits, topk, sparse_decode or dense_decode)");
+}
+
+std::vector<StepOp> step_ops(bool dense) {
+  if (dense) return {StepOp::kAppend, StepOp::kDenseDecode};
+  return {StepOp::kAppend, StepOp::kIndexerLogits, StepOp::kTopk, StepOp::kSparseDecode};
+}
+
+OpWork op_work(StepOp op, std::string_view decode_backend, const StepShape& s) {
+  const Counts c = counts_of(s);
+  const double heads = s.heads, indexer_heads = s.indexer_heads, pool = static_cast<double>(s.pool_tokens);
+  // Queries in, outputs out: q [rows, H, 576] bf16, o [rows, H, 512] bf16, lse [rows, H] f32.
+  const double q_o_lse = c.rows * heads * (kQkDim * 2 + kVDim * 2 + 4);
+  const double index_rows = c.rows * s.topk * 4.0;  // [rows, topk] i32 slots
+  OpWork w;
+  switch (op) {
+    case StepOp::kAppend:  // bf16 latent and key and an i32 slot in; one fp8 entry of each cache out
+      w.bytes = c.rows * (kLatentIn + kKeyIn + 4 + kFp8Token + kIndexerToken);
+      break;
+    case StepOp::kIndexerLogits:  // each cached key once, the fp8 queries and f32 weights, f32 logits out
+      w.bytes = c.cached * kIndexerToken + c.rows * indexer_heads * (128 + 4) + 4.0 * c.visible;
+      w.flops = 2.0 * indexer_heads * 128 * c.visible;
+      break;
+    case StepOp::kTopk:  // every visible logit read once, the selected slots written
+      w.bytes = 4.0 * c.visible + index_rows;
+      break;
+    case StepOp::kSparseDecode:
+      w.floor_bytes = kFp8Token * c.selected + q_o_lse + index_rows;
+      w.flops = 2.0 * heads * (kQkDim + kVDim) * c.selected;
+      if (decode_backend == "cast_full") {  // the whole pool cast to bf16, then the bf16 decode
+        w.bytes = pool * (kFp8Token + kBf16Token) + kBf16Token * c.selected + q_o_lse + index_rows;
+      } else if (decode_backend == "gather_cast") {  // the selected tokens gathered and cast, then read back
+        w.bytes = (kFp8Token + 2 * kBf16Token) * c.selected + q_o_lse + index_rows;
+      }
+      break;
+    case StepOp::kDenseDecode:
+      w.floor_bytes = kFp8Token * c.visible + q_o_lse;
+      w.flops = 2.0 * heads * (kQkDim + kVDim) * c.visible;
+      if (decode_backend == "cast_full") {
+        w.bytes = pool * (kFp8Token + kBf16Token) + kBf16Token * c.visible + q_o_lse;
+      } else if (decode_backend == "gather_cast") {  // each request's tokens gathered and cast once
+        w.bytes = c.cached * (kFp8Token + kBf16Token) + kBf16Token * c.visible + q_o_lse;
+      }
+      break;
+  }
+  if (w.floor_bytes == 0) w.floor_bytes = w.bytes;
+  if (w.bytes == 0) w.bytes = w.floor_bytes;
+  return w;
+}
+
+double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops) {
+  double us = 0;
+  if (copy_gbps > 0) us = std::max(us, work.floor_bytes / (copy_gbps * 1e3));
+  if (matrix_tflops > 0) us = std::max(us, work.flops / (matrix_tflops * 1e6));
+  return us;
+}
+
+void analyze_step(StepReport& r) {
+  const double layers = r.shape.layers;
+  for (StrategyResult& s : r.strategies) {
+    s.ops_us = s.floor_us = s.gap = s.tokens_per_s_stream = s.tokens_per_s_batch = 0;
+    for (OpResult& op : s.ops) {
+      const OpWork one = op_work(op.op, s.backend, r.shape);
+      op.work = {one.bytes * layers, one.floor_bytes * layers, one.flops * layers};
+      const bool measured = s.timed && op.us > 0;
+      op.gbps = measured ? op.work.bytes / (op.us * 1e3) : 0;
+      op.tflops = measured ? op.work.flops / (op.us * 1e6) : 0;
+      op.pct_of_copy = measured && r.copy_gbps > 0 ? 100.0 * op.gbps / r.copy_gbps : 0;
+      op.pct_of_matrix = measured && r.matrix_tflops > 0 ? 100.0 * op.tflops / r.matrix_tflops : 0;
+      op.floor_us = floor_us(op.work, r.copy_gbps, r.matrix_tflops);
+      op.gap = measured && op.floor_us > 0 ? op.us / op.floor_us : 0;
+      op.share = measured && s.step_us > 0 ? op.us / s.step_us : 0;
+      s.ops_us += measured ? op.us : 0;
+      s.floor_us += op.floor_us;
+    }
+    if (s.timed && s.step_us > 0) {
+      s.gap = s.floor_us > 0 ? s.step_us / s.floor_us : 0;
+      s.tokens_per_s_stream = r.shape.q_len * 1e6 / s.step_us;
+      s.tokens_per_s_batch = r.shape.batch * s.tokens_per_s_stream;
+    }
+  }
+  const StrategyResult* cast_full = find_cast_full(r);
+  for (StrategyResult& s : r.strategies) {
+    s.speedup_vs_cast_full = cast_full && s.timed && s.step_us > 0 ? cast_full->step_us / s.step_us : 0;
+  }
+}
+
+std::string format_report(const StepReport& r) {
+  const StepShape& sh = r.shape;
+  const bool floors = r.copy_gbps > 0 || r.matrix_tflops > 0;
+  // Times in µs; the CPU reference's in ms.
+  const std::string unit = r.cpu_reference ? "ms" : "us";
+  const auto t = [&](double us) { return time_text(r.cpu_reference ? us / 1000 : us); };
+  std::string out;
+  add(out, "latentkv step: %s at tp %d (%d heads, %d indexer heads, index_topk %d), %d of %d layers\n",
+      sh.model.c_str(), sh.tp, sh.heads, sh.indexer_heads, sh.topk, sh.layers, sh.model_layers);
+  add(out,
+      "  batch %d x q_len %d, context %lld, pool %lld tokens per layer (page %d), seed %llu, %d warm-up + %d timed\n",
+      sh.batch, sh.q_len, static_cast<long long>(sh.context), static_cast<long long>(sh.pool_tokens), sh.page_size,
+      static_cast<unsigned long long>(r.seed), r.warmup, r.iters);
+  add(out, "device: %s\n", r.device.c_str());
+  if (floors) {
+    add(out,
+        "floors (this run): copy %.0f GB/s (bytes read + written; read-only stream %.0f GB/s), bf16 matrix %.0f "
+        "TFLOP/s (%s)\n",
+        r.copy_gbps, r.read_gbps, r.matrix_tflops, r.matrix_how.c_str());
+  } else {
+    add(out, "floors: none measured (host wall-clock times of the float64 reference: no speed claim)\n");
+  }
+  if (sh.dense_is_exact()) {
+    add(out,
+        "model's rule: every row sees <= %lld tokens <= index_topk %d, so dense decode is exact and serves the step\n",
+        static_cast<long long>(sh.context), sh.topk);
+  } else {
+    add(out,
+        "model's rule: rows see up to %lld tokens > index_topk %d: indexer -> top-k -> sparse decode "
+        "(dense here is a comparison, not the model's attention)\n",
+        static_cast<long long>(sh.context), sh.topk);
+  }
+  for (const std::string& note : r.notes) add(out, "note: %s\n", note.c_str());
+
+  add(out, "\n%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", "strategy", "path", "decode",
+      ("step " + unit).c_str(), ("p10..p90 " + unit).c_str(), "tok/s/stream", ("floor " + unit).c_str(), "gap",
+      "vs cast", "check");
+  for (const StrategyResult& s : r.strategies) {
+    const char* path = s.dense ? (sh.dense_is_exact() ? "dense" : "dense*") : "sparse";
+    if (!s.timed) {
+      add(out, "%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(), "-", "-",
+          "-", "-", "-", "-", s.status.c_str());
+      continue;
+    }
+    const std::string spread = t(s.step_p10_us) + ".." + t(s.step_p90_us);
+    add(out, "%-18s %-6s %-11s %10s %19s %12.1f %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
+        t(s.step_us).c_str(), spread.c_str(), s.tokens_per_s_stream, s.floor_us > 0 ? t(s.floor_us).c_str() : "-",
+        times(s.gap).c_str(), times(s.speedup_vs_cast_full).c_str(), s.status.c_str());
+  }
+  if (!sh.dense_is_exact()) {
+    for (const StrategyResult& s : r.strategies) {
+      if (s.dense) {
+        add(out, "dense*: every visible token, where the model attends to index_topk of them (for comparison)\n");
+        break;
+      }
+    }
+  }
+
+  for (const StrategyResult& s : r.strategies) {
+    if (!s.timed) continue;
+    add(out,
+        "\n%s (%s, decode backend %s): step %s %s, %d layer%s of %s %s; %.1f tokens/s for one stream, %.1f for the "
+        "batch\n",
+        s.name.c_str(), s.dense ? "dense" : "sparse", s.backend.c_str(), t(s.step_us).c_str(), unit.c_str(), sh.layers,
+        sh.layers == 1 ? "" : "s", t(s.step_us / std::max(sh.layers, 1)).c_str(), unit.c_str(), s.tokens_per_s_stream,
+        s.tokens_per_s_batch);
+    add(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s  %s\n", "op", (unit + "/step").c_str(), "share", "moved",
+        "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "kernel");
+    for (const OpResult& op : s.ops) {
+      add(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s  %s\n", std::string(step_op_name(op.op)).c_str(),
+          t(op.us).c_str(), 100.0 * op.share, human_bytes(op.work.bytes).c_str(), rate(op.gbps).c_str(),
+          percent(op.pct_of_copy, r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
+          percent(op.pct_of_matrix, r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
+          op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), op.kernel.c_str());
+    }
+    const double rest = s.step_us - s.ops_us;
+    char signed_rest[40];
+    std::snprintf(signed_rest, sizeof signed_rest, "%s%s", rest >= 0 ? "+" : "-", t(std::fabs(rest)).c_str());
+    add(out, "  %-16s %10s %6.1f%%   (the whole step minus its ops timed one by one)\n", "between ops", signed_rest,
+        100.0 * rest / s.step_us);
+  }
+  if (floors) {
+    add(out,
+        "\nfloor = max(bytes an FP8-native op must move / copy bandwidth, FLOPs / bf16 matrix rate); gap = time / "
+        "floor.\n"
+        "'moved' counts what the strategy's op moves (the cast baselines move more than the floor's bytes).\n");
+  }
+  if (sh.q_len > 1) add(out, "tokens/s counts every one of the q_len = %d new tokens as accepted.\n", sh.q_len);
+  add(out, "repro: %s\n", r.command.c_str());
+  return out;
+}
+
+// ---- JSON ---------------------------------------------------------------------------------------
+
+std::string report_json(const StepReport& r) {
+  using nlohmann::json;
+  const StepShape& s = r.shape;
+  json j;
+  j["command"] = r.command;
+  j["device"] = r.device;
+  j["cpu_reference"] = r.cpu_reference;
+  j["notes"] = r.notes;
+  j["shape"] = {{"model", s.model},
+                {"tp", s.tp},
+                {"layers", s.layers},
+                {"model_layers", s.model_layers},
+                {"heads", s.heads},
+                {"indexer_heads", s.indexer_heads},
+                {"topk", s.topk},
+                {"batch", s.batch},
+                {"context", s.context},
+                {"q_len", s.q_len},
+                {"pool_tokens", s.pool_tokens},
+                {"page_size", s.page_size},
+                {"dense_is_exact", s.dense_is_exact()}};
+  j["read_gbps"] = r.read_gbps;
+  j["copy_gbps"] = r.copy_gbps;
+  j["matrix_tflops"] = r.matrix_tflops;
+  j["matrix_how"] = r.matrix_how;
+  j["warmup"] = r.warmup;
+  j["iters"] = r.iters;
+  j["seed"] = r.seed;
+  j["strategies"] = json::array();
+  for (const StrategyResult& x : r.strategies) {
+    json st = {{"name", x.name},
+               {"path", x.dense ? "dense" : "sparse"},
+               {"backend", x.backend},
+               {"status", x.status},
+               {"timed", x.timed},
+               {"step_us", x.step_us},
+               {"step_p10_us", x.step_p10_us},
+               {"step_p90_us", x.step_p90_us},
+               {"ops_us", x.ops_us},
+               {"floor_us", x.floor_us},
+               {"gap", x.gap},
+               {"tokens_per_s_stream", x.tokens_per_s_stream},
+               {"tokens_per_s_batch", x.tokens_per_s_batch},
+               {"speedup_vs_cast_full", x.speedup_vs_cast_full}};
+    st["ops"] = json::array();
+    for (const OpResult& op : x.ops) {
+      st["ops"].push_back({{"op", step_op_name(op.op)},
+                           {"backend", op.backend},
+                           {"kernel", op.kernel},
+                           {"us", op.us},
+                           {"p10_us", op.p10_us},
+                           {"p90_us", op.p90_us},
+                           {"bytes", op.work.bytes},
+                           {"floor_bytes", op.work.floor_bytes},
+                           {"flops", op.work.flops},
+                           {"share", op.share},
+                           {"gbps", op.gbps},
+                           {"tflops", op.tflops},
+                           {"pct_of_copy", op.pct_of_copy},
+                           {"pct_of_matrix", op.pct_of_matrix},
+                           {"floor_us", op.floor_us},
+                           {"gap", op.gap}});
+    }
+    j["strategies"].push_back(std::move(st));
+  }
+  return j.dump(2) + "\n";
+}
+
+StepReport parse_report_json(std::string_view text) {
+  using nlohmann::json;
+  StepReport r;
+  try {
+    const json j = json::parse(text);
+    r.command = j.at("command").get<std::string>();
+    r.device = j.at("device").get<std::string>();
+    r.cpu_reference = j.at("cpu_reference").get<bool>();
+    r.notes = j.at("notes").get<std::vector<std::string>>();
+    const json& s = j.at("shape");
+    r.shape.model = s.at("model").get<std::string>();
+    r.shape.tp = s.at("tp").get<int>();
+    r.shape.layers = s.at("layers").get<int>();
+    r.shape.model_layers = s.at("model_layers").get<int>();
+    r.shape.heads = s.at("heads").get<int>();
+    r.shape.indexer_heads = s.at("indexer_heads").get<int>();
+    r.shape.topk = s.at("topk").get<int>();
+    r.shape.batch = s.at("batch").get<int>();
+    r.shape.context = s.at("context").get<std::int64_t>();
+    r.shape.q_len = s.at("q_len").get<int>();
+    r.shape.pool_tokens = s.at("pool_tokens").get<std::int64_t>();
+    r.shape.page_size = s.at("page_size").get<int>();
+    r.read_gbps = j.at("read_gbps").get<double>();
+    r.copy_gbps = j.at("copy_gbps").get<double>();
+    r.matrix_tflops = j.at("matrix_tflops").get<double>();
+    r.matrix_how = j.at("matrix_how").get<std::string>();
+    r.warmup = j.at("warmup").get<int>();
+    r.iters = j.at("iters").get<int>();
+    r.seed = j.at("seed").get<std::uint64_t>();
+    for (const json& x : j.at("strategies")) {
+      StrategyResult st;
+      st.name = x.at("name").get<std::string>();
+      st.dense = x.at("path").get<std::string>() == "dense";
+      st.backend = x.at("backend").get<std::string>();
+      st.status = x.at("status").get<std::string>();
+      st.timed = x.at("timed").get<bool>();
+      st.step_us = x.at("step_us").get<double>();
+      st.step_p10_us = x.at("step_p10_us").get<double>();
+      st.step_p90_us = x.at("step_p90_us").get<double>();
+      for (const json& o : x.at("ops")) {
+        OpResult op;
+        op.op = parse_step_op(o.at("op").get<std::string>());
+        op.backend = o.at("backend").get<std::string>();
+        op.kernel = o.at("kernel").get<std::string>();
+        op.us = o.at("us").get<double>();
+        op.p10_us = o.at("p10_us").get<double>();
+        op.p90_us = o.at("p90_us").get<double>();
+        st.ops.push_back(std::move(op));
+      }
+      r.strategies.push_back(std::move(st));
+    }
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(e.what());  // nlohmann's text names the key or the position
+  }
+  analyze_step(r);
+  return r;
+}
+
+}  // namespace latentkv::tools
