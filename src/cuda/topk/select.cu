@@ -145,15 +145,9 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
     v[j] = t < n ? x[t] : 0.0f;
   }
   __syncthreads();
-  // Logits crowd into few top digits: lanes with the same digit add once, through their leader.
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    const bool in_row = base + j * kThreads + static_cast<int>(threadIdx.x) < n;
-    const std::uint32_t digit = in_row ? order_key(v[j]) >> kTopShift : kTopBins;  // kTopBins: no bin
-    const unsigned same = __match_any_sync(0xffffffffu, digit);
-    if (in_row && (threadIdx.x % 32) == static_cast<unsigned>(__ffs(same) - 1)) {
-      atomicAdd(&hist[digit], static_cast<std::uint32_t>(__popc(same)));
-    }
+    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) atomicAdd(&hist[order_key(v[j]) >> kTopShift], 1u);
   }
   __syncthreads();
   std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
