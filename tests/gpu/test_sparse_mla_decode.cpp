@@ -25,10 +25,11 @@ struct SparseCase {
   int cols;  // index row width (topk)
   int page_size;
   std::vector<std::int64_t> lengths;
+  std::string backend = "cuda";  // or a cast baseline: cast_full, gather_cast
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
-  return os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
+  return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
             << "_B" << c.lengths.size();
 }
 
@@ -82,7 +83,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   p.o = o.view_of(d_o.get(), Device::cuda());
   p.lse = lse.view_of(d_lse.get(), Device::cuda());
   p.softmax_scale = scale;
-  const Backend& backend = *find_backend("cuda");
+  const Backend& backend = *find_backend(c.backend);
   const DeviceInfo device = detect_device();
   const Plan plan = backend.plan(p, device);
   DeviceBuffer workspace(plan.workspace_bytes);
@@ -109,6 +110,11 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 8, 1, 2048, 64, {5000, 2100}},
       {bf16, 8, 1, 128, 64, {0, 77, 400}},
       {bf16, 64, 2, 64, 3, {2, 100}},
+      // The baselines: the same attention after casting the pool, or the selected slots, to bf16.
+      {fp8, 8, 1, 64, 64, {0, 5, 300, 1000}, "gather_cast"},
+      {fp8, 8, 1, 2048, 64, {5000, 2100}, "gather_cast"},
+      {fp8, 16, 2, 200, 17, {2, 150, 700}, "cast_full"},
+      {fp8, 128, 1, 256, 64, {500, 20}, "cast_full"},
   };
 }
 
