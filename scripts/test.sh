@@ -9,7 +9,7 @@ BUILD=${BUILD:-build}
 JOBS=${JOBS:-$(nproc)}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD" -j"$JOBS"
-if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q "^latentkv_cuda_arch_check:"; then
+if ninja -C "$BUILD" -t query latentkv_cuda_arch_check >/dev/null 2>&1; then  # configured with CUDA
   echo "== compiling the CUDA sources for every target architecture"
   cmake --build "$BUILD" -j"$JOBS" --target latentkv_cuda_arch_check
 fi
