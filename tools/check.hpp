@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdio>
 #include <string>
+#include <vector>
+
+#include "latentkv/fp8.hpp"
 
 namespace latentkv::tools {
 
@@ -43,6 +46,28 @@ CheckResult check_close(std::size_t n, GetA a, GetB b, double atol, double rtol,
   std::snprintf(buf, sizeof buf, "%zu of %zu out of tolerance, max |err| %.3g, 1-cos %.2g", r.failures, n,
                 r.max_abs_error, r.one_minus_cos);
   r.detail = buf;
+  return r;
+}
+
+// An attention op's outputs against the float64 reference: o (bf16) per SPEC section 5 (atol 1e-3,
+// rtol 2/128, 1 - cos <= 5e-6) and lse within 1e-5 absolute. `detail` says what failed.
+struct AttentionCheck {
+  bool ok = true;
+  double one_minus_cos = 0;
+  std::string detail;
+};
+inline AttentionCheck check_attention(const std::vector<std::uint16_t>& o, const std::vector<float>& lse,
+                                      const std::vector<double>& want_o, const std::vector<double>& want_lse) {
+  const CheckResult co = check_close(
+      o.size(), [&](std::size_t i) { return static_cast<double>(bf16_decode(o[i])); },
+      [&](std::size_t i) { return want_o[i]; }, 1e-3, 2.0 / 128.0, 5e-6);
+  const CheckResult cl = check_close(
+      lse.size(), [&](std::size_t i) { return static_cast<double>(lse[i]); },
+      [&](std::size_t i) { return want_lse[i]; }, 1e-5, 0.0, -1.0);
+  AttentionCheck r;
+  r.ok = co.ok && cl.ok;
+  r.one_minus_cos = co.one_minus_cos;
+  if (!r.ok) r.detail = "o " + co.detail + "; lse " + cl.detail;
   return r;
 }
 

@@ -239,18 +239,13 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       std::vector<float> got_lse(ref.lse.size());
       cuda_ok(cudaMemcpy(got_o.data(), o.get(), got_o.size() * 2, cudaMemcpyDeviceToHost), "o download");
       cuda_ok(cudaMemcpy(got_lse.data(), lse.get(), got_lse.size() * 4, cudaMemcpyDeviceToHost), "lse download");
-      const CheckResult co = check_close(
-          got_o.size(), [&](std::size_t i) { return static_cast<double>(bf16_decode(got_o[i])); },
-          [&](std::size_t i) { return ref.o[i]; }, 1e-3, 2.0 / 128.0, 5e-6);
-      const CheckResult cl = check_close(
-          got_lse.size(), [&](std::size_t i) { return static_cast<double>(got_lse[i]); },
-          [&](std::size_t i) { return ref.lse[i]; }, 1e-5, 0.0, -1.0);
-      if (!co.ok || !cl.ok) {
-        row.status = "FAIL: o " + co.detail + "; lse " + cl.detail;
+      const AttentionCheck c = check_attention(got_o, got_lse, ref.o, ref.lse);
+      if (!c.ok) {
+        row.status = "FAIL: " + c.detail;
         report.rows.push_back(row);
         continue;  // no timing for an output that failed its check
       }
-      row.status = "pass (" + std::to_string(checked) + " requests; o 1-cos " + std::to_string(co.one_minus_cos) + ")";
+      row.status = "pass (" + std::to_string(checked) + " requests; o 1-cos " + std::to_string(c.one_minus_cos) + ")";
     } else {
       row.status = "unchecked";
     }

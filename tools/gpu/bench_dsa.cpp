@@ -328,13 +328,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
         std::vector<float> got_lse(want_lse.size());
         cuda_ok(cudaMemcpy(got_o.data(), o.get(), got_o.size() * 2, cudaMemcpyDeviceToHost), "o");
         cuda_ok(cudaMemcpy(got_lse.data(), lse.get(), got_lse.size() * 4, cudaMemcpyDeviceToHost), "lse");
-        const CheckResult co = check_close(
-            got_o.size(), [&](std::size_t i) { return static_cast<double>(bf16_decode(got_o[i])); },
-            [&](std::size_t i) { return want_o[i]; }, 1e-3, 2.0 / 128.0, 5e-6);
-        const CheckResult cl = check_close(
-            got_lse.size(), [&](std::size_t i) { return static_cast<double>(got_lse[i]); },
-            [&](std::size_t i) { return want_lse[i]; }, 1e-5, 0.0, -1.0);
-        if (!co.ok || !cl.ok) failure = "o " + co.detail + "; lse " + cl.detail;
+        failure = check_attention(got_o, got_lse, want_o, want_lse).detail;
       }
       if (!failure.empty()) {
         row.status = "FAIL: " + failure;

@@ -475,16 +475,11 @@ std::string check_step(const StrategyOps& ops, const Graph& graph, CheckedLayer&
   }
   const std::vector<std::uint16_t> got_o = download<std::uint16_t>(o.data, want_o.size());
   const std::vector<float> got_lse = download<float>(lse.data, want_lse.size());
-  const CheckResult co = check_close(
-      got_o.size(), [&](std::size_t i) { return static_cast<double>(bf16_decode(got_o[i])); },
-      [&](std::size_t i) { return want_o[i]; }, 1e-3, 2.0 / 128.0, 5e-6);
-  const CheckResult cl = check_close(
-      got_lse.size(), [&](std::size_t i) { return static_cast<double>(got_lse[i]); },
-      [&](std::size_t i) { return want_lse[i]; }, 1e-5, 0.0, -1.0);
-  if (!co.ok || !cl.ok) return "FAIL: layer " + std::to_string(l) + " o " + co.detail + "; lse " + cl.detail;
+  const AttentionCheck outputs = check_attention(got_o, got_lse, want_o, want_lse);
+  if (!outputs.ok) return "FAIL: layer " + std::to_string(l) + " " + outputs.detail;
   char buf[160];
   std::snprintf(buf, sizeof buf, "pass (layer %d, %d requests: %so/lse; o 1-cos %.1e)", l, c.checked, stages.c_str(),
-                co.one_minus_cos);
+                outputs.one_minus_cos);
   return buf;
 }
 
