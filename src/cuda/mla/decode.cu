@@ -295,44 +295,65 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineDims = 128;  // per CTA
+// One CTA per (query row, 128 output dims). The critical path is one round trip to memory: every
+// thread loads its splits' lse while each warp already loads its first splits' partial outputs;
+// then two block reductions (max, then the sum of the weights) and the weighted sum.
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeArgs a) {
-  __shared__ float weights[1024];
+  static_assert(kMaxSplits <= 2 * kCombineThreads, "each thread holds at most two splits' lse");
+  constexpr int kBatch = 8;  // splits per warp whose partials are loaded up front
+  __shared__ float weights[kMaxSplits];
+  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
   __shared__ float4 partial[kCombineWarps][32];
-  __shared__ float total_s;
   const std::int64_t out_row = blockIdx.x;  // b * rows + row
   const int dim0 = blockIdx.y * kCombineDims;
   const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = a.num_splits;
+  const auto part = [&](int s) {
+    return reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[lane];
+  };
 
-  // Split weights relative to the largest lse (weights[] holds up to 1024 splits; plan caps at that).
-  float max_lse = -INFINITY;
-  for (int s = threadIdx.x; s < a.num_splits; s += kCombineThreads) max_lse = fmaxf(max_lse, a.lse_part[s * stride + out_row]);
-  for (int off = 16; off > 0; off /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, off));
-  __shared__ float warp_max[kCombineWarps];
-  if (lane == 0) warp_max[warp] = max_lse;
-  __syncthreads();
-  max_lse = warp_max[0];
-  for (int x = 1; x < kCombineWarps; ++x) max_lse = fmaxf(max_lse, warp_max[x]);
-  for (int s = threadIdx.x; s < a.num_splits; s += kCombineThreads) {
-    const float l = a.lse_part[s * stride + out_row];
-    weights[s] = (max_lse == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - max_lse) * kLog2e);
+  const int s0 = threadIdx.x, s1 = threadIdx.x + kCombineThreads;
+  const float l0 = s0 < n ? a.lse_part[s0 * stride + out_row] : -INFINITY;
+  const float l1 = s1 < n ? a.lse_part[s1 * stride + out_row] : -INFINITY;
+  float4 v[kBatch];
+#pragma unroll
+  for (int k = 0; k < kBatch; ++k) {
+    const int s = warp + k * kCombineWarps;
+    v[k] = s < n ? part(s) : make_float4(0.f, 0.f, 0.f, 0.f);  // every split wrote its partial (zeros when empty)
   }
+
+  float m = fmaxf(l0, l1);
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) warp_max[warp] = m;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.0f;
-    for (int s = 0; s < a.num_splits; ++s) t += weights[s];
-    total_s = t;
-  }
+  m = warp_max[0];
+  for (int x = 1; x < kCombineWarps; ++x) m = fmaxf(m, warp_max[x]);
+  // Split weights relative to the largest lse.
+  const auto weight = [m](float l) { return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e); };
+  const float w0 = weight(l0), w1 = weight(l1);
+  if (s0 < n) weights[s0] = w0;
+  if (s1 < n) weights[s1] = w1;
+  float t = w0 + w1;
+  for (int off = 16; off > 0; off /= 2) t += __shfl_xor_sync(0xffffffffu, t, off);
+  if (lane == 0) warp_sum[warp] = t;
+  __syncthreads();
+  float total = 0.0f;
+  for (int x = 0; x < kCombineWarps; ++x) total += warp_sum[x];
+
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-  for (int s = warp; s < a.num_splits; s += kCombineWarps) {
-    const float wgt = weights[s];  // every split wrote its partial (zeros when empty): no branch, loads batch
-    const float4 v = reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[lane];
-    o.x += wgt * v.x;
-    o.y += wgt * v.y;
-    o.z += wgt * v.z;
-    o.w += wgt * v.w;
+  const auto add = [&o](float wgt, const float4& x) {
+    o.x += wgt * x.x;
+    o.y += wgt * x.y;
+    o.z += wgt * x.z;
+    o.w += wgt * x.w;
+  };
+#pragma unroll
+  for (int k = 0; k < kBatch; ++k) {
+    const int s = warp + k * kCombineWarps;
+    if (s < n) add(weights[s], v[k]);
   }
+#pragma unroll 8
+  for (int s = warp + kBatch * kCombineWarps; s < n; s += kCombineWarps) add(weights[s], part(s));
   partial[warp][lane] = o;
   __syncthreads();
   if (warp == 0) {
@@ -343,13 +364,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
       sum.z += partial[x][lane].z;
       sum.w += partial[x][lane].w;
     }
-    const float total = total_s;
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     uint2 packed;
     packed.x = pack_bf16x2(sum.x * inv, sum.y * inv);
     packed.y = pack_bf16x2(sum.z * inv, sum.w * inv);
     reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[lane] = packed;
-    if (lane == 0 && blockIdx.y == 0) a.lse[out_row] = total > 0.0f ? max_lse + logf(total) : -INFINITY;
+    if (lane == 0 && blockIdx.y == 0) a.lse[out_row] = total > 0.0f ? m + logf(total) : -INFINITY;
   }
 }
 

@@ -2,17 +2,20 @@
 //
 // Keys are the logits' float bits mapped to unsigned integers of the same order. The k-th largest
 // key K* is found a digit at a time - the top 12 bits over the whole row, the other 20 bits only
-// among the candidates that share K*'s top digit - in two kernels after a memset of the row states:
-//   1. histogram (rows x chunks CTAs): each CTA counts its chunk's top digits in shared memory and
-//      adds them into the row's histogram. The last CTA of the row to finish finds the digit T that
-//      holds the k-th largest key, and how many keys lie above T.
-//   2. select (rows x chunks CTAs): each key above T is selected on the spot (its slot written to
-//      the output); keys in T's bin are listed, with their positions, as candidates. The last CTA of
-//      the row to finish resolves the remaining bits among the candidates (two histograms in shared
-//      memory) and selects the rest: the candidates above K*, then as many ties at K* as needed.
-// Rows that see k tokens or fewer skip the selection: every visible slot, then -1s.
-// A row with more candidates than the list holds (masses of equal logits) re-reads its logits
-// instead; slower, same answer.
+// among the candidates that share K*'s top digit - in three phases over CTAs of 2048 logits:
+//   1. each CTA counts its chunk's top digits in shared memory and adds them into the row's
+//      histogram; the row's threshold digit T (where the k-th largest key falls) follows from it;
+//   2. each key above T is selected on the spot (its slot written to the output); keys in T's bin
+//      are listed, with their positions, as candidates;
+//   3. one CTA of the row resolves the remaining bits among the candidates (two histograms in
+//      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
+// When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
+// one cooperative kernel with grid barriers between them and the logits read once. Otherwise a
+// memset of the row states and two kernels run them, the last CTA of a row to finish each kernel
+// doing the row's serial part. Rows that see k tokens or fewer skip the selection: every visible
+// slot, then -1s. A row with more candidates than the list holds (masses of equal logits) re-reads
+// its logits instead; slower, same answer.
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
@@ -26,6 +29,8 @@
 namespace latentkv::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8;
 constexpr int kChunk = kThreads * kPerThread;  // logits per CTA
@@ -35,7 +40,7 @@ constexpr int kTopShift = kMidBits + kLowBits;  // 20
 constexpr int kTopBins = 1 << kTopBits;         // 4096
 constexpr int kMidBins = 1 << kMidBits;         // 1024
 constexpr int kLowBins = 1 << kLowBits;         // 1024
-constexpr int kCandidates = 4096;               // listed candidates per row
+constexpr int kCandidates = 3072;               // listed candidates per row
 
 // A row's state in the workspace (32-bit words); zeroed by a memset before every call.
 enum StateWord : int {
@@ -125,53 +130,10 @@ __device__ bool arrive_last(std::uint32_t* counter, std::uint32_t ctas, bool& fl
   return flag;
 }
 
-__global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
-  __shared__ std::uint32_t hist[kTopBins];
-  __shared__ Scan::TempStorage scan;
-  __shared__ std::uint32_t result[2];
-  __shared__ bool last;
-  const int row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
-  const int b = row / a.q_len, i = row % a.q_len;
-  const int n = visible_count(a, b, i);
-  const int base = chunk * kChunk;
-  if (n <= a.k || base >= n) return;
-
-  for (int d = threadIdx.x; d < kTopBins; d += kThreads) hist[d] = 0;
-  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
-  float v[kPerThread];
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int t = base + j * kThreads + threadIdx.x;
-    v[j] = t < n ? x[t] : 0.0f;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) atomicAdd(&hist[order_key(v[j]) >> kTopShift], 1u);
-  }
-  __syncthreads();
-  std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
-  for (int d = threadIdx.x; d < kTopBins; d += kThreads) {
-    if (hist[d] != 0) atomicAdd(&state[kHist + d], hist[d]);
-  }
-  if (!arrive_last(&state[kArrivedHistogram], (n + kChunk - 1) / kChunk, last)) return;
-
-  std::uint32_t counts[kTopBins / kThreads];  // all loads in flight at once, then to shared memory
-#pragma unroll
-  for (int e = 0; e < kTopBins / kThreads; ++e) counts[e] = __ldcg(&state[kHist + e * kThreads + threadIdx.x]);
-#pragma unroll
-  for (int e = 0; e < kTopBins / kThreads; ++e) hist[e * kThreads + threadIdx.x] = counts[e];
-  __syncthreads();
-  std::uint32_t digit, above;
-  find_threshold<kTopBins>(hist, static_cast<std::uint32_t>(a.k), scan, result, digit, above);
-  if (threadIdx.x == 0) {
-    state[kDigit] = digit;
-    state[kAbove] = above;
-  }
-}
-
-struct FinishShared {
-  std::uint32_t hist[kMidBins];
+// Shared memory of every kernel here: the top-digit histogram (the finisher reuses its first 1024
+// bins), the listed candidates, and block-scan scratch.
+struct TopkShared {
+  std::uint32_t hist[kTopBins];
   uint2 cands[kCandidates];
   Scan::TempStorage scan;
   std::uint32_t result[2];
@@ -179,11 +141,105 @@ struct FinishShared {
   bool last;
 };
 
-// The last CTA of a row: the low 21 bits of K* among the candidates, then the rest of the selection.
-__device__ void finish_row(const TopkArgs& a, FinishShared& s, int row, int b, int n, std::uint32_t top,
-                           std::uint32_t above, std::uint32_t* state, const uint2* listed) {
-  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
-  std::int32_t* out = a.slots + static_cast<std::int64_t>(row) * a.k;
+// This CTA's chunk of a row: positions base + j * kThreads + threadIdx.x, j < kPerThread.
+struct Chunk {
+  int row, b, n, base;
+  __device__ bool has(int j) const { return base + j * kThreads + static_cast<int>(threadIdx.x) < n; }
+  __device__ int position(int j) const { return base + j * kThreads + static_cast<int>(threadIdx.x); }
+};
+
+__device__ Chunk chunk_of(const TopkArgs& a, int cta) {
+  Chunk c;
+  c.row = cta / a.chunks;
+  c.b = c.row / a.q_len;
+  c.n = visible_count(a, c.b, c.row % a.q_len);
+  c.base = (cta % a.chunks) * kChunk;
+  return c;
+}
+
+__device__ void load_chunk(const TopkArgs& a, const Chunk& c, float (&v)[kPerThread]) {
+  const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) v[j] = c.has(j) ? x[c.position(j)] : 0.0f;
+}
+
+// Rows that see k tokens or fewer: every visible slot, then -1 padding (by the row's first CTA).
+__device__ void take_all(const TopkArgs& a, const Chunk& c) {
+  std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (c.has(j)) out[c.position(j)] = slot_of(a, c.b, c.position(j));
+  }
+  if (c.base == 0) {
+    for (int t = c.n + threadIdx.x; t < a.k; t += kThreads) out[t] = -1;
+  }
+}
+
+// Phase 1: the chunk's top digits counted in shared memory, then added into the row's histogram.
+__device__ void count_top_digits(const Chunk& c, const float (&v)[kPerThread], TopkShared& s, std::uint32_t* state) {
+  for (int d = threadIdx.x; d < kTopBins; d += kThreads) s.hist[d] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (c.has(j)) atomicAdd(&s.hist[order_key(v[j]) >> kTopShift], 1u);
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kTopBins; d += kThreads) {
+    if (s.hist[d] != 0) atomicAdd(&state[kHist + d], s.hist[d]);
+  }
+}
+
+// The digit T holding the k-th largest key, and the keys above it, from the row's whole histogram.
+__device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint32_t* state, std::uint32_t& top,
+                              std::uint32_t& above) {
+  std::uint32_t counts[kTopBins / kThreads];  // all loads in flight at once, then to shared memory
+#pragma unroll
+  for (int e = 0; e < kTopBins / kThreads; ++e) counts[e] = __ldcg(&state[kHist + e * kThreads + threadIdx.x]);
+#pragma unroll
+  for (int e = 0; e < kTopBins / kThreads; ++e) s.hist[e * kThreads + threadIdx.x] = counts[e];
+  __syncthreads();
+  find_threshold<kTopBins>(s.hist, static_cast<std::uint32_t>(a.k), s.scan, s.result, top, above);
+}
+
+// Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates. Room for
+// the CTA's share of both lists comes from one scan of both counts (packed in 16-bit halves) and
+// one atomic per list.
+__device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPerThread], std::uint32_t top,
+                             TopkShared& s, std::uint32_t* state, uint2* listed) {
+  std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
+  std::uint32_t counts = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const std::uint32_t digit = order_key(v[j]) >> kTopShift;
+    if (c.has(j)) counts += digit > top ? 1u : digit == top ? 0x10000u : 0u;
+  }
+  std::uint32_t before, total;
+  Scan(s.scan).ExclusiveSum(counts, before, total);
+  if (threadIdx.x == 0) {
+    s.result[0] = (total & 0xFFFFu) ? atomicAdd(&state[kSelected], total & 0xFFFFu) : 0u;
+    s.result[1] = (total >> 16) ? atomicAdd(&state[kListed], total >> 16) : 0u;
+  }
+  __syncthreads();
+  std::uint32_t at = s.result[0] + (before & 0xFFFFu), listed_at = s.result[1] + (before >> 16);
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (!c.has(j)) continue;
+    const std::uint32_t key = order_key(v[j]);
+    const std::uint32_t digit = key >> kTopShift;
+    if (digit > top) out[at++] = slot_of(a, c.b, c.position(j));
+    if (digit == top) {
+      if (listed_at < kCandidates) listed[listed_at] = make_uint2(static_cast<std::uint32_t>(c.position(j)), key);
+      ++listed_at;
+    }
+  }
+}
+
+// Phase 3, by one CTA of the row: the low 20 bits of K* among the candidates, then the rest of the
+// selection (the candidates above K*, then as many ties as needed).
+__device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std::uint32_t top,
+                           std::uint32_t above, const std::uint32_t* state, const uint2* listed) {
+  const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
+  std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
   const std::uint32_t found = __ldcg(&state[kListed]);
   const bool cached = found <= kCandidates;
   const int count = static_cast<int>(min(found, static_cast<std::uint32_t>(kCandidates)));
@@ -192,21 +248,21 @@ __device__ void finish_row(const TopkArgs& a, FinishShared& s, int row, int b, i
     uint2 mine[kPer];
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int c = e * kThreads + threadIdx.x;
-      if (c < count) mine[e] = __ldcg(&listed[c]);
+      const int i = e * kThreads + threadIdx.x;
+      if (i < count) mine[e] = __ldcg(&listed[i]);
     }
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int c = e * kThreads + threadIdx.x;
-      if (c < count) s.cands[c] = mine[e];
+      const int i = e * kThreads + threadIdx.x;
+      if (i < count) s.cands[i] = mine[e];
     }
   }
   // Calls f(position, key) for every candidate: from shared memory, or the row's logits on overflow.
   const auto for_each = [&](auto&& f) {
     if (cached) {
-      for (int c = threadIdx.x; c < count; c += kThreads) f(static_cast<int>(s.cands[c].x), s.cands[c].y);
+      for (int i = threadIdx.x; i < count; i += kThreads) f(static_cast<int>(s.cands[i].x), s.cands[i].y);
     } else {
-      for (int t = threadIdx.x; t < n; t += kThreads) {
+      for (int t = threadIdx.x; t < c.n; t += kThreads) {
         const std::uint32_t key = order_key(x[t]);
         if (key >> kTopShift == top) f(t, key);
       }
@@ -237,77 +293,88 @@ __device__ void finish_row(const TopkArgs& a, FinishShared& s, int row, int b, i
   __syncthreads();
   for_each([&](int t, std::uint32_t key) {
     if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) {
-      out[above + atomicAdd(&s.taken, 1u)] = slot_of(a, b, t);
+      out[above + atomicAdd(&s.taken, 1u)] = slot_of(a, c.b, t);
     }
   });
 }
 
-__global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
-  __shared__ FinishShared s;
-  const int row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
-  const int b = row / a.q_len, i = row % a.q_len;
-  const int n = visible_count(a, b, i);
-  const int base = chunk * kChunk;
-  std::int32_t* out = a.slots + static_cast<std::int64_t>(row) * a.k;
-
-  if (n <= a.k) {  // every visible token, then padding (written by the row's first CTA)
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int t = base + j * kThreads + threadIdx.x;
-      if (t < n) out[t] = slot_of(a, b, t);
-    }
-    if (chunk == 0) {
-      for (int t = n + threadIdx.x; t < a.k; t += kThreads) out[t] = -1;
-    }
-    return;
-  }
-  if (base >= n) return;
-
-  std::uint32_t* state = a.state + static_cast<std::int64_t>(row) * kStateWords;
-  uint2* listed = a.candidates + static_cast<std::int64_t>(row) * kCandidates;
-  const std::uint32_t top = __ldcg(&state[kDigit]);
-  const float* x = a.logits + static_cast<std::int64_t>(row) * a.max_len;
+// Two kernels after a memset of the row states; the last CTA of a row to finish each kernel does
+// the row's serial part (the threshold, then the finish).
+__global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
+  __shared__ TopkShared s;
+  const Chunk c = chunk_of(a, blockIdx.x);
+  if (c.n <= a.k || c.base >= c.n) return;
   float v[kPerThread];
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int t = base + j * kThreads + threadIdx.x;
-    v[j] = t < n ? x[t] : 0.0f;
-  }
-  // Room for the CTA's selected keys and candidates: one scan of both counts (packed in 16-bit
-  // halves) and one atomic per list for the whole CTA.
-  std::uint32_t counts = 0;
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const std::uint32_t digit = order_key(v[j]) >> kTopShift;
-    if (base + j * kThreads + static_cast<int>(threadIdx.x) < n) counts += digit > top ? 1u : digit == top ? 0x10000u : 0u;
-  }
-  std::uint32_t before, total;
-  Scan(s.scan).ExclusiveSum(counts, before, total);
+  load_chunk(a, c, v);
+  std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
+  count_top_digits(c, v, s, state);
+  if (!arrive_last(&state[kArrivedHistogram], (c.n + kChunk - 1) / kChunk, s.last)) return;
+  std::uint32_t top, above;
+  top_threshold(a, s, state, top, above);
   if (threadIdx.x == 0) {
-    s.result[0] = (total & 0xFFFFu) ? atomicAdd(&state[kSelected], total & 0xFFFFu) : 0u;
-    s.result[1] = (total >> 16) ? atomicAdd(&state[kListed], total >> 16) : 0u;
+    state[kDigit] = top;
+    state[kAbove] = above;
   }
-  __syncthreads();
-  std::uint32_t at = s.result[0] + (before & 0xFFFFu), c = s.result[1] + (before >> 16);
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int t = base + j * kThreads + threadIdx.x;
-    const std::uint32_t key = order_key(v[j]);
-    const std::uint32_t digit = key >> kTopShift;
-    if (t >= n) continue;
-    if (digit > top) out[at++] = slot_of(a, b, t);
-    if (digit == top) {
-      if (c < kCandidates) listed[c] = make_uint2(static_cast<std::uint32_t>(t), key);
-      ++c;
-    }
+}
+
+__global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
+  __shared__ TopkShared s;
+  const Chunk c = chunk_of(a, blockIdx.x);
+  if (c.n <= a.k) return take_all(a, c);
+  if (c.base >= c.n) return;
+  std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
+  uint2* listed = a.candidates + static_cast<std::int64_t>(c.row) * kCandidates;
+  float v[kPerThread];
+  load_chunk(a, c, v);
+  const std::uint32_t top = __ldcg(&state[kDigit]);
+  select_above(a, c, v, top, s, state, listed);
+  if (!arrive_last(&state[kArrivedSelect], (c.n + kChunk - 1) / kChunk, s.last)) return;
+  finish_row(a, s, c, top, __ldcg(&state[kAbove]), state, listed);
+}
+
+// The same three phases in one cooperative kernel, for grids that fit on the GPU at once: grid
+// barriers instead of the memset, the kernel boundary and the last-CTA tickets, and the logits read
+// once. Every CTA of a row computes the row's threshold itself from the row's histogram.
+__global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkArgs a) {
+  __shared__ TopkShared s;
+  cg::grid_group grid = cg::this_grid();
+  const Chunk c = chunk_of(a, blockIdx.x);
+  const bool select = c.n > a.k && c.base < c.n;
+  std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
+  uint2* listed = a.candidates + static_cast<std::int64_t>(c.row) * kCandidates;
+  if (c.base == 0) {
+    for (int w = threadIdx.x; w < kStateWords; w += kThreads) state[w] = 0;
   }
-  if (!arrive_last(&state[kArrivedSelect], (n + kChunk - 1) / kChunk, s.last)) return;
-  finish_row(a, s, row, b, n, top, __ldcg(&state[kAbove]), state, listed);
+  float v[kPerThread];
+  if (select) load_chunk(a, c, v);
+  grid.sync();
+  if (select) count_top_digits(c, v, s, state);
+  grid.sync();
+  std::uint32_t top = 0, above = 0;
+  if (select) {
+    top_threshold(a, s, state, top, above);
+    select_above(a, c, v, top, s, state, listed);
+  } else if (c.n <= a.k) {
+    take_all(a, c);
+  }
+  grid.sync();
+  if (select && c.base == 0) finish_row(a, s, c, top, above, state, listed);
 }
 
 std::int64_t rows_of(const TopkParams& p) { return p.logits.size(0) * p.logits.size(1); }
 std::size_t state_bytes(const TopkParams& p) {
   return static_cast<std::size_t>(rows_of(p)) * kStateWords * sizeof(std::uint32_t);
+}
+
+// Whether a grid of `ctas` CTAs of the cooperative kernel is resident at once on this device (the
+// condition for its grid barriers).
+bool fits_at_once(std::int64_t ctas) {
+  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+  LKV_CUDA_CHECK("topk", cudaGetDevice(&device));
+  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
+  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LKV_CUDA_CHECK("topk", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_cooperative_kernel, kThreads, 0));
+  return cooperative != 0 && ctas <= static_cast<std::int64_t>(sms) * per_sm;
 }
 
 }  // namespace
@@ -346,6 +413,19 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.chunks = a.max_len > 0 ? (a.max_len + kChunk - 1) / kChunk : 1;
   const std::int64_t ctas = rows * a.chunks;
   if (ctas > INT32_MAX) throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of 2048");
+  if (fits_at_once(ctas)) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(ctas));
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute cooperative{};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    LKV_CUDA_CHECK("topk", cudaLaunchKernelEx(&config, topk_cooperative_kernel, a));
+    return;
+  }
   LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
   topk_histogram_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
   LKV_CUDA_CHECK_LAUNCH("topk");
