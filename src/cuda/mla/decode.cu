@@ -292,14 +292,15 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 // Merges the splits of one output row: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
 // One CTA per (row, quarter of the 512 dims); its 16 warps take every 16th split, lanes 4 dims
 // each, 8 loads in flight per lane (one long request can have hundreds of splits).
-constexpr int kCombineThreads = 512;
-constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineDims = 128;  // per CTA
 // One CTA per (query row, 128 output dims). The critical path is one round trip to memory: every
 // thread loads its splits' lse while each warp already loads its first splits' partial outputs;
 // then two block reductions (max, then the sum of the weights) and the weighted sum.
+// Few splits take CTAs of 128 threads (more CTAs resident, fewer idle warps); many take 512.
+template <int kCombineThreads>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeArgs a) {
-  static_assert(kMaxSplits <= 2 * kCombineThreads, "each thread holds at most two splits' lse");
+  constexpr int kCombineWarps = kCombineThreads / 32;
+  constexpr int kLsePerThread = kMaxSplits / kCombineThreads;
   constexpr int kBatch = 8;  // splits per warp whose partials are loaded up front
   __shared__ float weights[kMaxSplits];
   __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
@@ -312,9 +313,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
     return reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[lane];
   };
 
-  const int s0 = threadIdx.x, s1 = threadIdx.x + kCombineThreads;
-  const float l0 = s0 < n ? a.lse_part[s0 * stride + out_row] : -INFINITY;
-  const float l1 = s1 < n ? a.lse_part[s1 * stride + out_row] : -INFINITY;
+  float l[kLsePerThread];  // this thread's splits threadIdx.x + e * kCombineThreads
+#pragma unroll
+  for (int e = 0; e < kLsePerThread; ++e) {
+    const int s = threadIdx.x + e * kCombineThreads;
+    l[e] = s < n ? a.lse_part[s * stride + out_row] : -INFINITY;
+  }
   float4 v[kBatch];
 #pragma unroll
   for (int k = 0; k < kBatch; ++k) {
@@ -322,7 +326,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
     v[k] = s < n ? part(s) : make_float4(0.f, 0.f, 0.f, 0.f);  // every split wrote its partial (zeros when empty)
   }
 
-  float m = fmaxf(l0, l1);
+  float m = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < kLsePerThread; ++e) m = fmaxf(m, l[e]);
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   if (lane == 0) warp_max[warp] = m;
   __syncthreads();
@@ -330,10 +336,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
   for (int x = 1; x < kCombineWarps; ++x) m = fmaxf(m, warp_max[x]);
   // Split weights relative to the largest lse.
   const auto weight = [m](float l) { return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e); };
-  const float w0 = weight(l0), w1 = weight(l1);
-  if (s0 < n) weights[s0] = w0;
-  if (s1 < n) weights[s1] = w1;
-  float t = w0 + w1;
+  float t = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kLsePerThread; ++e) {
+    const int s = threadIdx.x + e * kCombineThreads;
+    const float w = weight(l[e]);
+    if (s < n) weights[s] = w;
+    t += w;
+  }
   for (int off = 16; off > 0; off /= 2) t += __shfl_xor_sync(0xffffffffu, t, off);
   if (lane == 0) warp_sum[warp] = t;
   __syncthreads();
@@ -457,7 +467,12 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
   else if (groups == 1) launch_instance<false, 1>(a, stream);
   else launch_instance<false, 2>(a, stream);
   if (a.num_splits > 1) {
-    combine_kernel<<<dim3(static_cast<unsigned>(a.batch * a.rows), kDimV / kCombineDims), kCombineThreads, 0, stream>>>(a);
+    const dim3 grid(static_cast<unsigned>(a.batch * a.rows), kDimV / kCombineDims);
+    if (a.num_splits <= 32) {
+      combine_kernel<128><<<grid, 128, 0, stream>>>(a);
+    } else {
+      combine_kernel<512><<<grid, 512, 0, stream>>>(a);
+    }
     LKV_CUDA_CHECK_LAUNCH(op);
   }
 }
