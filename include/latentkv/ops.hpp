@@ -61,6 +61,11 @@ struct MlaPrefillParams {
   TensorView o;                 // [T, H, 512] bf16 (reference: also f32/f64)
   TensorView lse;               // [T, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
+  // Schedule and scratch from Backend::plan() (the GPU keeps each new token's view of its request's
+  // pages there); the reference needs none.
+  int num_splits = 0;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // Lightning-indexer logits: logit_t = sum_h w_h * relu(q_h . k_t) * kscale_t over visible t.
@@ -108,6 +113,10 @@ struct SparseMlaPrefillParams {
   TensorView o;                 // [T, H, 512] bf16 (reference: also f32/f64)
   TensorView lse;               // [T, H] f32
   float softmax_scale = 0.0f;
+  // Split schedule and scratch, from Backend::plan() (as in SparseMlaDecodeParams).
+  int num_splits = 0;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 }  // namespace latentkv
