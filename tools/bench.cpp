@@ -24,8 +24,12 @@ std::string repro_line(const BenchOptions& o) {
   std::ostringstream os;
   os << "latentkv bench --op " << o.op << " --model " << o.model << " --tp " << o.tp;
   if (o.heads > 0) os << " --heads " << o.heads;
-  os << " --batch " << o.batch << " --context " << o.context << " --pool " << o.pool << " --q-len " << o.q_len
-     << " --page-size " << o.page_size << (o.op != "mla_decode" && o.op != "indexer_logits" ? " --topk " + std::to_string(o.topk) : "")
+  os << " --batch " << o.batch << " --context " << o.context << " --pool " << o.pool;
+  if (o.op.ends_with("prefill")) os << " --new-tokens " << o.new_tokens;
+  else os << " --q-len " << o.q_len;
+  os
+     << " --page-size " << o.page_size
+     << (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill" ? " --topk " + std::to_string(o.topk) : "")
      << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends)
      << " --iters " << o.iters << " --warmup " << o.warmup << " --seed " << o.seed;
   return os.str();
@@ -35,9 +39,12 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
   std::printf("device: %s\n", r.device.c_str());
   std::printf("ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write)\n", r.read_gbps,
               r.copy_gbps);
-  std::printf("shape: %s, %s tp %d, batch %d, context %lld, q_len %d%s, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
-              o.op.c_str(), o.model.c_str(), o.tp, o.batch, static_cast<long long>(o.context), o.q_len,
-              o.op != "mla_decode" && o.op != "indexer_logits" ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
+  const bool prefill = o.op.ends_with("prefill");
+  const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
+  const std::string queries = prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
+  std::printf("shape: %s, %s tp %d, batch %d, context %lld, %s%s, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
+              o.op.c_str(), o.model.c_str(), o.tp, o.batch, static_cast<long long>(o.context), queries.c_str(),
+              sparse ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
               o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
   std::printf("timing: %s\n", r.timing.c_str());
   std::printf("\n%-12s %10s %17s %9s %7s %9s %9s  %-s\n", "backend", "median us", "p10..p90 us", "GB/s", "% read",
@@ -70,7 +77,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
   j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
                 {"batch", o.batch},   {"context", o.context},   {"q_len", o.q_len},
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
-                {"heads", o.heads}, {"topk", o.topk}};
+                {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
   j["timing"] = r.timing;
   for (const BenchRow& row : r.rows) {
@@ -96,7 +103,8 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
 void add_bench_command(CLI::App& app) {
   auto opt = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
-  cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode"}));
+  cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode",
+                                                                      "mla_prefill", "sparse_mla_prefill"}));
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
   cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
@@ -104,8 +112,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--context", opt->context, "Tokens per request")->check(CLI::PositiveNumber);
   cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")->check(CLI::PositiveNumber);
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, 4));
+  cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")->check(CLI::PositiveNumber);
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
-  cmd->add_option("--topk", opt->topk, "Selected tokens per query (sparse_mla_decode, topk, dsa_decode)")->check(CLI::Range(1, 2048));
+  cmd->add_option("--topk", opt->topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")->check(CLI::Range(1, 2048));
   cmd->add_option("--kv-dtype", opt->kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
   cmd->add_option("--backends", opt->backends, "Backends to time, comma separated")->delimiter(',');
   cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(CLI::NonNegativeNumber);
@@ -117,6 +126,7 @@ void add_bench_command(CLI::App& app) {
     const BenchReport report = opt->op == "indexer_logits" ? run_indexer_bench(*opt)
                                : opt->op == "topk"         ? run_topk_bench(*opt)
                                : opt->op == "dsa_decode"   ? run_dsa_bench(*opt)
+                               : opt->op.ends_with("prefill") ? run_prefill_bench(*opt)
                                                            : run_decode_bench(*opt);
     print_report(*opt, report);
     if (!opt->json.empty()) write_json(*opt, report, opt->json);
@@ -133,6 +143,7 @@ BenchReport run_decode_bench(const BenchOptions&) {
 BenchReport run_indexer_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_topk_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_dsa_bench(const BenchOptions& options) { return run_decode_bench(options); }
+BenchReport run_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
 #endif
 
 }  // namespace latentkv::tools

@@ -16,6 +16,7 @@ struct BenchOptions {
   std::int64_t context = 32768;
   std::int64_t pool = 495000;
   int q_len = 1;
+  int new_tokens = 4096;  // prefill: the newest tokens of each request that are queries
   int topk = 2048;  // index row width of sparse_mla_decode, k of topk and dsa_decode
   int page_size = 64;
   std::string kv_dtype = "fp8_e4m3";
@@ -63,5 +64,7 @@ BenchReport run_indexer_bench(const BenchOptions& options);
 BenchReport run_topk_bench(const BenchOptions& options);
 // One layer's DSA decode (indexer -> top-k -> sparse decode); --backends names the sparse step's backend.
 BenchReport run_dsa_bench(const BenchOptions& options);
+// mla_prefill or sparse_mla_prefill: `new_tokens` new tokens per request over its cached prefix.
+BenchReport run_prefill_bench(const BenchOptions& options);
 
 }  // namespace latentkv::tools

@@ -1,5 +1,5 @@
-// The CUDA backend `cuda`: FP8-native kernels (append, dense and sparse MLA decode, indexer logits,
-// top-k); also reads bf16 main caches. The cast baselines live in baselines/.
+// The CUDA backend `cuda`: FP8-native kernels (append, dense and sparse MLA decode and prefill,
+// indexer logits, top-k); also reads bf16 main caches. The cast baselines live in baselines/.
 // select() is the only place that decides both support and the kernel that runs.
 #include <cuda_runtime_api.h>
 
@@ -51,6 +51,18 @@ class CudaBackend final : public Backend {
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},
                               "exact radix select over the float bits; rows seeing <= k tokens take them all");
+      case Op::kMlaPrefill:
+        return Selection::yes(
+            Kernel{"mla_prefill = per-token " + cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1),
+                   run_prefill},
+            "each new token a query row of the decode kernels over its own visible prefix");
+      case Op::kSparseMlaPrefill:
+        if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
+        return Selection::yes(
+            Kernel{"sparse_mla_prefill = per-token " +
+                       cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, true),
+                   run_sparse_prefill},
+            "each new token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
@@ -67,6 +79,12 @@ class CudaBackend final : public Backend {
       return cuda::plan_sparse_mla_decode(std::get<SparseMlaDecodeParams>(args), device.multiprocessors);
     }
     if (op_of(args) == Op::kTopk) return cuda::plan_topk(std::get<TopkParams>(args));
+    if (op_of(args) == Op::kMlaPrefill) {
+      return cuda::plan_mla_prefill(std::get<MlaPrefillParams>(args), device.multiprocessors);
+    }
+    if (op_of(args) == Op::kSparseMlaPrefill) {
+      return cuda::plan_sparse_mla_prefill(std::get<SparseMlaPrefillParams>(args), device.multiprocessors);
+    }
     return {};
   }
 
@@ -85,6 +103,16 @@ class CudaBackend final : public Backend {
     const auto& p = std::get<IndexerLogitsParams>(args);
     detail::validate_shapes(p, Device::cuda());
     cuda::launch_indexer_logits(p, stream_of(c));
+  }
+  static void run_prefill(const OpArgs& args, const ExecContext& c) {
+    const auto& p = std::get<MlaPrefillParams>(args);
+    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    cuda::launch_mla_prefill(p, stream_of(c));
+  }
+  static void run_sparse_prefill(const OpArgs& args, const ExecContext& c) {
+    const auto& p = std::get<SparseMlaPrefillParams>(args);
+    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    cuda::launch_sparse_mla_prefill(p, stream_of(c));
   }
   static void run_topk(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<TopkParams>(args);

@@ -1,6 +1,8 @@
 #include "gpu/pool.hpp"
 
 #include <algorithm>
+#include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 
@@ -93,5 +95,32 @@ int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64
   const std::int64_t fits = pool_tokens / std::max<std::int64_t>(tokens_per_set, 1);
   return static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, 64));
 }
+
+std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
+                                            int page_size, std::uint64_t seed) {
+  std::vector<std::int32_t> out;
+  std::mt19937_64 rng(seed);
+  std::vector<std::int64_t> positions;
+  for (int s = 0; s < sets.sets; ++s) {
+    for (int b = 0; b < sets.batch; ++b) {
+      const std::int32_t* table = sets.host_tables.data() + (static_cast<std::size_t>(s) * sets.batch + b) * sets.max_pages;
+      for (int i = 0; i < q_len; ++i) {
+        const std::int64_t visible = context - q_len + i + 1;
+        positions.resize(static_cast<std::size_t>(visible));
+        std::iota(positions.begin(), positions.end(), 0);
+        const std::int64_t take = std::min<std::int64_t>(topk, visible);
+        for (std::int64_t k = 0; k < take; ++k) {  // partial Fisher-Yates: the first `take` are a random subset
+          std::swap(positions[static_cast<std::size_t>(k)],
+                    positions[static_cast<std::size_t>(k + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(visible - k)))]);
+          const std::int64_t t = positions[static_cast<std::size_t>(k)];
+          out.push_back(table[t / page_size] * page_size + static_cast<std::int32_t>(t % page_size));
+        }
+        for (std::int64_t k = take; k < topk; ++k) out.push_back(-1);
+      }
+    }
+  }
+  return out;
+}
+
 
 }  // namespace latentkv::tools::gpu

@@ -42,6 +42,13 @@ struct RequestSets {
 };
 RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::int64_t length, std::uint64_t seed);
 
+// Index rows [sets, B, q_len, topk]: for each of a request's q_len newest tokens (token i sees
+// positions t < context - q_len + i + 1), topk distinct visible positions (all of them when fewer)
+// as physical slots, in random order, padded with -1. q_len is the decode q_len, or a prefill's new
+// tokens per request.
+std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
+                                            int page_size, std::uint64_t seed);
+
 // How many sets keep the bytes read per rotation well above the L2 size, within the pool.
 int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
                   std::int64_t tokens_per_set);

@@ -22,6 +22,13 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors);
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream);
 
+// Prefill / extend (prefill.cu): every new token a query row of its own on the decode kernels. Dense
+// prefill's workspace also holds each new token's block-table row and length.
+Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors);
+void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream);
+Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors);
+void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream);
+
 // The kernel instance a call with these shapes runs (rows = q_len x heads dense, heads sparse).
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse = false);
 

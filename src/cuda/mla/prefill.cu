@@ -1,0 +1,141 @@
+// MLA prefill / extend over the paged cache (SPEC 4.3, 4.6), FP8 read natively, on the decode
+// kernels: every new token is a query row of its own.
+//
+//   * Dense: new token j of request b (n_b new tokens, L_b in all) sees positions t < L_b - n_b + j + 1
+//     of request b's pages. A small kernel gives each new token its own length and its own copy of
+//     the request's block-table row (in the workspace); the T tokens then run as T decode
+//     "requests" of one query token each. Causality among the new tokens is exactly each token's
+//     length, so no mask is needed.
+//   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
+//     tensors already have that layout.
+// Correct for any H 1-128 and any page size; the kernels are the decode ones (split-KV, FP8 tiles
+// dequantized on chip), not yet kernels built for many query tokens per request.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/mla/launch.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::cuda {
+namespace {
+
+constexpr int kExpandThreads = 128;
+constexpr std::size_t kAlign = 256;
+
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Row r (a new token): its request b (the last b with cu[b] <= r), its length, and request b's
+// block-table row. Bad device data (cu not ascending) gives clamped, in-bounds values.
+__global__ void __launch_bounds__(kExpandThreads)
+    expand_rows_kernel(const std::int32_t* cu, const std::int32_t* seq_lens, const std::int32_t* block_table,
+                       int batch, int max_pages, std::int64_t capacity, std::int32_t* row_lens,
+                       std::int32_t* row_table) {
+  __shared__ int request;
+  const int r = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = batch;  // find the last b in [0, batch) with cu[b] <= r
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (cu[mid] <= r) lo = mid;
+      else hi = mid;
+    }
+    request = lo;
+    const std::int64_t length = min(static_cast<std::int64_t>(max(seq_lens[lo], 0)), capacity);
+    const std::int64_t new_tokens = static_cast<std::int64_t>(cu[lo + 1]) - cu[lo];
+    const std::int64_t visible = length - new_tokens + (r - cu[lo]) + 1;
+    row_lens[r] = static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length)));
+  }
+  __syncthreads();
+  const std::int32_t* from = block_table + static_cast<std::int64_t>(request) * max_pages;
+  std::int32_t* to = row_table + static_cast<std::int64_t>(r) * max_pages;
+  for (int p = threadIdx.x; p < max_pages; p += kExpandThreads) to[p] = from[p];
+}
+
+// The dense prefill as per-token decode, with views at `scratch` (null while planning).
+struct PerToken {
+  MlaDecodeParams decode;
+  std::size_t table_bytes = 0;  // per-token block tables and lengths, before the decode's scratch
+};
+
+PerToken per_token(const MlaPrefillParams& p, std::uint8_t* scratch) {
+  const std::int64_t t = p.q.size(0), h = p.q.size(1), max_pages = p.block_table.size(1);
+  const Device device = p.q.device;
+  const std::size_t table = align_up(static_cast<std::size_t>(t * max_pages) * sizeof(std::int32_t));
+  PerToken r;
+  r.table_bytes = table + align_up(static_cast<std::size_t>(t) * sizeof(std::int32_t));
+  MlaDecodeParams& d = r.decode;
+  d.q = TensorView::contiguous(p.q.data, DType::kBF16, {t, 1, h, kQkDim}, device);
+  d.cache = p.cache;
+  d.block_table = TensorView::contiguous(scratch, DType::kI32, {t, max_pages}, device);
+  d.seq_lens = TensorView::contiguous(scratch ? scratch + table : nullptr, DType::kI32, {t}, device);
+  d.o = TensorView::contiguous(p.o.data, DType::kBF16, {t, 1, h, kLatentDim}, device);
+  d.lse = TensorView::contiguous(p.lse.data, DType::kF32, {t, 1, h}, device);
+  d.softmax_scale = p.softmax_scale;
+  return r;
+}
+
+SparseMlaDecodeParams per_token(const SparseMlaPrefillParams& p) {
+  const std::int64_t t = p.q.size(0), h = p.q.size(1), topk = p.indices.size(1);
+  const Device device = p.q.device;
+  SparseMlaDecodeParams d;
+  d.q = TensorView::contiguous(p.q.data, DType::kBF16, {t, 1, h, kQkDim}, device);
+  d.cache = p.cache;
+  d.indices = TensorView::contiguous(p.indices.data, DType::kI32, {t, 1, topk}, device);
+  d.o = TensorView::contiguous(p.o.data, DType::kBF16, {t, 1, h, kLatentDim}, device);
+  d.lse = TensorView::contiguous(p.lse.data, DType::kF32, {t, 1, h}, device);
+  d.softmax_scale = p.softmax_scale;
+  d.num_splits = p.num_splits;
+  d.workspace = p.workspace;
+  d.workspace_bytes = p.workspace_bytes;
+  return d;
+}
+
+}  // namespace
+
+Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
+  const PerToken r = per_token(p, nullptr);
+  Plan plan = plan_mla_decode(r.decode, multiprocessors);
+  plan.workspace_bytes += r.table_bytes;
+  return plan;
+}
+
+void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
+  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
+  if (p.workspace == nullptr || p.workspace_bytes < table_bytes) {
+    throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(table_bytes) + " for the per-token block tables (see plan())");
+  }
+  auto* scratch = static_cast<std::uint8_t*>(p.workspace);
+  PerToken r = per_token(p, scratch);
+  r.decode.num_splits = p.num_splits;
+  r.decode.workspace = scratch + r.table_bytes;
+  r.decode.workspace_bytes = p.workspace_bytes - r.table_bytes;
+  const std::int64_t t = p.q.size(0);
+  if (t == 0) return;
+  if (p.seq_lens.size(0) == 0) {
+    throw Error("mla_prefill", "cu_new_tokens", p.cu_new_tokens.shape_string(), "B >= 1 requests for T > 0 new tokens");
+  }
+  if (t > INT32_MAX) throw Error("mla_prefill", "q", p.q.shape_string(), "fewer than 2^31 new tokens");
+  const int max_pages = static_cast<int>(p.block_table.size(1));
+  expand_rows_kernel<<<static_cast<unsigned>(t), kExpandThreads, 0, stream>>>(
+      p.cu_new_tokens.as<const std::int32_t>(), p.seq_lens.as<const std::int32_t>(),
+      p.block_table.as<const std::int32_t>(), static_cast<int>(p.seq_lens.size(0)), max_pages,
+      static_cast<std::int64_t>(max_pages) * p.cache.page_size, r.decode.seq_lens.as<std::int32_t>(),
+      r.decode.block_table.as<std::int32_t>());
+  LKV_CUDA_CHECK_LAUNCH("mla_prefill");
+  launch_mla_decode(r.decode, stream);
+}
+
+Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
+  return plan_sparse_mla_decode(per_token(p), multiprocessors);
+}
+
+void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
+  launch_sparse_mla_decode(per_token(p), stream);
+}
+
+}  // namespace latentkv::cuda
