@@ -1,5 +1,5 @@
 // The cast baselines, registered as backends for honest side-by-side figures, for dense and sparse
-// MLA decode over an fp8 cache:
+// MLA decode (and sparse prefill, as sparse decode of one-token requests) over an fp8 cache:
 //   cast_full   - what engines do today: cast the whole FP8 pool to bf16, then the bf16 decode.
 //   gather_cast - dense: gather each request's tokens; sparse: gather each query row's selected
 //                 slots; cast them into a contiguous bf16 cache, then the bf16 decode over it.
@@ -33,14 +33,14 @@ class CastBaseline : public Backend {
 
   Selection select(const Problem& p) const override {
     if (std::string why = device_problem(p); !why.empty()) return Selection::no(why);
-    if (p.op != Op::kMlaDecode && p.op != Op::kSparseMlaDecode) {
-      return Selection::no("baseline for mla_decode and sparse_mla_decode only");
+    if (p.op != Op::kMlaDecode && p.op != Op::kSparseMlaDecode && p.op != Op::kSparseMlaPrefill) {
+      return Selection::no("baseline for mla_decode, sparse_mla_decode and sparse_mla_prefill only");
     }
     if (p.kv_dtype != KvDtype::kFp8E4M3) return Selection::no("casts an fp8_e4m3 cache; the cache is bf16");
-    if (p.op == Op::kSparseMlaDecode && p.topk > kMaxTopk) {
+    const bool sparse = p.op != Op::kMlaDecode;
+    if (sparse && p.topk > kMaxTopk) {
       return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
     }
-    const bool sparse = p.op == Op::kSparseMlaDecode;
     const Backend* self = this;
     const std::string inner = cuda::mla_decode_kernel_name(KvDtype::kBf16, sparse ? std::max(p.heads, 1) : rows_of(p), sparse);
     return Selection::yes(Kernel{std::string(name()) + " + " + inner,
@@ -56,7 +56,7 @@ class CastBaseline : public Backend {
       plan.workspace_bytes += copy_bytes(*dense);
       return plan;
     }
-    const auto& sparse = std::get<SparseMlaDecodeParams>(args);
+    const SparseMlaDecodeParams sparse = sparse_of(args);
     Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors);
     plan.workspace_bytes += copy_bytes(sparse);
     return plan;
@@ -91,8 +91,16 @@ class CastBaseline : public Backend {
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
       cuda::launch_mla_decode(with_copy(*dense, "mla_decode", s), s);
     } else {
-      cuda::launch_sparse_mla_decode(with_copy(std::get<SparseMlaDecodeParams>(args), "sparse_mla_decode", s), s);
+      const auto* prefill = std::get_if<SparseMlaPrefillParams>(&args);
+      if (prefill != nullptr) detail::validate_shapes(*prefill, Device::cuda(), detail::Outputs::kDeviceTypes);
+      cuda::launch_sparse_mla_decode(with_copy(sparse_of(args), prefill ? "sparse_mla_prefill" : "sparse_mla_decode", s), s);
     }
+  }
+
+  // Sparse prefill is sparse decode of T one-token requests; the baselines treat it so.
+  static SparseMlaDecodeParams sparse_of(const OpArgs& args) {
+    if (const auto* prefill = std::get_if<SparseMlaPrefillParams>(&args)) return cuda::as_sparse_decode(*prefill);
+    return std::get<SparseMlaDecodeParams>(args);
   }
 };
 

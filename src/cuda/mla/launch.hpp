@@ -27,6 +27,8 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors);
 void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream);
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors);
+// Sparse prefill seen as sparse decode of T one-token requests (the same memory, reshaped views).
+SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p);
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream);
 
 // The kernel instance a call with these shapes runs (rows = q_len x heads dense, heads sparse).

@@ -78,7 +78,9 @@ PerToken per_token(const MlaPrefillParams& p, std::uint8_t* scratch) {
   return r;
 }
 
-SparseMlaDecodeParams per_token(const SparseMlaPrefillParams& p) {
+}  // namespace
+
+SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
   const std::int64_t t = p.q.size(0), h = p.q.size(1), topk = p.indices.size(1);
   const Device device = p.q.device;
   SparseMlaDecodeParams d;
@@ -93,8 +95,6 @@ SparseMlaDecodeParams per_token(const SparseMlaPrefillParams& p) {
   d.workspace_bytes = p.workspace_bytes;
   return d;
 }
-
-}  // namespace
 
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
   const PerToken r = per_token(p, nullptr);
@@ -131,11 +131,11 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
 }
 
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
-  return plan_sparse_mla_decode(per_token(p), multiprocessors);
+  return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors);
 }
 
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
-  launch_sparse_mla_decode(per_token(p), stream);
+  launch_sparse_mla_decode(as_sparse_decode(p), stream);
 }
 
 }  // namespace latentkv::cuda
