@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <string>
+#include <variant>
 
 #include "bench.hpp"
 #include "gpu/measure.hpp"
@@ -39,5 +40,19 @@ struct BenchContext {
     if (stream) cudaStreamDestroy(stream);
   }
 };
+
+// Copies a plan's split count and its workspace into the op `args` holds (ops without a schedule
+// ignore it).
+inline void attach_plan(OpArgs& args, const Plan& plan, const DeviceMemory& workspace) {
+  std::visit(
+      [&](auto& p) {
+        if constexpr (requires { p.num_splits; }) {
+          p.num_splits = plan.num_splits;
+          p.workspace = workspace.get();
+          p.workspace_bytes = workspace.bytes();
+        }
+      },
+      args);
+}
 
 }  // namespace latentkv::tools::gpu

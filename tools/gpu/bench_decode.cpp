@@ -8,7 +8,6 @@
 #include <random>
 #include <stdexcept>
 #include <string>
-#include <variant>
 #include <vector>
 
 #include "bench.hpp"
@@ -185,15 +184,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     DeviceMemory workspace(plan.workspace_bytes);
     auto call = [&](int i) {
       OpArgs args = params_for(i % sets.sets);
-      std::visit(
-          [&](auto& p) {
-            if constexpr (requires { p.num_splits; }) {
-              p.num_splits = plan.num_splits;
-              p.workspace = workspace.get();
-              p.workspace_bytes = workspace.bytes();
-            }
-          },
-          args);
+      attach_plan(args, plan, workspace);
       sel.kernel->launch(args, {stream});
     };
 

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <string>
-#include <variant>
 #include <vector>
 
 #include "bench.hpp"
@@ -162,15 +161,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
     row.num_splits = plan.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
     OpArgs planned = args;
-    std::visit(
-        [&](auto& p) {
-          if constexpr (requires { p.num_splits; }) {
-            p.num_splits = plan.num_splits;
-            p.workspace = workspace.get();
-            p.workspace_bytes = workspace.bytes();
-          }
-        },
-        planned);
+    attach_plan(planned, plan, workspace);
     const auto call = [&](int) { sel.kernel->launch(planned, {stream}); };
     cuda_ok(cudaMemsetAsync(o.get(), 0xFF, o.bytes(), stream), "sentinel");
     cuda_ok(cudaMemsetAsync(lse.get(), 0xFF, lse.bytes(), stream), "sentinel");
