@@ -2,10 +2,14 @@
 // benchmarks (no speed figure is reported for an output that fails it).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "latentkv/fp8.hpp"
@@ -69,6 +73,44 @@ inline AttentionCheck check_attention(const std::vector<std::uint16_t>& o, const
   r.one_minus_cos = co.one_minus_cos;
   if (!r.ok) r.detail = "o " + co.detail + "; lse " + cl.detail;
   return r;
+}
+
+// One query row's top-k answer against the logits it was chosen from (SPEC 4.5, whatever the
+// tie-break): every entry -1 or the slot of a position the row sees (t < visible, through the
+// request's block table), none twice, min(k, visible) of them, and no unselected visible logit above
+// a selected one. Empty when it holds; else what is wrong.
+inline std::string topk_row_problem(const float* logits, std::int64_t visible, const std::int32_t* table, int page_size,
+                                    const std::int32_t* slots, std::int64_t k) {
+  std::unordered_map<std::int32_t, std::int64_t> position_of;
+  position_of.reserve(static_cast<std::size_t>(visible));
+  for (std::int64_t t = 0; t < visible; ++t) {
+    position_of[table[t / page_size] * page_size + static_cast<std::int32_t>(t % page_size)] = t;
+  }
+  std::vector<bool> chosen(static_cast<std::size_t>(visible), false);
+  std::int64_t count = 0;
+  float lowest = std::numeric_limits<float>::infinity();
+  for (std::int64_t j = 0; j < k; ++j) {
+    if (slots[j] == -1) continue;
+    const auto it = position_of.find(slots[j]);
+    if (it == position_of.end()) {
+      return "entry " + std::to_string(j) + " = " + std::to_string(slots[j]) + " is not a slot the row sees";
+    }
+    if (chosen[static_cast<std::size_t>(it->second)]) return "slot " + std::to_string(slots[j]) + " listed twice";
+    chosen[static_cast<std::size_t>(it->second)] = true;
+    lowest = std::min(lowest, logits[it->second]);
+    ++count;
+  }
+  const std::int64_t expected = std::min(k, visible);
+  if (count != expected) {
+    return std::to_string(count) + " slots, expected min(k, visible) = " + std::to_string(expected);
+  }
+  for (std::int64_t t = 0; t < visible; ++t) {
+    if (!chosen[static_cast<std::size_t>(t)] && logits[t] > lowest) {
+      return "position " + std::to_string(t) + " (logit " + std::to_string(logits[t]) + ") left out for a lower one (" +
+             std::to_string(lowest) + ")";
+    }
+  }
+  return {};
 }
 
 }  // namespace latentkv::tools

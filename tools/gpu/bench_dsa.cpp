@@ -8,7 +8,6 @@
 #include <cmath>
 #include <random>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "bench.hpp"
@@ -28,38 +27,6 @@ namespace latentkv::tools {
 using namespace gpu;
 
 namespace {
-
-// One query row's selection against its logits: distinct slots of visible positions, min(k, visible)
-// of them, -1 after, and the multiset of their logits equal to the best min(k, visible) logits.
-// Returns an empty string when it holds.
-std::string check_topk_row(const float* logits, std::int64_t visible, const std::int32_t* table, int page_size,
-                           const std::int32_t* got, int k) {
-  std::unordered_map<std::int32_t, std::int64_t> position_of;
-  position_of.reserve(static_cast<std::size_t>(visible));
-  for (std::int64_t t = 0; t < visible; ++t) {
-    position_of[table[t / page_size] * page_size + static_cast<std::int32_t>(t % page_size)] = t;
-  }
-  const std::int64_t chosen = std::min<std::int64_t>(k, visible);
-  std::vector<float> mine, best(logits, logits + visible);
-  std::vector<bool> seen(static_cast<std::size_t>(visible), false);
-  for (int j = 0; j < k; ++j) {
-    if (j >= chosen) {
-      if (got[j] != -1) return "entry " + std::to_string(j) + " is " + std::to_string(got[j]) + ", expected -1 padding";
-      continue;
-    }
-    const auto it = position_of.find(got[j]);
-    if (it == position_of.end()) return "entry " + std::to_string(j) + " slot " + std::to_string(got[j]) + " not visible";
-    if (seen[static_cast<std::size_t>(it->second)]) return "slot " + std::to_string(got[j]) + " selected twice";
-    seen[static_cast<std::size_t>(it->second)] = true;
-    mine.push_back(logits[it->second]);
-  }
-  std::nth_element(best.begin(), best.begin() + (chosen > 0 ? chosen - 1 : 0), best.end(), std::greater<>());
-  best.resize(static_cast<std::size_t>(chosen));
-  std::sort(best.begin(), best.end());
-  std::sort(mine.begin(), mine.end());
-  if (mine != best) return "the selected logits are not the " + std::to_string(chosen) + " largest";
-  return {};
-}
 
 // Host block tables [sets, batch, max_pages] of requests of `length` tokens over a shuffled pool.
 struct HostTables {
@@ -171,9 +138,9 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
     for (int b = 0; b < checked && failure.empty(); ++b) {
       for (int i = 0; i < opt.q_len && failure.empty(); ++i) {
         const std::size_t r = static_cast<std::size_t>(b) * opt.q_len + i;
-        failure = check_topk_row(logits.data() + r * opt.context, visible_of(opt.context, opt.q_len, i),
-                                 h.tables.data() + static_cast<std::size_t>(b) * h.max_pages, opt.page_size,
-                                 got.data() + r * opt.topk, opt.topk);
+        failure = topk_row_problem(logits.data() + r * opt.context, visible_of(opt.context, opt.q_len, i),
+                                   h.tables.data() + static_cast<std::size_t>(b) * h.max_pages, opt.page_size,
+                                   got.data() + r * opt.topk, opt.topk);
       }
     }
     if (!failure.empty()) {
@@ -306,9 +273,10 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
       std::string failure;
       for (std::size_t r = 0; r < checked_rows && failure.empty(); ++r) {
         const int b = static_cast<int>(r / static_cast<std::size_t>(opt.q_len)), i = static_cast<int>(r % static_cast<std::size_t>(opt.q_len));
-        failure = check_topk_row(logits.data() + r * static_cast<std::size_t>(opt.context), visible_of(opt.context, opt.q_len, i),
-                                 sets.host_tables.data() + static_cast<std::size_t>(b) * sets.max_pages, opt.page_size,
-                                 slots.data() + r * static_cast<std::size_t>(opt.topk), opt.topk);
+        failure = topk_row_problem(logits.data() + r * static_cast<std::size_t>(opt.context),
+                                   visible_of(opt.context, opt.q_len, i),
+                                   sets.host_tables.data() + static_cast<std::size_t>(b) * sets.max_pages,
+                                   opt.page_size, slots.data() + r * static_cast<std::size_t>(opt.topk), opt.topk);
       }
       if (failure.empty()) {
         std::vector<std::uint8_t> bytes_host(pool.latent_bytes.bytes());
