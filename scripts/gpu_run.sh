@@ -2,8 +2,10 @@
 # One script for the GPU machine: configure, build with every core, run the GPU tests (optionally
 # under compute-sanitizer), run the benchmarks, and leave logs and JSON under $OUT.
 #
-#   scripts/gpu_run.sh [build] [test] [sanitize] [profile] [bench] [bench-full]   (default: build test bench)
+#   scripts/gpu_run.sh [build] [test] [sanitize] [step] [profile] [bench] [bench-full]   (default: build test bench)
 #
+# BENCH_FILTER (an extended regex) runs only the benchmarks whose names match; SANITIZE_FILTER (a
+# gtest filter) narrows the sanitizer runs; GTEST_FILTER narrows the GPU tests.
 # Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
@@ -51,19 +53,24 @@ for step in "${steps[@]}"; do
       tail -4 "$L/racecheck.log" | tee -a "$OUT/summary.txt"
       ;;
     profile)
-      log "ncu on the decode kernels (glm5 tp 8, B=1 and B=64)"
+      # PROFILE_OP (default mla_decode) and PROFILE_KERNELS (an ncu kernel regex, default decode_kernel):
+      # one of each matching kernel at glm5 tp 8, B=1 32K and B=64 8K.
+      op=${PROFILE_OP:-mla_decode}
+      log "ncu on $op kernels matching ${PROFILE_KERNELS:-decode_kernel} (glm5 tp 8, B=1 and B=64)"
       for shape in "--batch 1 --context 32768" "--batch 64 --context 8192"; do
-        ncu --clock-control none -k regex:decode_kernel -c 1 --section SpeedOfLight --section Occupancy \
+        ncu --clock-control none -k "regex:${PROFILE_KERNELS:-decode_kernel}" -c "${PROFILE_COUNT:-1}" \
+          --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-          "$BUILD/tools/latentkv" bench $shape --pool 600000 --backends cuda --iters 1 --warmup 0 --check-requests 0 \
-          >>"$L/ncu.log" 2>&1 || { status=1; log "ncu FAILED"; }
+          "$BUILD/tools/latentkv" bench --op "$op" $shape --topk 2048 --pool 600000 --backends cuda --iters 1 --warmup 0 \
+          --check-requests 0 >>"$L/ncu.log" 2>&1 || { status=1; log "ncu FAILED"; }
       done
-      grep -E "Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)" "$L/ncu.log" | head -60
+      grep -E "^  [a-z_:<>0-9, ]+\(|Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)" "$L/ncu.log" | head -60
       ;;
     bench|bench-full)
       cli="$BUILD/tools/latentkv"
       run_bench() {  # name, args...
         local name=$1; shift
+        [[ "$name" =~ ${BENCH_FILTER:-.} ]] || return 0
         log "bench $name: $*"
         "$cli" bench "$@" --json "$L/bench_$name.json" >"$L/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
         cat "$L/bench_$name.log" >>"$OUT/summary.txt"
@@ -86,6 +93,7 @@ for step in "${steps[@]}"; do
       run_bench sparse_h8_b64_k2048_baselines --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000
       run_bench sparse_prefill_h128_4k_k2048 --op sparse_mla_prefill --model deepseek-v3.2 --tp 1 --batch 1 --context 32768 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda,gather_cast --iters 5 --warmup 1
       run_bench sparse_prefill_h8_4k_k2048 --op sparse_mla_prefill --model glm5 --tp 8 --batch 1 --context 32768 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda,gather_cast,cast_full --iters 10 --warmup 2
+      run_bench indexer_prefill_hi32_4k_over_32k --op indexer_prefill --model glm5 --batch 1 --context 36864 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda --iters 5 --warmup 1
       run_bench prefill_h64_4k_over_32k --op mla_prefill --model deepseek-v3.2 --tp 2 --batch 1 --context 36864 --new-tokens 4096 --pool 100000 --backends cuda --iters 3 --warmup 1
       if [ "$step" = bench-full ]; then
         run_bench glm5_b1_32k_q2 --model glm5 --tp 8 --batch 1 --context 32768 --q-len 2 --pool 495000

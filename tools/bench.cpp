@@ -46,6 +46,7 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
               o.op.c_str(), o.model.c_str(), o.tp, o.batch, static_cast<long long>(o.context), queries.c_str(),
               sparse ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
               o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
+  if (r.matrix_tflops > 0) std::printf("matrix rate (this run): %.0f TFLOP/s, %s\n", r.matrix_tflops, r.matrix_how.c_str());
   std::printf("timing: %s\n", r.timing.c_str());
   std::printf("\n%-12s %10s %17s %9s %7s %9s %9s  %-s\n", "backend", "median us", "p10..p90 us", "GB/s", "% read",
               "TFLOP/s", "vs cast", "check / kernel");
@@ -62,6 +63,12 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
     std::printf("%-12s %10.1f %17s %9.0f %6.1f%% %9.1f %9s  %s; %s, %d splits\n", row.backend.c_str(), row.median_us,
                 spread, row.gbps, row.pct_of_read, row.tflops, speed, row.status.c_str(), row.kernel.c_str(),
                 row.num_splits);
+  }
+  for (const BenchRow& row : r.rows) {
+    if (row.timed && r.matrix_tflops > 0) {
+      std::printf("%s: %.1f TFLOP/s is %.1f%% of the matrix rate above\n", row.backend.c_str(), row.tflops,
+                  100.0 * row.tflops / r.matrix_tflops);
+    }
   }
   std::printf("\nGB/s counts the bytes the op must read (each visible token's cache entry once, q) and write "
               "(o, lse); %% read is against the read-only ceiling above.\n");
@@ -80,6 +87,10 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
                 {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
   j["timing"] = r.timing;
+  if (r.matrix_tflops > 0) {
+    j["matrix_tflops"] = r.matrix_tflops;
+    j["matrix_how"] = r.matrix_how;
+  }
   for (const BenchRow& row : r.rows) {
     nlohmann::json x = {{"backend", row.backend}, {"kernel", row.kernel}, {"status", row.status},
                         {"timed", row.timed},     {"num_splits", row.num_splits}, {"bytes", row.bytes},
@@ -104,7 +115,7 @@ void add_bench_command(CLI::App& app) {
   auto opt = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
   cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode",
-                                                                      "mla_prefill", "sparse_mla_prefill"}));
+                                                                      "mla_prefill", "sparse_mla_prefill", "indexer_prefill"}));
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
   cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
@@ -123,7 +134,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
   cmd->callback([opt] {
-    const BenchReport report = opt->op == "indexer_logits" ? run_indexer_bench(*opt)
+    const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
+                               : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)
                                : opt->op == "topk"         ? run_topk_bench(*opt)
                                : opt->op == "dsa_decode"   ? run_dsa_bench(*opt)
                                : opt->op.ends_with("prefill") ? run_prefill_bench(*opt)
@@ -144,6 +156,7 @@ BenchReport run_indexer_bench(const BenchOptions& options) { return run_decode_b
 BenchReport run_topk_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_dsa_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
+BenchReport run_indexer_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
 #endif
 
 }  // namespace latentkv::tools

@@ -53,6 +53,8 @@ struct BenchReport {
   double read_gbps = 0, copy_gbps = 0;
   int rotation_sets = 0;
   std::string timing = "stream launches";  // or "CUDA graph replays"
+  double matrix_tflops = 0;                 // the matrix rate measured in the run, when the op needs it
+  std::string matrix_how;
   std::vector<BenchRow> rows;
 };
 
@@ -60,6 +62,8 @@ struct BenchReport {
 BenchReport run_decode_bench(const BenchOptions& options);
 // indexer_logits on the CUDA device (heads: the model's indexer heads unless --heads).
 BenchReport run_indexer_bench(const BenchOptions& options);
+// indexer_prefill: logits and top-k of `new_tokens` new tokens per request, next to the fp8 matrix rate.
+BenchReport run_indexer_prefill_bench(const BenchOptions& options);
 // topk over synthetic logits [batch, q_len, context] on the CUDA device.
 BenchReport run_topk_bench(const BenchOptions& options);
 // One layer's DSA decode (indexer -> top-k -> sparse decode); --backends names the sparse step's backend.

@@ -78,9 +78,11 @@ inline AttentionCheck check_attention(const std::vector<std::uint16_t>& o, const
 // One query row's top-k answer against the logits it was chosen from (SPEC 4.5, whatever the
 // tie-break): every entry -1 or the slot of a position the row sees (t < visible, through the
 // request's block table), none twice, min(k, visible) of them, and no unselected visible logit above
-// a selected one. Empty when it holds; else what is wrong.
+// a selected one by more than `tolerance` (0 when the answer was chosen from these very logits; more
+// when they are the reference's and the answer came from float32 logits of its own). Empty when it
+// holds; else what is wrong.
 inline std::string topk_row_problem(const float* logits, std::int64_t visible, const std::int32_t* table, int page_size,
-                                    const std::int32_t* slots, std::int64_t k) {
+                                    const std::int32_t* slots, std::int64_t k, double tolerance = 0.0) {
   std::unordered_map<std::int32_t, std::int64_t> position_of;
   position_of.reserve(static_cast<std::size_t>(visible));
   for (std::int64_t t = 0; t < visible; ++t) {
@@ -105,7 +107,7 @@ inline std::string topk_row_problem(const float* logits, std::int64_t visible, c
     return std::to_string(count) + " slots, expected min(k, visible) = " + std::to_string(expected);
   }
   for (std::int64_t t = 0; t < visible; ++t) {
-    if (!chosen[static_cast<std::size_t>(t)] && logits[t] > lowest) {
+    if (!chosen[static_cast<std::size_t>(t)] && logits[t] > lowest + tolerance) {
       return "position " + std::to_string(t) + " (logit " + std::to_string(logits[t]) + ") left out for a lower one (" +
              std::to_string(lowest) + ")";
     }

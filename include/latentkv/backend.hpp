@@ -23,9 +23,11 @@ enum class Op : std::uint8_t {
   kTopk,
   kSparseMlaDecode,
   kSparseMlaPrefill,
+  kIndexerPrefill,
 };
-inline constexpr Op kAllOps[] = {Op::kAppend,        Op::kMlaDecode, Op::kMlaPrefill,      Op::kIndexerLogits,
-                                 Op::kTopk,          Op::kSparseMlaDecode, Op::kSparseMlaPrefill};
+inline constexpr Op kAllOps[] = {Op::kAppend,          Op::kMlaDecode,       Op::kMlaPrefill,
+                                 Op::kIndexerLogits,   Op::kTopk,            Op::kSparseMlaDecode,
+                                 Op::kSparseMlaPrefill, Op::kIndexerPrefill};
 std::string_view op_name(Op op);  // "append", "mla_decode", ...
 
 // The device an op runs on. sm is the compute capability x 10 (90 for an H200), 0 on the CPU.
@@ -44,7 +46,7 @@ DeviceInfo detect_device();
 struct Problem {
   Op op = Op::kMlaDecode;
   KvDtype kv_dtype = KvDtype::kFp8E4M3;
-  int heads = 0;      // query heads on this GPU (indexer heads for kIndexerLogits)
+  int heads = 0;      // query heads on this GPU (indexer heads for kIndexerLogits, kIndexerPrefill)
   int page_size = 0;  // tokens per page
   int q_len = 0;      // new tokens per request in decode
   int topk = 0;       // k of kTopk; index columns of the sparse ops
@@ -52,7 +54,7 @@ struct Problem {
 };
 
 using OpArgs = std::variant<AppendParams, MlaDecodeParams, MlaPrefillParams, IndexerLogitsParams, TopkParams,
-                            SparseMlaDecodeParams, SparseMlaPrefillParams>;
+                            SparseMlaDecodeParams, SparseMlaPrefillParams, IndexerPrefillParams>;
 Op op_of(const OpArgs& args);
 Problem problem_of(const OpArgs& args, const DeviceInfo& device);
 
@@ -71,6 +73,7 @@ struct Kernel {
 // stays valid as lengths grow.
 struct Plan {
   int num_splits = 1;
+  int chunk_tokens = 0;  // new tokens per chunk, for ops that work through them in chunks (indexer_prefill)
   std::size_t workspace_bytes = 0;
 };
 

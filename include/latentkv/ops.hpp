@@ -91,6 +91,26 @@ struct TopkParams {
   std::size_t workspace_bytes = 0;
 };
 
+// Indexer prefill: every new token's causal indexer logits over its request's key cache, then its
+// top-k, a chunk of new tokens at a time (SPEC 4.4 and 4.5 for many new tokens). New token j of
+// request b sees positions t < L_b - n_b + j + 1. Only one chunk's logits exist at once, in the
+// workspace: chunk_tokens x max_pages x page_size floats, plus per-token block tables and the top-k
+// scratch of a chunk (Backend::plan says how much).
+struct IndexerPrefillParams {
+  TensorView q;                 // [T, Hi, 128] fp8 e4m3, the requests' new tokens back to back
+  TensorView weights;           // [T, Hi] f32, q scale and constants folded in
+  TensorView cu_new_tokens;     // [B + 1] i32, request b's new tokens are rows [cu[b], cu[b+1])
+  IndexerCache cache;           // read only; the new tokens' keys already appended
+  TensorView block_table;       // [B, max_pages] i32
+  TensorView seq_lens;          // [B] i32, L_b (prefix plus new tokens)
+  int k = kMaxTopk;             // 1 .. 2048
+  TensorView slots;             // [T, k] i32 physical slots; -1 pads tokens that see fewer than k
+  // Chunking and scratch from Backend::plan(); the reference needs none.
+  int chunk_tokens = 0;         // new tokens per chunk; 0 = the backend's default for these shapes
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
 // Sparse MLA decode: each query row attends only to the slots of its index row.
 struct SparseMlaDecodeParams {
   TensorView q;                 // [B, q_len, H, 576] bf16

@@ -22,6 +22,7 @@ std::string_view op_name(Op op) {
     case Op::kTopk: return "topk";
     case Op::kSparseMlaDecode: return "sparse_mla_decode";
     case Op::kSparseMlaPrefill: return "sparse_mla_prefill";
+    case Op::kIndexerPrefill: return "indexer_prefill";
   }
   return "?";
 }
@@ -43,6 +44,7 @@ Op op_of(const OpArgs& args) {
     Op operator()(const TopkParams&) const { return Op::kTopk; }
     Op operator()(const SparseMlaDecodeParams&) const { return Op::kSparseMlaDecode; }
     Op operator()(const SparseMlaPrefillParams&) const { return Op::kSparseMlaPrefill; }
+    Op operator()(const IndexerPrefillParams&) const { return Op::kIndexerPrefill; }
   };
   return std::visit(Visitor{}, args);
 }
@@ -90,6 +92,11 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
       p.page_size = a.cache.page_size;
       p.heads = static_cast<int>(a.q.size(1));
       p.topk = static_cast<int>(a.indices.size(1));
+    }
+    void operator()(const IndexerPrefillParams& a) const {
+      p.page_size = a.cache.page_size;
+      p.heads = static_cast<int>(a.q.size(1));
+      p.topk = a.k;
     }
   };
   std::visit(Visitor{p}, args);

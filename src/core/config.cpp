@@ -420,6 +420,7 @@ Fields fields_of(Op op) {
     case Op::kTopk: return {false, false, true, true};
     case Op::kSparseMlaDecode: return {true, true, true, true};
     case Op::kSparseMlaPrefill: return {true, true, false, true};
+    case Op::kIndexerPrefill: return {false, true, false, true};
   }
   return {};
 }
@@ -841,7 +842,7 @@ std::string describe_problem(const Problem& problem) {
   std::vector<std::string> parts;
   if (fields.kv_dtype) parts.push_back(std::string(kv_dtype_name(problem.kv_dtype)) + " cache");
   if (problem.heads > 0) {
-    parts.push_back(std::to_string(problem.heads) + (problem.op == Op::kIndexerLogits ? " indexer heads" : " heads"));
+    parts.push_back(std::to_string(problem.heads) + (problem.op == Op::kIndexerLogits || problem.op == Op::kIndexerPrefill ? " indexer heads" : " heads"));
   }
   if (problem.page_size > 0) parts.push_back("page size " + std::to_string(problem.page_size));
   if (problem.q_len > 0) parts.push_back("q_len " + std::to_string(problem.q_len));
@@ -910,7 +911,13 @@ ResolvedConfig resolve_config(const AttentionConfig& config, const DeviceInfo& d
   topk.q_len = config.q_len.value;
   topk.topk = r.shard.model.index_topk;
   topk.device = device;
-  for (const Problem& p : {append, logits, topk}) {
+  Problem indexer_prefill;  // the sparse prefill's selection: logits and top-k of every new token
+  indexer_prefill.op = Op::kIndexerPrefill;
+  indexer_prefill.heads = r.shard.model.indexer_heads;
+  indexer_prefill.page_size = config.page_size.value;
+  indexer_prefill.topk = r.shard.model.index_topk;
+  indexer_prefill.device = device;
+  for (const Problem& p : {append, logits, topk, indexer_prefill}) {
     r.supporting.push_back(resolve_op(std::string(op_name(p.op)), p, automatic, backends, r.shard));
   }
   return r;

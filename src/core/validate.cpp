@@ -69,8 +69,11 @@ void expect_scale(std::string_view op, float scale) {
   if (!(std::isfinite(scale) && scale > 0.0f)) fail(op, "softmax_scale", std::to_string(scale), "a finite value > 0");
 }
 
-void expect_latent_cache(std::string_view op, const LatentCache& c, Device device) {
-  if (c.data == nullptr) fail(op, "cache.data", "null", "the latent cache's memory");
+// A paged cache (LatentCache or IndexerCache): memory, a page size, pages whose slots fit int32, on
+// the op's device. `what` names it in messages ("latent", "indexer").
+template <typename Cache>
+void expect_cache(std::string_view op, const Cache& c, const char* what, Device device) {
+  if (c.data == nullptr) fail(op, "cache.data", "null", std::string("the ") + what + " cache's memory");
   if (c.page_size < 1) fail(op, "cache.page_size", std::to_string(c.page_size), ">= 1");
   if (c.num_pages < 1) fail(op, "cache.num_pages", std::to_string(c.num_pages), ">= 1");
   if (c.num_slots() > INT32_MAX) {
@@ -80,6 +83,14 @@ void expect_latent_cache(std::string_view op, const LatentCache& c, Device devic
     fail(op, "cache.device", std::string(device_kind_name(c.device.kind)),
          std::string(device_kind_name(device.kind)) + " memory");
   }
+}
+
+void expect_latent_cache(std::string_view op, const LatentCache& c, Device device) {
+  expect_cache(op, c, "latent", device);
+}
+
+void expect_indexer_cache(std::string_view op, const IndexerCache& c, Device device) {
+  expect_cache(op, c, "indexer", device);
 }
 
 // The decode/prefill outputs' allowed dtypes.
@@ -146,6 +157,34 @@ void check_finite_f32(std::string_view op, std::string_view arg, const TensorVie
   const auto* x = v.as<const float>();
   for (std::int64_t i = 0; i < v.numel(); ++i) {
     if (!std::isfinite(x[i])) fail(op, std::string(arg) + " element " + std::to_string(i), std::to_string(x[i]), "a finite value");
+  }
+}
+
+// cu_new_tokens ascending from 0 to `rows`, each request's new tokens no more than its length.
+void check_new_tokens(std::string_view op, const TensorView& cu_new_tokens, const TensorView& seq_lens,
+                      std::int64_t rows) {
+  const auto* cu = cu_new_tokens.as<const std::int32_t>();
+  const auto* lens = seq_lens.as<const std::int32_t>();
+  const std::int64_t b = seq_lens.size(0);
+  if (cu[0] != 0) fail(op, "cu_new_tokens[0]", std::to_string(cu[0]), "0");
+  for (std::int64_t i = 0; i < b; ++i) {
+    const std::int64_t n = static_cast<std::int64_t>(cu[i + 1]) - cu[i];
+    if (n < 0 || n > lens[i]) {
+      fail(op, "cu_new_tokens[" + std::to_string(i + 1) + "]", std::to_string(cu[i + 1]),
+           std::to_string(cu[i]) + " .. " + std::to_string(static_cast<std::int64_t>(cu[i]) + lens[i]) +
+               " (request " + std::to_string(i) + " has " + std::to_string(lens[i]) + " tokens in all)");
+    }
+  }
+  if (cu[b] != rows) {
+    fail(op, "cu_new_tokens[" + std::to_string(b) + "]", std::to_string(cu[b]),
+         std::to_string(rows) + " (the rows of q)");
+  }
+}
+
+void check_fp8_finite(std::string_view op, std::string_view arg, const TensorView& v) {
+  const auto* codes = v.as<const std::uint8_t>();
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    if ((codes[i] & 0x7F) == 0x7F) fail(op, std::string(arg) + " element " + std::to_string(i), "nan (fp8 code 0x7f)", "a finite value");
   }
 }
 
@@ -224,9 +263,7 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
   expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
   expect_range(op, "q.shape[2] (indexer heads)", hi, 1, kMaxIndexerHeads);
   expect_view(op, "weights", p.weights, {DType::kF32}, {b, q_len, hi}, {}, device);
-  if (p.cache.data == nullptr) fail(op, "cache.data", "null", "the indexer cache's memory");
-  if (p.cache.page_size < 1) fail(op, "cache.page_size", std::to_string(p.cache.page_size), ">= 1");
-  if (p.cache.num_pages < 1) fail(op, "cache.num_pages", std::to_string(p.cache.num_pages), ">= 1");
+  expect_indexer_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
   expect_view(op, "logits", p.logits, {DType::kF32}, {b, q_len, kAny}, {"B", "q_len", "max_len"}, device);
 }
@@ -269,6 +306,22 @@ void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs out
   expect_scale(op, p.softmax_scale);
 }
 
+void validate_shapes(const IndexerPrefillParams& p, Device device) {
+  constexpr std::string_view op = "indexer_prefill";
+  expect_view(op, "q", p.q, {DType::kFP8E4M3}, {kAny, kAny, kIndexerDim}, {"T", "Hi"}, device);
+  const std::int64_t t = p.q.size(0), hi = p.q.size(1);
+  expect_range(op, "q.shape[1] (indexer heads)", hi, 1, kMaxIndexerHeads);
+  expect_view(op, "weights", p.weights, {DType::kF32}, {t, hi}, {}, device);
+  expect_view(op, "cu_new_tokens", p.cu_new_tokens, {DType::kI32}, {kAny}, {"B + 1"}, device);
+  const std::int64_t b = p.cu_new_tokens.size(0) - 1;
+  if (b < 0) fail(op, "cu_new_tokens", describe(p.cu_new_tokens), "i32 [B + 1] with B >= 0");
+  expect_indexer_cache(op, p.cache, device);
+  expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
+  expect_view(op, "slots", p.slots, {DType::kI32}, {t, p.k}, {}, device);
+  if (p.chunk_tokens < 0) fail(op, "chunk_tokens", std::to_string(p.chunk_tokens), ">= 0 (0: the backend's default)");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Values (host memory)
 
@@ -287,22 +340,7 @@ void validate_values(const MlaDecodeParams& p) {
 
 void validate_values(const MlaPrefillParams& p) {
   constexpr std::string_view op = "mla_prefill";
-  const auto* cu = p.cu_new_tokens.as<const std::int32_t>();
-  const auto* lens = p.seq_lens.as<const std::int32_t>();
-  const std::int64_t b = p.seq_lens.size(0);
-  if (cu[0] != 0) fail(op, "cu_new_tokens[0]", std::to_string(cu[0]), "0");
-  for (std::int64_t i = 0; i < b; ++i) {
-    const std::int64_t n = static_cast<std::int64_t>(cu[i + 1]) - cu[i];
-    if (n < 0 || n > lens[i]) {
-      fail(op, "cu_new_tokens[" + std::to_string(i + 1) + "]", std::to_string(cu[i + 1]),
-           std::to_string(cu[i]) + " .. " + std::to_string(static_cast<std::int64_t>(cu[i]) + lens[i]) +
-               " (request " + std::to_string(i) + " has " + std::to_string(lens[i]) + " tokens in all)");
-    }
-  }
-  if (cu[b] != p.q.size(0)) {
-    fail(op, "cu_new_tokens[" + std::to_string(b) + "]", std::to_string(cu[b]),
-         std::to_string(p.q.size(0)) + " (the rows of q)");
-  }
+  check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
   check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
   check_finite_bf16(op, "q", p.q);
 }
@@ -317,10 +355,7 @@ void validate_values(const IndexerLogitsParams& p) {
            "<= " + std::to_string(p.logits.size(2)) + " (the logits' max_len columns)");
     }
   }
-  const auto* q = p.q.as<const std::uint8_t>();
-  for (std::int64_t i = 0; i < p.q.numel(); ++i) {
-    if ((q[i] & 0x7F) == 0x7F) fail(op, "q element " + std::to_string(i), "nan (fp8 code 0x7f)", "a finite value");
-  }
+  check_fp8_finite(op, "q", p.q);
   check_finite_f32(op, "weights", p.weights);
 }
 
@@ -355,6 +390,14 @@ void validate_values(const SparseMlaPrefillParams& p) {
   constexpr std::string_view op = "sparse_mla_prefill";
   check_slots(op, "indices", p.indices, p.cache.num_slots());
   check_finite_bf16(op, "q", p.q);
+}
+
+void validate_values(const IndexerPrefillParams& p) {
+  constexpr std::string_view op = "indexer_prefill";
+  check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_fp8_finite(op, "q", p.q);
+  check_finite_f32(op, "weights", p.weights);
 }
 
 }  // namespace latentkv::detail

@@ -26,6 +26,7 @@ void validate_shapes(const IndexerLogitsParams& p, Device device);
 void validate_shapes(const TopkParams& p, Device device);
 void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outputs);
 void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs outputs);
+void validate_shapes(const IndexerPrefillParams& p, Device device);
 
 void validate_values(const AppendParams& p);
 void validate_values(const MlaDecodeParams& p);
@@ -34,6 +35,7 @@ void validate_values(const IndexerLogitsParams& p);
 void validate_values(const TopkParams& p);
 void validate_values(const SparseMlaDecodeParams& p);
 void validate_values(const SparseMlaPrefillParams& p);
+void validate_values(const IndexerPrefillParams& p);
 
 // Small helpers for other checks in the same style.
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,

@@ -37,7 +37,8 @@ class ReferenceBackend final : public Backend {
           else if constexpr (std::is_same_v<T, IndexerLogitsParams>) cpu::indexer_logits(p);
           else if constexpr (std::is_same_v<T, TopkParams>) cpu::topk(p);
           else if constexpr (std::is_same_v<T, SparseMlaDecodeParams>) cpu::sparse_mla_decode(p);
-          else cpu::sparse_mla_prefill(p);
+          else if constexpr (std::is_same_v<T, SparseMlaPrefillParams>) cpu::sparse_mla_prefill(p);
+          else cpu::indexer_prefill(p);
         },
         args);
   }

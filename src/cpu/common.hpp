@@ -29,6 +29,17 @@ inline std::int64_t visible_positions(std::int64_t length, std::int64_t n_new, s
   return v < 0 ? 0 : v;
 }
 
+// One query row's indexer logits over keys [n, 128] (without scale) and their scales [n]:
+// out[t] = sum_h w_h relu(q_h . k_t) * scale_t for t < visible (visible <= n), in double, stored as float.
+void indexer_row(const double* q,  // [heads, 128]
+                 const float* w,   // [heads]
+                 int heads, const double* keys, const double* key_scales, std::int64_t visible, float* out);
+
+// One row's top-k: the slots of the k largest of x[0 .. visible), ties to the earlier position,
+// then -1 padding. out: [k].
+void topk_row(const float* x, std::int64_t visible, std::int64_t k, const std::vector<std::int64_t>& slots,
+              std::int32_t* out);
+
 // Softmax attention of one query token's heads over n keys, in double:
 // s_t = scale * q.k_t, o = sum_t softmax(s)_t v_t (v = the first 512 key values), lse = log sum_t exp(s_t).
 // With n == 0: o = 0 and lse = -inf.

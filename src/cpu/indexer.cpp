@@ -1,4 +1,5 @@
-// Lightning-indexer logits (SPEC section 4.4).
+// Lightning-indexer logits (SPEC section 4.4), and the indexer prefill: logits then top-k of every
+// new token of a prompt.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -10,47 +11,98 @@
 
 namespace latentkv::cpu {
 
+namespace internal {
+
+void indexer_row(const double* q, const float* w, int heads, const double* keys, const double* key_scales,
+                 std::int64_t visible, float* out) {
+  for (std::int64_t t = 0; t < visible; ++t) {
+    const double* k = keys + t * kIndexerDim;  // [128]
+    double sum = 0.0;
+    for (int h = 0; h < heads; ++h) {
+      const double* qh = q + static_cast<std::ptrdiff_t>(h) * kIndexerDim;
+      double dot = 0.0;
+      for (int j = 0; j < kIndexerDim; ++j) dot += qh[j] * k[j];
+      if (dot > 0.0) sum += static_cast<double>(w[h]) * dot;
+    }
+    out[t] = static_cast<float>(sum * key_scales[t]);
+  }
+}
+
+}  // namespace internal
+
+namespace {
+
+// Request b's first `length` keys, dequantized: keys [length, 128] without scale, scales [length].
+void load_keys(const IndexerCache& cache, const TensorView& block_table, std::int64_t b, std::int64_t length,
+               std::vector<double>& keys, std::vector<double>& scales) {
+  const std::vector<std::int64_t> slots = internal::request_slots(block_table, b, length, cache.page_size);
+  keys.resize(static_cast<std::size_t>(length) * kIndexerDim);
+  scales.resize(static_cast<std::size_t>(length));
+  for (std::int64_t t = 0; t < length; ++t) {
+    dequantize_indexer_key(cache, slots[static_cast<std::size_t>(t)], keys.data() + t * kIndexerDim,
+                           &scales[static_cast<std::size_t>(t)]);
+  }
+}
+
+// Query row `row` of an fp8 tensor of [rows, heads, 128] codes (leading dims flattened) as doubles.
+void load_indexer_query(const TensorView& q, std::int64_t row, int heads, std::vector<double>& out) {
+  const auto* codes = q.as<const std::uint8_t>() + row * heads * kIndexerDim;
+  out.resize(static_cast<std::size_t>(heads) * kIndexerDim);
+  for (std::size_t j = 0; j < out.size(); ++j) out[j] = fp8_e4m3_decode(codes[j]);
+}
+
+}  // namespace
+
 void indexer_logits(const IndexerLogitsParams& p) {
   latentkv::detail::validate_shapes(p, Device::cpu());
   latentkv::detail::validate_values(p);
 
   const std::int64_t batch = p.q.size(0), q_len = p.q.size(1), max_len = p.logits.size(2);
   const int heads = static_cast<int>(p.q.size(2));
-  const auto* q = p.q.as<const std::uint8_t>();            // [B, q_len, Hi, 128] fp8
   const auto* weights = p.weights.as<const float>();       // [B, q_len, Hi]
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
   auto* logits = p.logits.as<float>();                     // [B, q_len, max_len]
 
-  std::vector<double> q_row(static_cast<std::size_t>(heads) * kIndexerDim);  // [Hi, 128]
+  std::vector<double> q_row, keys, key_scales;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b];
-    const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.cache.page_size);
-    std::vector<double> keys(static_cast<std::size_t>(length) * kIndexerDim);  // [length, 128], without scale
-    std::vector<double> key_scales(static_cast<std::size_t>(length));          // [length]
-    for (std::int64_t t = 0; t < length; ++t) {
-      dequantize_indexer_key(p.cache, slots[static_cast<std::size_t>(t)], keys.data() + t * kIndexerDim,
-                             &key_scales[static_cast<std::size_t>(t)]);
-    }
+    load_keys(p.cache, p.block_table, b, length, keys, key_scales);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t row = b * q_len + i;
-      for (std::int64_t j = 0; j < static_cast<std::int64_t>(q_row.size()); ++j) {
-        q_row[static_cast<std::size_t>(j)] = fp8_e4m3_decode(q[row * heads * kIndexerDim + j]);
-      }
-      const float* w = weights + row * heads;  // [Hi]
+      load_indexer_query(p.q, row, heads, q_row);
       const std::int64_t visible = std::min(length, internal::visible_positions(length, q_len, i));
       float* out = logits + row * max_len;  // [max_len]
-      for (std::int64_t t = 0; t < visible; ++t) {
-        const double* k = keys.data() + t * kIndexerDim;  // [128]
-        double sum = 0.0;
-        for (int h = 0; h < heads; ++h) {
-          const double* qh = q_row.data() + static_cast<std::ptrdiff_t>(h) * kIndexerDim;
-          double dot = 0.0;
-          for (int j = 0; j < kIndexerDim; ++j) dot += qh[j] * k[j];
-          if (dot > 0.0) sum += static_cast<double>(w[h]) * dot;
-        }
-        out[t] = static_cast<float>(sum * key_scales[static_cast<std::size_t>(t)]);
-      }
-      for (std::int64_t t = visible; t < max_len; ++t) out[t] = -std::numeric_limits<float>::infinity();
+      internal::indexer_row(q_row.data(), weights + row * heads, heads, keys.data(), key_scales.data(), visible, out);
+      std::fill(out + visible, out + max_len, -std::numeric_limits<float>::infinity());
+    }
+  }
+}
+
+void indexer_prefill(const IndexerPrefillParams& p) {
+  latentkv::detail::validate_shapes(p, Device::cpu());
+  latentkv::detail::validate_values(p);
+
+  const std::int64_t batch = p.seq_lens.size(0), k = p.k;
+  const int heads = static_cast<int>(p.q.size(1));
+  const auto* cu = p.cu_new_tokens.as<const std::int32_t>();  // [B + 1]
+  const auto* weights = p.weights.as<const float>();          // [T, Hi]
+  const auto* lens = p.seq_lens.as<const std::int32_t>();     // [B]
+  auto* out = p.slots.as<std::int32_t>();                     // [T, k]
+
+  std::vector<double> q_row, keys, key_scales;
+  std::vector<float> row_logits;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t length = lens[b], n_new = cu[b + 1] - cu[b];
+    load_keys(p.cache, p.block_table, b, length, keys, key_scales);
+    const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.cache.page_size);
+    row_logits.resize(static_cast<std::size_t>(length));
+    for (std::int64_t j = 0; j < n_new; ++j) {
+      const std::int64_t row = cu[b] + j;
+      load_indexer_query(p.q, row, heads, q_row);
+      const std::int64_t visible = std::min(length, internal::visible_positions(length, n_new, j));
+      internal::indexer_row(q_row.data(), weights + row * heads, heads, keys.data(), key_scales.data(), visible,
+                            row_logits.data());
+      internal::topk_row(row_logits.data(), visible, k, slots, out + row * k);
     }
   }
 }

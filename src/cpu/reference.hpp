@@ -17,6 +17,7 @@ void indexer_logits(const IndexerLogitsParams& p);
 void topk(const TopkParams& p);
 void sparse_mla_decode(const SparseMlaDecodeParams& p);
 void sparse_mla_prefill(const SparseMlaPrefillParams& p);
+void indexer_prefill(const IndexerPrefillParams& p);
 
 // Dequantized entries of the main cache, as the kernels read them: 576 values (512 latent, 64 rope).
 void dequantize_token(const LatentCache& cache, std::int64_t slot, double* out576);

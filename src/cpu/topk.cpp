@@ -9,35 +9,40 @@
 
 namespace latentkv::cpu {
 
+namespace internal {
+
+void topk_row(const float* x, std::int64_t visible, std::int64_t k, const std::vector<std::int64_t>& slots,
+              std::int32_t* out) {
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(visible));
+  std::iota(positions.begin(), positions.end(), 0);
+  const std::int64_t chosen = std::min(k, visible);
+  // Largest logit first; ties go to the earlier position (any choice is allowed).
+  std::partial_sort(positions.begin(), positions.begin() + chosen, positions.end(),
+                    [x](std::int64_t a, std::int64_t c) { return x[a] > x[c] || (x[a] == x[c] && a < c); });
+  for (std::int64_t j = 0; j < chosen; ++j) {
+    out[j] = static_cast<std::int32_t>(slots[static_cast<std::size_t>(positions[static_cast<std::size_t>(j)])]);
+  }
+  std::fill(out + chosen, out + k, -1);
+}
+
+}  // namespace internal
+
 void topk(const TopkParams& p) {
   latentkv::detail::validate_shapes(p, Device::cpu());
   latentkv::detail::validate_values(p);
 
   const std::int64_t batch = p.logits.size(0), q_len = p.logits.size(1), max_len = p.logits.size(2);
-  const std::int64_t k = p.k;
   const auto* logits = p.logits.as<const float>();         // [B, q_len, max_len]
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
   auto* out = p.slots.as<std::int32_t>();                  // [B, q_len, k]
 
-  std::vector<std::int64_t> positions;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b];
     const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.page_size);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t row = b * q_len + i;
-      const float* x = logits + row * max_len;  // [max_len]
       const std::int64_t visible = std::min(length, internal::visible_positions(length, q_len, i));
-      positions.resize(static_cast<std::size_t>(visible));
-      std::iota(positions.begin(), positions.end(), 0);
-      const std::int64_t chosen = std::min(k, visible);
-      // Largest logit first; ties go to the earlier position (any choice is allowed).
-      std::partial_sort(positions.begin(), positions.begin() + chosen, positions.end(),
-                        [x](std::int64_t a, std::int64_t c) { return x[a] > x[c] || (x[a] == x[c] && a < c); });
-      std::int32_t* row_out = out + row * k;  // [k]
-      for (std::int64_t j = 0; j < chosen; ++j) {
-        row_out[j] = static_cast<std::int32_t>(slots[static_cast<std::size_t>(positions[static_cast<std::size_t>(j)])]);
-      }
-      std::fill(row_out + chosen, row_out + k, -1);
+      internal::topk_row(logits + row * max_len, visible, p.k, slots, out + row * p.k);
     }
   }
 }

@@ -1,5 +1,5 @@
 // The CUDA backend `cuda`: FP8-native kernels (append, dense and sparse MLA decode and prefill,
-// indexer logits, top-k); also reads bf16 main caches. The cast baselines live in baselines/.
+// indexer logits and prefill, top-k); also reads bf16 main caches. The cast baselines live in baselines/.
 // select() is the only place that decides both support and the kernel that runs.
 #include <cuda_runtime_api.h>
 
@@ -63,6 +63,15 @@ class CudaBackend final : public Backend {
                        cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, true),
                    run_sparse_prefill},
             "each new token over its own index row, the selected fp8 tokens read once and dequantized on chip");
+      case Op::kIndexerPrefill:
+        if (p.heads > kMaxIndexerHeads) {
+          return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
+        }
+        if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
+        return Selection::yes(Kernel{"indexer_prefill = per-token indexer_logits<f16 mma m16n8k16> + topk<radix select, 12+10+10 bits>",
+                                     run_indexer_prefill},
+                              "each new token a one-token request of the decode indexer and top-k, in chunks of "
+                              "new tokens whose logits fit the workspace");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
@@ -82,6 +91,7 @@ class CudaBackend final : public Backend {
     if (op_of(args) == Op::kMlaPrefill) {
       return cuda::plan_mla_prefill(std::get<MlaPrefillParams>(args), device.multiprocessors);
     }
+    if (op_of(args) == Op::kIndexerPrefill) return cuda::plan_indexer_prefill(std::get<IndexerPrefillParams>(args));
     if (op_of(args) == Op::kSparseMlaPrefill) {
       return cuda::plan_sparse_mla_prefill(std::get<SparseMlaPrefillParams>(args), device.multiprocessors);
     }
@@ -113,6 +123,11 @@ class CudaBackend final : public Backend {
     const auto& p = std::get<SparseMlaPrefillParams>(args);
     detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
     cuda::launch_sparse_mla_prefill(p, stream_of(c));
+  }
+  static void run_indexer_prefill(const OpArgs& args, const ExecContext& c) {
+    const auto& p = std::get<IndexerPrefillParams>(args);
+    detail::validate_shapes(p, Device::cuda());
+    cuda::launch_indexer_prefill(p, stream_of(c));
   }
   static void run_topk(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<TopkParams>(args);

@@ -4,8 +4,10 @@ list(APPEND LKV_SOURCES
   src/cuda/common/device.cpp
   src/cuda/backend.cpp
   src/cuda/baselines/cast_baselines.cpp
+  src/cuda/indexer/prefill.cpp
 )
 set(LKV_CUDA_SOURCES
+  src/cuda/common/prefill_rows.cu
   src/cuda/indexer/logits.cu
   src/cuda/kv_cache/append.cu
   src/cuda/kv_cache/cast.cu

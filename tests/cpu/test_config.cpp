@@ -171,12 +171,15 @@ TEST(Config, AutoOnCpuPicksReferenceForEverySlotAndSupportingOp) {
     EXPECT_THAT(op.why, HasSubstr("auto"));
     ASSERT_EQ(op.candidates.size(), registered_backends().size());
   }
-  ASSERT_EQ(r.supporting.size(), 3u);
+  ASSERT_EQ(r.supporting.size(), 4u);
   EXPECT_EQ(r.supporting[0].role, "append");
   EXPECT_EQ(r.supporting[1].role, "indexer_logits");
   EXPECT_EQ(r.supporting[1].problem.heads, 32);  // the indexer is replicated: all 32 heads on every GPU
   EXPECT_EQ(r.supporting[2].role, "topk");
   EXPECT_EQ(r.supporting[2].problem.topk, 2048);
+  EXPECT_EQ(r.supporting[3].role, "indexer_prefill");
+  EXPECT_EQ(r.supporting[3].problem.heads, 32);
+  EXPECT_EQ(r.supporting[3].problem.topk, 2048);
   for (const OpResolution& op : r.supporting) EXPECT_EQ(op.backend->name(), "reference");
 }
 

@@ -45,23 +45,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return s;
 }
 
-// A ragged batch: request b holds prefixes[b] cached tokens and new_tokens[b] new ones after them
-// (seq_lens[b] = prefixes[b] + new_tokens[b]; the new tokens' latents are in the cache too).
-struct Batch {
-  std::vector<std::int64_t> prefixes;
-  std::vector<std::int64_t> new_tokens;
-
-  std::vector<std::int64_t> lengths() const {
-    std::vector<std::int64_t> l;
-    for (std::size_t b = 0; b < prefixes.size(); ++b) l.push_back(prefixes[b] + new_tokens[b]);
-    return l;
-  }
-  std::int64_t rows() const {
-    std::int64_t t = 0;
-    for (std::int64_t n : new_tokens) t += n;
-    return t;
-  }
-};
+using Batch = PrefillBatch;
 
 std::ostream& operator<<(std::ostream& os, const Batch& batch) {
   return os << "B" << batch.prefixes.size() << "_T" << batch.rows();

@@ -42,6 +42,24 @@ inline AttentionOutputs reference_mla_decode(PagedFixture& f, const HostTensor& 
   return out;
 }
 
+// A ragged prefill batch: request b holds prefixes[b] cached tokens and new_tokens[b] new ones after
+// them (seq_lens[b] = prefixes[b] + new_tokens[b]; the new tokens are in the caches too).
+struct PrefillBatch {
+  std::vector<std::int64_t> prefixes;
+  std::vector<std::int64_t> new_tokens;
+
+  std::vector<std::int64_t> lengths() const {
+    std::vector<std::int64_t> l;
+    for (std::size_t b = 0; b < prefixes.size(); ++b) l.push_back(prefixes[b] + new_tokens[b]);
+    return l;
+  }
+  std::int64_t rows() const {
+    std::int64_t t = 0;
+    for (std::int64_t n : new_tokens) t += n;
+    return t;
+  }
+};
+
 // cu_new_tokens of requests with `new_tokens[b]` new tokens each.
 inline std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& new_tokens) {
   std::vector<std::int32_t> cu = {0};

@@ -41,13 +41,54 @@ struct BenchContext {
   }
 };
 
-// Copies a plan's split count and its workspace into the op `args` holds (ops without a schedule
-// ignore it).
+// The start of backend `name`'s row for the op `args` holds: the row's backend, bytes and FLOPs,
+// and the kernel the backend selects. When there is none (no such backend, or it rejects the
+// shape) the row says why, goes into the report, and the returned selection is empty.
+struct BackendRow {
+  const Backend* backend = nullptr;
+  Selection selection;
+  BenchRow row;
+};
+inline BackendRow start_row(BenchReport& report, const std::string& name, const OpArgs& args, const DeviceInfo& device,
+                            double bytes, double flops) {
+  BackendRow r;
+  r.row.backend = name;
+  r.row.bytes = bytes;
+  r.row.flops = flops;
+  r.backend = find_backend(name);
+  r.selection = r.backend ? r.backend->select(problem_of(args, device)) : Selection::no("no such backend");
+  if (!r.selection) {
+    r.row.status = "unsupported: " + r.selection.reason;
+    report.rows.push_back(r.row);
+  } else {
+    r.row.kernel = r.selection.kernel->name;
+  }
+  return r;
+}
+
+// Ends a row and adds it to the report: with a failed check (`failure` not empty) it says so and is
+// not timed; otherwise `status` becomes its status and it is timed (opt.warmup calls, then opt.iters).
+template <typename Call>
+void finish_row(BenchReport& report, BenchRow row, const std::string& failure, const std::string& status, Call&& call,
+                const BenchOptions& opt, cudaStream_t stream) {
+  if (!failure.empty()) {
+    row.status = "FAIL: " + failure;
+  } else {
+    row.status = status;
+    const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
+    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+  }
+  report.rows.push_back(row);
+}
+
+// Copies a plan's split count, chunk size and workspace into the op `args` holds (ops without a
+// schedule ignore it).
 inline void attach_plan(OpArgs& args, const Plan& plan, const DeviceMemory& workspace) {
   std::visit(
       [&](auto& p) {
-        if constexpr (requires { p.num_splits; }) {
-          p.num_splits = plan.num_splits;
+        if constexpr (requires { p.num_splits; }) p.num_splits = plan.num_splits;
+        if constexpr (requires { p.chunk_tokens; }) p.chunk_tokens = plan.chunk_tokens;
+        if constexpr (requires { p.workspace; }) {
           p.workspace = workspace.get();
           p.workspace_bytes = workspace.bytes();
         }

@@ -108,19 +108,12 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
   const double bytes = 4.0 * visible_total * opt.batch + 4.0 * static_cast<double>(rows) * opt.topk;
 
   for (const std::string& name : opt.backends) {
-    BenchRow row;
-    row.backend = name;
-    row.bytes = bytes;
-    const Backend* backend = find_backend(name);
     const TopkParams p0 = params_for(0);
-    const Selection sel = backend ? backend->select(problem_of(p0, ctx.device)) : Selection::no("no such backend");
-    if (!sel) {
-      row.status = "unsupported: " + sel.reason;
-      report.rows.push_back(row);
-      continue;
-    }
-    row.kernel = sel.kernel->name;
-    const Plan plan = backend->plan(p0, ctx.device);
+    BackendRow started = start_row(report, name, p0, ctx.device, bytes, 0.0);
+    if (!started.selection) continue;
+    const Selection& sel = started.selection;
+    BenchRow& row = started.row;
+    const Plan plan = started.backend->plan(p0, ctx.device);
     DeviceMemory workspace(plan.workspace_bytes);
     auto call = [&](int i) {
       TopkParams p = params_for(i % sets);

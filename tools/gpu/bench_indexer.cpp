@@ -1,5 +1,7 @@
 // tools/gpu/bench_indexer.cpp - `latentkv bench --op indexer_logits`: the lightning indexer's logits
-// over the paged fp8 indexer cache, checked against the reference, then timed.
+// over the paged fp8 indexer cache, checked against the reference, then timed; and `--op
+// indexer_prefill`: logits and top-k of `new_tokens` new tokens per request, timed next to the fp8
+// matrix rate measured in the same run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include "cpu/reference.hpp"
 #include "gpu/bench_context.hpp"
 #include "gpu/kernels.hpp"
+#include "gpu/matrix_rate.hpp"
 #include "gpu/measure.hpp"
 #include "gpu/pool.hpp"
 #include "latentkv/backend.hpp"
@@ -21,6 +24,21 @@
 namespace latentkv::tools {
 
 using namespace gpu;
+
+namespace {
+
+// Queries: fp8 codes of roughly N(0, 1) values; weights around 1/sqrt(heads * 128).
+void random_indexer_queries(std::uint64_t seed, int heads, std::vector<std::uint8_t>& q, std::vector<float>& w) {
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<double>(state >> 11) * 0x1p-53;
+  };
+  for (auto& c : q) c = fp8_e4m3_encode(static_cast<float>((next() + next() + next() - 1.5) * 2.0));
+  for (auto& x : w) x = static_cast<float>((next() - 0.5) * 2.0 / std::sqrt(heads * 128.0));
+}
+
+}  // namespace
 
 BenchReport run_indexer_bench(const BenchOptions& opt) {
   const ModelPreset& model = model_preset(opt.model);
@@ -39,16 +57,9 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 128;
   const std::size_t w_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads;
   const std::size_t out_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * opt.context;
-  // Queries: fp8 codes of roughly N(0, 1) values; weights around 1/sqrt(heads * 128).
   std::vector<std::uint8_t> host_q(q_elems * sets.sets);
   std::vector<float> host_w(w_elems * sets.sets);
-  std::uint64_t state = opt.seed * 0x9E3779B97F4A7C15ull + 1;
-  auto next = [&] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<double>(state >> 11) * 0x1p-53;
-  };
-  for (auto& c : host_q) c = fp8_e4m3_encode(static_cast<float>((next() + next() + next() - 1.5) * 2.0));
-  for (auto& w : host_w) w = static_cast<float>((next() - 0.5) * 2.0 / std::sqrt(heads * 128.0));
+  random_indexer_queries(opt.seed, heads, host_q, host_w);
   DeviceMemory q(host_q.size()), w(host_w.size() * 4), logits(out_elems * 4 * sets.sets);
   cuda_ok(cudaMemcpy(q.get(), host_q.data(), host_q.size(), cudaMemcpyHostToDevice), "q");
   cuda_ok(cudaMemcpy(w.get(), host_w.data(), host_w.size() * 4, cudaMemcpyHostToDevice), "w");
@@ -72,23 +83,15 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
   const double flops = 2.0 * heads * 128.0 * static_cast<double>(out_elems);
 
   for (const std::string& name : opt.backends) {
-    BenchRow row;
-    row.backend = name;
-    row.bytes = bytes;
-    row.flops = flops;
-    const Backend* backend = find_backend(name);
-    const IndexerLogitsParams p0 = params_for(0);
-    const Selection sel = backend ? backend->select(problem_of(p0, device)) : Selection::no("no such backend");
-    if (!sel) {
-      row.status = "unsupported: " + sel.reason;
-      report.rows.push_back(row);
-      continue;
-    }
-    row.kernel = sel.kernel->name;
+    BackendRow started = start_row(report, name, params_for(0), device, bytes, flops);
+    if (!started.selection) continue;
+    const Selection& sel = started.selection;
+    BenchRow& row = started.row;
     auto call = [&](int i) { sel.kernel->launch(params_for(i % sets.sets), {stream}); };
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     const int checked = std::min(opt.check_requests, opt.batch);
+    std::string failure;
     if (checked > 0) {
       std::vector<std::uint8_t> cache(pool.indexer_bytes.bytes());
       cuda_ok(cudaMemcpy(cache.data(), pool.indexer_bytes.get(), cache.size(), cudaMemcpyDeviceToHost), "indexer");
@@ -109,18 +112,125 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
       const CheckResult c = check_close(
           got.size(), [&](std::size_t i) { return static_cast<double>(got[i]); },
           [&](std::size_t i) { return static_cast<double>(want[i]); }, 1e-4, 1e-5, 1e-9);
-      if (!c.ok) {
-        row.status = "FAIL: " + c.detail;
-        report.rows.push_back(row);
-        continue;
-      }
-      row.status = "pass (" + std::to_string(checked) + " requests)";
-    } else {
-      row.status = "unchecked";
+      failure = c.ok ? "" : c.detail;
     }
-    const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
-    report.rows.push_back(row);
+    finish_row(report, row, failure, checked > 0 ? "pass (" + std::to_string(checked) + " requests)" : "unchecked",
+               call, opt, stream);
+  }
+  return report;
+}
+
+BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
+  const ModelPreset& model = model_preset(opt.model);
+  const int heads = opt.heads > 0 ? opt.heads : model.indexer_heads;
+  const int n = opt.new_tokens;
+  if (n < 1 || n > opt.context) {
+    throw Error("bench", "new_tokens", std::to_string(n), "1 .. context (" + std::to_string(opt.context) + ")");
+  }
+  BenchContext ctx;
+  cudaStream_t stream = ctx.stream;
+  BenchReport& report = ctx.report;
+  report.rotation_sets = 1;  // compute-bound: one set of requests
+  constexpr int kMatrixN = 8192;
+  const MatrixRate matrix = measure_fp8_matrix_rate(kMatrixN, stream);
+  report.matrix_tflops = matrix.tflops;
+  report.matrix_how = matrix.how;
+
+  const DevicePool pool(opt.pool, opt.page_size, KvDtype::kFp8E4M3, true, opt.seed, stream);
+  const RequestSets sets = make_request_sets(pool, 1, opt.batch, opt.context, opt.seed);
+  const std::int64_t t_total = static_cast<std::int64_t>(opt.batch) * n;
+  std::vector<std::uint8_t> host_q(static_cast<std::size_t>(t_total) * heads * 128);
+  std::vector<float> host_w(static_cast<std::size_t>(t_total) * heads);
+  random_indexer_queries(opt.seed, heads, host_q, host_w);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(opt.batch) + 1);
+  for (int b = 0; b <= opt.batch; ++b) cu[static_cast<std::size_t>(b)] = b * n;
+  DeviceMemory q(host_q.size()), w(host_w.size() * 4), d_cu(cu.size() * 4),
+      slots(static_cast<std::size_t>(t_total) * opt.topk * 4);
+  cuda_ok(cudaMemcpy(q.get(), host_q.data(), host_q.size(), cudaMemcpyHostToDevice), "q");
+  cuda_ok(cudaMemcpy(w.get(), host_w.data(), host_w.size() * 4, cudaMemcpyHostToDevice), "w");
+  cuda_ok(cudaMemcpy(d_cu.get(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), "cu");
+
+  const Device gpu = Device::cuda();
+  IndexerPrefillParams p;
+  p.q = TensorView::contiguous(q.get(), DType::kFP8E4M3, {t_total, heads, 128}, gpu);
+  p.weights = TensorView::contiguous(w.get(), DType::kF32, {t_total, heads}, gpu);
+  p.cu_new_tokens = TensorView::contiguous(d_cu.get(), DType::kI32, {opt.batch + 1}, gpu);
+  p.cache = pool.indexer();
+  p.block_table = TensorView::contiguous(const_cast<std::int32_t*>(sets.table(0)), DType::kI32,
+                                         {opt.batch, sets.max_pages}, gpu);
+  p.seq_lens = TensorView::contiguous(const_cast<std::int32_t*>(sets.lengths(0)), DType::kI32, {opt.batch}, gpu);
+  p.k = opt.topk;
+  p.slots = TensorView::contiguous(slots.get(), DType::kI32, {t_total, opt.topk}, gpu);
+
+  double pairs = 0;  // (new token, visible cached token) pairs
+  for (int j = 0; j < n; ++j) pairs += static_cast<double>(opt.context - n + j + 1);
+  pairs *= opt.batch;
+  // Each request's keys read once, q, w and the slots written; the logits stay in the workspace.
+  const double bytes = static_cast<double>(opt.batch) * opt.context * kIndexerTokenBytes + host_q.size() +
+                       4.0 * host_w.size() + 4.0 * static_cast<double>(t_total) * opt.topk;
+  const double flops = 2.0 * heads * 128.0 * pairs;
+
+  // The reference's logits of the last two new tokens of request 0, each over what it sees.
+  const int checked_tokens = std::min(2, n);
+  std::vector<std::vector<float>> want(static_cast<std::size_t>(checked_tokens));
+  const std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + sets.max_pages);
+  if (opt.check_requests > 0) {
+    std::vector<std::uint8_t> cache(pool.indexer_bytes.bytes());
+    cuda_ok(cudaMemcpy(cache.data(), pool.indexer_bytes.get(), cache.size(), cudaMemcpyDeviceToHost), "indexer");
+    for (int c = 0; c < checked_tokens; ++c) {
+      const std::int64_t row = n - checked_tokens + c;
+      std::vector<std::int32_t> len = {static_cast<std::int32_t>(opt.context - n + row + 1)};
+      want[static_cast<std::size_t>(c)].resize(static_cast<std::size_t>(len[0]));
+      IndexerLogitsParams r;
+      r.q = TensorView::contiguous(host_q.data() + row * heads * 128, DType::kFP8E4M3, {1, 1, heads, 128});
+      r.weights = TensorView::contiguous(host_w.data() + row * heads, DType::kF32, {1, 1, heads});
+      r.cache = pool.indexer();
+      r.cache.data = cache.data();
+      r.cache.device = Device::cpu();
+      r.block_table = TensorView::contiguous(const_cast<std::int32_t*>(table.data()), DType::kI32, {1, sets.max_pages});
+      r.seq_lens = TensorView::contiguous(len.data(), DType::kI32, {1});
+      r.logits = TensorView::contiguous(want[static_cast<std::size_t>(c)].data(), DType::kF32, {1, 1, len[0]});
+      cpu::indexer_logits(r);
+    }
+  }
+
+  for (const std::string& name : opt.backends) {
+    BackendRow started = start_row(report, name, p, ctx.device, bytes, flops);
+    if (!started.selection) continue;
+    const Selection& sel = started.selection;
+    BenchRow& row = started.row;
+    OpArgs planned = p;
+    const Plan plan = started.backend->plan(planned, ctx.device);
+    DeviceMemory workspace(plan.workspace_bytes);
+    attach_plan(planned, plan, workspace);
+    row.kernel += ", chunks of " + std::to_string(plan.chunk_tokens) + " new tokens in " +
+                  std::to_string(plan.workspace_bytes >> 20) + " MiB of workspace";
+    const auto call = [&](int) { sel.kernel->launch(planned, {stream}); };
+    cuda_ok(cudaMemsetAsync(slots.get(), 0x80, slots.bytes(), stream), "sentinel");
+    call(0);
+    cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
+    std::string failure;
+    if (opt.check_requests > 0) {
+      std::vector<std::int32_t> got(static_cast<std::size_t>(checked_tokens) * opt.topk);
+      const std::size_t first_row = static_cast<std::size_t>(n - checked_tokens);
+      cuda_ok(cudaMemcpy(got.data(), slots.get<std::int32_t>() + first_row * opt.topk, got.size() * 4,
+                         cudaMemcpyDeviceToHost), "slots");
+      for (int c = 0; c < checked_tokens && failure.empty(); ++c) {
+        const std::vector<float>& x = want[static_cast<std::size_t>(c)];
+        double largest = 0;
+        for (float v : x) largest = std::max(largest, std::abs(static_cast<double>(v)));
+        // The float32 logits may differ from the reference's by the indexer check's bounds; a near
+        // tie may go either way within twice that.
+        const double tolerance = 2.0 * (1e-5 + 1e-4 * largest);
+        failure = topk_row_problem(x.data(), static_cast<std::int64_t>(x.size()), table.data(), opt.page_size,
+                                   got.data() + static_cast<std::size_t>(c) * opt.topk, opt.topk, tolerance);
+        if (!failure.empty()) failure = "new token " + std::to_string(first_row + c) + ": " + failure;
+      }
+    }
+    finish_row(report, row, failure,
+               opt.check_requests > 0 ? "pass (the last " + std::to_string(checked_tokens) + " new tokens of request 0)"
+                                      : "unchecked",
+               call, opt, stream);
   }
   return report;
 }

@@ -145,19 +145,11 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
   }
 
   for (const std::string& name : opt.backends) {
-    BenchRow row;
-    row.backend = name;
-    row.bytes = bytes;
-    row.flops = flops;
-    const Backend* backend = find_backend(name);
-    const Selection sel = backend ? backend->select(problem_of(args, ctx.device)) : Selection::no("no such backend");
-    if (!sel) {
-      row.status = "unsupported: " + sel.reason;
-      report.rows.push_back(row);
-      continue;
-    }
-    row.kernel = sel.kernel->name;
-    const Plan plan = backend->plan(args, ctx.device);
+    BackendRow started = start_row(report, name, args, ctx.device, bytes, flops);
+    if (!started.selection) continue;
+    const Selection& sel = started.selection;
+    BenchRow& row = started.row;
+    const Plan plan = started.backend->plan(args, ctx.device);
     row.num_splits = plan.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
     OpArgs planned = args;
@@ -167,6 +159,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
     cuda_ok(cudaMemsetAsync(lse.get(), 0xFF, lse.bytes(), stream), "sentinel");
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
+    std::string failure;
     if (opt.check_requests > 0) {
       std::vector<std::uint16_t> got_o(want_o.size());
       std::vector<float> got_lse(want_lse.size());
@@ -175,18 +168,12 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
       cuda_ok(cudaMemcpy(got_lse.data(), lse.get<float>() + first_row * heads, got_lse.size() * 4,
                          cudaMemcpyDeviceToHost), "lse");
       const AttentionCheck c = check_attention(got_o, got_lse, want_o, want_lse);
-      if (!c.ok) {
-        row.status = "FAIL: " + c.detail;
-        report.rows.push_back(row);
-        continue;
-      }
-      row.status = "pass (the last " + std::to_string(checked_tokens) + " new tokens of request 0)";
-    } else {
-      row.status = "unchecked";
+      failure = c.ok ? "" : c.detail;
     }
-    const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
-    report.rows.push_back(row);
+    finish_row(report, row, failure,
+               opt.check_requests > 0 ? "pass (the last " + std::to_string(checked_tokens) + " new tokens of request 0)"
+                                      : "unchecked",
+               call, opt, stream);
   }
   return report;
 }

@@ -44,6 +44,15 @@ __global__ void random_bf16_kernel(std::uint16_t* out, std::size_t n, std::uint6
   }
 }
 
+// Random e4m3 codes of finite values (the NaN codes 0x7f and 0xff become 0x7e and 0xfe).
+__global__ void random_fp8_kernel(std::uint8_t* out, std::size_t n, std::uint64_t seed) {
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const auto code = static_cast<std::uint8_t>(mix(seed + 0x9E3779B97F4A7C15ull * (i + 1)) >> 56);
+    out[i] = (code & 0x7F) == 0x7F ? static_cast<std::uint8_t>(code - 1) : code;
+  }
+}
+
 int grid_for(std::size_t n, int threads) {
   const std::size_t blocks = (n + threads - 1) / threads;
   return static_cast<int>(blocks < 8192 ? (blocks ? blocks : 1) : 8192);
@@ -58,6 +67,10 @@ void launch_read_only(const void* data, std::size_t bytes, unsigned long long* s
 
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream) {
   random_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(out, n, seed, stddev);
+}
+
+void launch_random_fp8(std::uint8_t* out, std::size_t n, std::uint64_t seed, cudaStream_t stream) {
+  random_fp8_kernel<<<grid_for(n, 256), 256, 0, stream>>>(out, n, seed);
 }
 
 }  // namespace latentkv::tools::gpu

@@ -13,5 +13,7 @@ void launch_read_only(const void* data, std::size_t bytes, unsigned long long* s
                       cudaStream_t stream);
 // n bf16 values, roughly N(0, stddev^2), from a counter-based generator.
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream);
+// n random e4m3 codes, every one a finite value.
+void launch_random_fp8(std::uint8_t* out, std::size_t n, std::uint64_t seed, cudaStream_t stream);
 
 }  // namespace latentkv::tools::gpu

@@ -249,6 +249,10 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.max_len = static_cast<int>(p.logits.size(2));
   const int batch = static_cast<int>(p.q.size(0));
   if (batch == 0 || a.max_len == 0) return;
+  if (batch > kMaxIndexerBatch) {  // one grid row per request
+    throw Error("indexer_logits", "q", p.q.shape_string(),
+                "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
+  }
   if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
     throw Error("indexer_logits", "q", "an address not 16-byte aligned", "16-byte aligned device memory");
   }

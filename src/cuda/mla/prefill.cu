@@ -2,8 +2,8 @@
 // kernels: every new token is a query row of its own.
 //
 //   * Dense: new token j of request b (n_b new tokens, L_b in all) sees positions t < L_b - n_b + j + 1
-//     of request b's pages. A small kernel gives each new token its own length and its own copy of
-//     the request's block-table row (in the workspace); the T tokens then run as T decode
+//     of request b's pages. launch_prefill_rows gives each new token its own length and its own copy
+//     of the request's block-table row (in the workspace); the T tokens then run as T decode
 //     "requests" of one query token each. Causality among the new tokens is exactly each token's
 //     length, so no mask is needed.
 //   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
@@ -17,43 +17,13 @@
 #include <string>
 
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/prefill_rows.hpp"
+#include "cuda/common/workspace.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
 namespace {
-
-constexpr int kExpandThreads = 128;
-constexpr std::size_t kAlign = 256;
-
-std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// Row r (a new token): its request b (the last b with cu[b] <= r), its length, and request b's
-// block-table row. Bad device data (cu not ascending) gives clamped, in-bounds values.
-__global__ void __launch_bounds__(kExpandThreads)
-    expand_rows_kernel(const std::int32_t* cu, const std::int32_t* seq_lens, const std::int32_t* block_table,
-                       int batch, int max_pages, std::int64_t capacity, std::int32_t* row_lens,
-                       std::int32_t* row_table) {
-  __shared__ int request;
-  const int r = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int lo = 0, hi = batch;  // find the last b in [0, batch) with cu[b] <= r
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (cu[mid] <= r) lo = mid;
-      else hi = mid;
-    }
-    request = lo;
-    const std::int64_t length = min(static_cast<std::int64_t>(max(seq_lens[lo], 0)), capacity);
-    const std::int64_t new_tokens = static_cast<std::int64_t>(cu[lo + 1]) - cu[lo];
-    const std::int64_t visible = length - new_tokens + (r - cu[lo]) + 1;
-    row_lens[r] = static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length)));
-  }
-  __syncthreads();
-  const std::int32_t* from = block_table + static_cast<std::int64_t>(request) * max_pages;
-  std::int32_t* to = row_table + static_cast<std::int64_t>(r) * max_pages;
-  for (int p = threadIdx.x; p < max_pages; p += kExpandThreads) to[p] = from[p];
-}
 
 // The dense prefill as per-token decode, with views at `scratch` (null while planning).
 struct PerToken {
@@ -116,17 +86,15 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   r.decode.workspace_bytes = p.workspace_bytes - r.table_bytes;
   const std::int64_t t = p.q.size(0);
   if (t == 0) return;
-  if (p.seq_lens.size(0) == 0) {
-    throw Error("mla_prefill", "cu_new_tokens", p.cu_new_tokens.shape_string(), "B >= 1 requests for T > 0 new tokens");
-  }
-  if (t > INT32_MAX) throw Error("mla_prefill", "q", p.q.shape_string(), "fewer than 2^31 new tokens");
-  const int max_pages = static_cast<int>(p.block_table.size(1));
-  expand_rows_kernel<<<static_cast<unsigned>(t), kExpandThreads, 0, stream>>>(
-      p.cu_new_tokens.as<const std::int32_t>(), p.seq_lens.as<const std::int32_t>(),
-      p.block_table.as<const std::int32_t>(), static_cast<int>(p.seq_lens.size(0)), max_pages,
-      static_cast<std::int64_t>(max_pages) * p.cache.page_size, r.decode.seq_lens.as<std::int32_t>(),
-      r.decode.block_table.as<std::int32_t>());
-  LKV_CUDA_CHECK_LAUNCH("mla_prefill");
+  PrefillRows rows;
+  rows.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
+  rows.seq_lens = p.seq_lens.as<const std::int32_t>();
+  rows.block_table = p.block_table.as<const std::int32_t>();
+  rows.batch = static_cast<int>(p.seq_lens.size(0));
+  rows.max_pages = static_cast<int>(p.block_table.size(1));
+  rows.page_size = p.cache.page_size;
+  launch_prefill_rows(rows, 0, t, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(), stream,
+                      "mla_prefill");
   launch_mla_decode(r.decode, stream);
 }
 

@@ -1,0 +1,53 @@
+// Each new token's visible length and block-table row (see prefill_rows.hpp).
+#include "cuda/common/prefill_rows.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/cuda_check.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+// One CTA per new token first + blockIdx.x: its request b (the last b with cu[b] <= r), its length,
+// and request b's block-table row.
+__global__ void __launch_bounds__(kThreads)
+    prefill_rows_kernel(const PrefillRows in, std::int64_t first, std::int32_t* row_lens, std::int32_t* row_table) {
+  __shared__ int request;
+  const std::int64_t r = first + blockIdx.x;
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = in.batch;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (in.cu_new_tokens[mid] <= r) lo = mid;
+      else hi = mid;
+    }
+    request = lo;
+    const std::int64_t capacity = static_cast<std::int64_t>(in.max_pages) * in.page_size;
+    const std::int64_t length = min(static_cast<std::int64_t>(max(in.seq_lens[lo], 0)), capacity);
+    const std::int64_t new_tokens = static_cast<std::int64_t>(in.cu_new_tokens[lo + 1]) - in.cu_new_tokens[lo];
+    const std::int64_t visible = length - new_tokens + (r - in.cu_new_tokens[lo]) + 1;
+    row_lens[blockIdx.x] = static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length)));
+  }
+  __syncthreads();
+  const std::int32_t* from = in.block_table + static_cast<std::int64_t>(request) * in.max_pages;
+  std::int32_t* to = row_table + static_cast<std::int64_t>(blockIdx.x) * in.max_pages;
+  for (int p = threadIdx.x; p < in.max_pages; p += kThreads) to[p] = from[p];
+}
+
+}  // namespace
+
+void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
+                         std::int32_t* row_table, cudaStream_t stream, const char* op) {
+  if (rows <= 0) return;
+  if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
+  if (rows > INT32_MAX) throw Error(op, "q", std::to_string(rows) + " new tokens", "fewer than 2^31 per launch");
+  prefill_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(in, first, row_lens, row_table);
+  LKV_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace latentkv::cuda

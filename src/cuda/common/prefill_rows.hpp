@@ -1,0 +1,30 @@
+// src/cuda/common/prefill_rows.hpp - each new token of a prefill as a one-token decode "request".
+//
+// New token r of request b (rows [cu[b], cu[b+1]) of the new tokens, n_b of them, L_b tokens in
+// all) sees positions t < L_b - n_b + (r - cu[b]) + 1. Giving each token that length and its own
+// copy of request b's block-table row turns any prefill into per-token decode-shaped work, with
+// causality exactly each token's length. Both prefill paths (dense MLA, indexer) use it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace latentkv::cuda {
+
+struct PrefillRows {
+  const std::int32_t* cu_new_tokens;  // [batch + 1]
+  const std::int32_t* seq_lens;       // [batch]
+  const std::int32_t* block_table;    // [batch, max_pages]
+  int batch = 0;                      // >= 1
+  int max_pages = 0;
+  int page_size = 1;
+};
+
+// For new tokens first .. first + rows - 1: row_lens [rows] and row_table [rows, max_pages]. Bad
+// device data (cu not ascending, lengths beyond the table) gives clamped, in-bounds values. `op`
+// names the calling op in launch errors.
+void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
+                         std::int32_t* row_table, cudaStream_t stream, const char* op);
+
+}  // namespace latentkv::cuda

@@ -1,0 +1,132 @@
+// Indexer prefill (ops.hpp IndexerPrefillParams): every new token's causal indexer logits, then its
+// top-k, on the decode kernels, a chunk of new tokens at a time.
+//
+// Each new token becomes a one-token "request" with its own visible length and block-table row
+// (launch_prefill_rows), so the decode indexer computes exactly its causal logits and the decode
+// top-k selects from them. Per chunk of C new tokens the workspace holds:
+//   logits      C x capacity floats (capacity = max_pages x page_size, the block table's reach)
+//   row tables  C x max_pages i32, and C lengths
+//   top-k       the selection's per-row scratch for C rows (plan_topk)
+// The default C keeps all of it within 256 MiB (about 190 KB per new token for a 32K + 4K-token
+// table, capacity 36,864: 1,407 new tokens per chunk), and at most 65,535. Prompts of any length run in
+// ceil(T / C) chunks on the one stream; nothing waits for the host.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/prefill_rows.hpp"
+#include "cuda/common/workspace.hpp"
+#include "cuda/indexer/launch.hpp"
+#include "cuda/topk/launch.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::cuda {
+namespace {
+
+constexpr const char* kOp = "indexer_prefill";
+constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{256} << 20;
+
+std::int64_t capacity_of(const IndexerPrefillParams& p) {
+  return p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+}
+
+// Workspace bytes per new token of a chunk: its logits, block-table row and length, top-k scratch.
+std::size_t bytes_per_token(const IndexerPrefillParams& p) {
+  TopkParams one;
+  one.logits = TensorView::contiguous(nullptr, DType::kF32, {1, 1, capacity_of(p)}, p.q.device);
+  return static_cast<std::size_t>(capacity_of(p) + p.block_table.size(1) + 1) * sizeof(float) +
+         plan_topk(one).workspace_bytes;
+}
+
+// The new tokens per chunk: the caller's, else as many as keep the workspace within the default
+// bound; never more than one indexer launch takes.
+std::int64_t chunk_of(const IndexerPrefillParams& p) {
+  const std::int64_t most = std::clamp<std::int64_t>(p.q.size(0), 1, kMaxIndexerBatch);
+  if (p.chunk_tokens > 0) return std::min<std::int64_t>(p.chunk_tokens, most);
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kDefaultWorkspaceBytes / bytes_per_token(p)), 1, most);
+}
+
+// One chunk's ops with views at `scratch` (null while planning), for new tokens [first, first + rows).
+struct Chunk {
+  IndexerLogitsParams logits;
+  TopkParams topk;
+  std::size_t table = 0, lens = 0, topk_scratch = 0, end = 0;  // offsets in the workspace
+};
+
+Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_t rows, std::uint8_t* scratch) {
+  const std::int64_t hi = p.q.size(1), capacity = capacity_of(p), max_pages = p.block_table.size(1);
+  const Device device = p.q.device;
+  const auto at = [scratch](std::size_t offset) { return scratch ? scratch + offset : nullptr; };
+  const std::int64_t chunk = chunk_of(p);
+  Chunk c;
+  c.table = align_up(static_cast<std::size_t>(chunk * capacity) * sizeof(float));
+  c.lens = align_up(c.table + static_cast<std::size_t>(chunk * max_pages) * sizeof(std::int32_t));
+  c.topk_scratch = align_up(c.lens + static_cast<std::size_t>(chunk) * sizeof(std::int32_t));
+
+  IndexerLogitsParams& l = c.logits;
+  l.q = TensorView::contiguous(static_cast<std::uint8_t*>(p.q.data) + first * hi * kIndexerDim, DType::kFP8E4M3,
+                               {rows, 1, hi, kIndexerDim}, device);
+  l.weights = TensorView::contiguous(p.weights.as<float>() + first * hi, DType::kF32, {rows, 1, hi}, device);
+  l.cache = p.cache;
+  l.block_table = TensorView::contiguous(at(c.table), DType::kI32, {rows, max_pages}, device);
+  l.seq_lens = TensorView::contiguous(at(c.lens), DType::kI32, {rows}, device);
+  l.logits = TensorView::contiguous(at(0), DType::kF32, {rows, 1, capacity}, device);
+
+  TopkParams& k = c.topk;
+  k.logits = l.logits;
+  k.block_table = l.block_table;
+  k.seq_lens = l.seq_lens;
+  k.page_size = p.cache.page_size;
+  k.k = p.k;
+  k.slots = TensorView::contiguous(p.slots.as<std::int32_t>() + first * p.k, DType::kI32, {rows, 1, p.k}, device);
+  // The largest chunk's top-k scratch serves every chunk.
+  TopkParams largest = k;
+  largest.logits = TensorView::contiguous(nullptr, DType::kF32, {chunk, 1, capacity}, device);
+  c.end = align_up(c.topk_scratch + plan_topk(largest).workspace_bytes);
+  k.workspace = at(c.topk_scratch);
+  k.workspace_bytes = c.end - c.topk_scratch;
+  return c;
+}
+
+}  // namespace
+
+Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
+  Plan plan;
+  plan.chunk_tokens = static_cast<int>(std::min<std::int64_t>(chunk_of(p), INT32_MAX));
+  plan.workspace_bytes = chunk_views(p, 0, plan.chunk_tokens, nullptr).end;
+  return plan;
+}
+
+void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
+  const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
+  const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
+  if (p.workspace == nullptr) throw Error(kOp, "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
+  if (p.workspace_bytes < need) {
+    throw Error(kOp, "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(need) + " for chunks of " + std::to_string(chunk) +
+                    " new tokens (Backend::plan for these shapes and chunk_tokens)");
+  }
+  if (reinterpret_cast<std::uintptr_t>(p.workspace) % kWorkspaceAlign != 0) {
+    throw Error(kOp, "workspace", "an address not 256-byte aligned", "256-byte aligned device memory");
+  }
+  if (t == 0) return;
+  PrefillRows requests;
+  requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
+  requests.seq_lens = p.seq_lens.as<const std::int32_t>();
+  requests.block_table = p.block_table.as<const std::int32_t>();
+  requests.batch = static_cast<int>(p.seq_lens.size(0));
+  requests.max_pages = static_cast<int>(p.block_table.size(1));
+  requests.page_size = p.cache.page_size;
+  auto* scratch = static_cast<std::uint8_t*>(p.workspace);
+  for (std::int64_t first = 0; first < t; first += chunk) {
+    const std::int64_t rows = std::min(chunk, t - first);
+    const Chunk c = chunk_views(p, first, rows, scratch);
+    launch_prefill_rows(requests, first, rows, c.logits.seq_lens.as<std::int32_t>(),
+                        c.logits.block_table.as<std::int32_t>(), stream, kOp);
+    launch_indexer_logits(c.logits, stream);
+    launch_topk(c.topk, stream);
+  }
+}
+
+}  // namespace latentkv::cuda
