@@ -414,8 +414,8 @@ int wide_blocks_per_sm() {
 }
 
 // CTAs one SM holds at once for the kernel these shapes run.
-int blocks_per_sm(bool fp8, int rows) {
-  if (fp8 && rows <= kNarrowMaxRows) return narrow_blocks_per_sm(rows);
+int blocks_per_sm(bool fp8, int rows, int batch) {
+  if (fp8 && rows <= kNarrowMaxRows) return narrow_blocks_per_sm(rows, batch);
   const int groups = groups_for(rows);
   if (fp8) return groups == 1 ? wide_blocks_per_sm<true, 1>() : wide_blocks_per_sm<true, 2>();
   return groups == 1 ? wide_blocks_per_sm<false, 1>() : wide_blocks_per_sm<false, 2>();
@@ -434,7 +434,7 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   const int groups = groups_for(rows);
   const int row_blocks = fp8 && rows <= kNarrowMaxRows ? 1 : (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
-  const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows)) * multiprocessors;
+  const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
   const std::int64_t useful = std::max<std::int64_t>(1, tokens / min_tokens_per_split);
   Plan plan;

@@ -73,7 +73,8 @@ __device__ __forceinline__ std::int32_t token_slot(const DecodeArgs& a, int b, i
 // decode_narrow.cu. Writes o/lse or, with splits, the partials that decode.cu's combine merges.
 inline constexpr int kNarrowMaxRows = 16;
 void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
-// CTAs of the narrow kernel for `rows` that one SM holds at once (the occupancy API's answer).
-int narrow_blocks_per_sm(int rows);
+// CTAs of the narrow kernel for `rows` and `batch` (which picks the pipeline depth) that one SM
+// holds at once (the occupancy API's answer).
+int narrow_blocks_per_sm(int rows, int batch);
 
 }  // namespace latentkv::cuda::mla

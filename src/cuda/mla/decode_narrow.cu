@@ -8,7 +8,7 @@
 // fp8 codes become f16 with one cvt per two codes, exactly; each token's four fp8 scales stay out of
 // the products: they weight the per-block score partials, and fold into P' for the output block.
 //
-// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, kStages deep:
+// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, 2 or 3 deep:
 //   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2)
 //   softmax: all threads, over the tile's partials in shared memory (running max and sum per row)
 //   output:  warp w: the 128 dims of fp8 scale block w
@@ -33,12 +33,16 @@ constexpr int kTile = 32;          // tokens per tile
 constexpr int kTokenBytes = 656;   // fp8 main-cache entry
 constexpr int kTokenChunks = kTokenBytes / 16;
 constexpr int kStageBytes = kTile * kTokenBytes;
-constexpr int kStages = 3;       // tiles in flight per CTA: the current one and two ahead
+// Tiles in flight per CTA: 3 (the current one and two ahead) when few requests share the GPU and
+// each CTA streams a short split (latency counts), 2 when the batch alone fills the GPU (more CTAs
+// fit per SM in less shared memory, and keep as many bytes in flight). H200, glm5 tp 8: 2 stages took
+// B 64 x 8K from 161.0 to 148.0 us and B 1 x 32K from 25.2 to 26.7 us.
+constexpr int kShallowFromBatch = 32;
 constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
 constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
 constexpr int kPStride = 36;       // floats per row of P
 
-template <int kNt>
+template <int kNt, int kStages>
 struct NarrowSmem {
   static constexpr int kRows = 8 * kNt;
   static constexpr int kStage = 0;                                   // u8  [kStages][kTile * 656]
@@ -64,9 +68,9 @@ __device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, 
   return reinterpret_cast<const float*>(kv + token * kTokenBytes + 512)[block];
 }
 
-template <int kNt>
+template <int kNt, int kStages>
 __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
-  using Smem = NarrowSmem<kNt>;
+  using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
   std::uint8_t* stages = smem + Smem::kStage;
@@ -374,38 +378,42 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
 }
 
 // Raises the kernel's dynamic shared-memory limit once; returns the bytes it launches with.
-template <int kNt>
+template <int kNt, int kStages>
 int configure() {
-  constexpr int kSmem = NarrowSmem<kNt>::kBytes;
+  constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
   static const cudaError_t configured =
-      cudaFuncSetAttribute(narrow_kernel<kNt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      cudaFuncSetAttribute(narrow_kernel<kNt, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   LKV_CUDA_CHECK("mla_decode", configured);
   return kSmem;
 }
 
-template <int kNt>
+template <int kNt, int kStages>
 void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
-  const int smem_bytes = configure<kNt>();
+  const int smem_bytes = configure<kNt, kStages>();
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  narrow_kernel<kNt><<<grid, kThreads, smem_bytes, stream>>>(a);
+  narrow_kernel<kNt, kStages><<<grid, kThreads, smem_bytes, stream>>>(a);
   LKV_CUDA_CHECK_LAUNCH("mla_decode");
 }
 
-template <int kNt>
+template <int kNt, int kStages>
 int blocks_per_sm() {
   int blocks = 0;
-  LKV_CUDA_CHECK("mla_decode",
-                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, narrow_kernel<kNt>, kThreads, configure<kNt>()));
+  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, narrow_kernel<kNt, kStages>,
+                                                                             kThreads, configure<kNt, kStages>()));
   return blocks;
 }
 
 }  // namespace
 
 void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
-  if (a.rows <= 8) launch_instance<1>(a, stream);
-  else launch_instance<2>(a, stream);
+  const bool shallow = a.batch >= kShallowFromBatch;
+  if (a.rows <= 8) shallow ? launch_instance<1, 2>(a, stream) : launch_instance<1, 3>(a, stream);
+  else shallow ? launch_instance<2, 2>(a, stream) : launch_instance<2, 3>(a, stream);
 }
-
-int narrow_blocks_per_sm(int rows) { return rows <= 8 ? blocks_per_sm<1>() : blocks_per_sm<2>(); }
+int narrow_blocks_per_sm(int rows, int batch) {
+  const bool shallow = batch >= kShallowFromBatch;
+  if (rows <= 8) return shallow ? blocks_per_sm<1, 2>() : blocks_per_sm<1, 3>();
+  return shallow ? blocks_per_sm<2, 2>() : blocks_per_sm<2, 3>();
+}
 
 }  // namespace latentkv::cuda::mla
