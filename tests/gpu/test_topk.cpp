@@ -240,11 +240,22 @@ std::vector<std::int64_t> wide_batch_lengths() {
   return lengths;
 }
 
+// 48 rows of up to 8192 logits: on 132 SMs too many CTAs for chunks of 1024 logits, few enough for
+// 2048 (the middle of the three chunk sizes the kernels choose from).
+std::vector<std::int64_t> middle_batch_lengths() {
+  std::vector<std::int64_t> lengths;
+  for (int b = 0; b < 48; ++b) lengths.push_back(b % 3 == 0 ? 8192 : 8192 - (b * 613) % 4001);
+  return lengths;
+}
+
 std::vector<TopkCase> topk_cases() {
   const std::vector<std::int64_t> around_k = {0, 1, 2, 2047, 2048, 2049, 2050, 2051, 7000};
   std::vector<TopkCase> v;
   v.push_back({"long_row_128k", {131072}});
   v.push_back({"batch64_32k", wide_batch_lengths()});
+  v.push_back({"batch48_8k", middle_batch_lengths()});
+  v.push_back({"batch48_8k_all_equal", middle_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
+  v.push_back({"batch64_32k_all_equal", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
   v.push_back({"lengths_around_k", {0, 1, 2047, 2048, 2049, 5000}});
   for (int q_len : {2, 3, 4}) v.push_back({"causal_q" + std::to_string(q_len), around_k, kMaxTopk, q_len});
   for (int page : {1, 17, 64}) {

@@ -2,7 +2,8 @@
 //
 // Keys are the logits' float bits mapped to unsigned integers of the same order. The k-th largest
 // key K* is found a digit at a time - the top 12 bits over the whole row, the other 20 bits only
-// among the candidates that share K*'s top digit - in three phases over CTAs of 2048 logits:
+// among the candidates that share K*'s top digit - in three phases over CTAs of 1024, 2048 or 4096
+// logits (kPer below):
 //   1. each CTA counts its chunk's top digits in shared memory and adds them into the row's
 //      histogram; the row's threshold digit T (where the k-th largest key falls) follows from it;
 //   2. each key above T is selected on the spot (its slot written to the output); keys in T's bin
@@ -32,8 +33,11 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
-constexpr int kPerThread = 8;
-constexpr int kChunk = kThreads * kPerThread;  // logits per CTA
+// Logits per thread (kPer, a template parameter: 4, 8 or 16): the smallest whose grid has at most
+// two CTAs per SM, else 16. Few rows run fastest on many small chunks (more SMs share the passes);
+// many rows on few large ones (fewer CTAs, and the grid resident at once). H200, k 2048: B 1 x 128K
+// 16.0 / 16.4 / 18.3 us with 4 / 8 / 16; B 64 x 32K 37.2 / 30.8 / 26.5 us.
+constexpr int kMaxCtasPerSm = 2;
 // Digits of the key: 12 top bits (sign, exponent, 3 mantissa bits: eighths of an octave), 10, 10.
 constexpr int kTopBits = 12, kMidBits = 10, kLowBits = 10;
 constexpr int kTopShift = kMidBits + kLowBits;  // 20
@@ -69,7 +73,8 @@ struct TopkArgs {
   int page_size;
   int q_len;
   int k;
-  int chunks;                       // CTAs per row: ceil(max_len / kChunk), at least 1
+  int chunks;                       // CTAs per row: ceil(max_len / chunk_len), at least 1
+  int chunk_len;                    // logits per CTA: kThreads x kPer
 };
 
 __device__ __forceinline__ std::uint32_t order_key(float x) {
@@ -141,7 +146,7 @@ struct TopkShared {
   bool last;
 };
 
-// This CTA's chunk of a row: positions base + j * kThreads + threadIdx.x, j < kPerThread.
+// This CTA's chunk of a row: positions base + j * kThreads + threadIdx.x, j < kPer.
 struct Chunk {
   int row, b, n, base;
   __device__ bool has(int j) const { return base + j * kThreads + static_cast<int>(threadIdx.x) < n; }
@@ -153,21 +158,23 @@ __device__ Chunk chunk_of(const TopkArgs& a, int cta) {
   c.row = cta / a.chunks;
   c.b = c.row / a.q_len;
   c.n = visible_count(a, c.b, c.row % a.q_len);
-  c.base = (cta % a.chunks) * kChunk;
+  c.base = (cta % a.chunks) * a.chunk_len;
   return c;
 }
 
-__device__ void load_chunk(const TopkArgs& a, const Chunk& c, float (&v)[kPerThread]) {
+template <int kPer>
+__device__ void load_chunk(const TopkArgs& a, const Chunk& c, float (&v)[kPer]) {
   const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) v[j] = c.has(j) ? x[c.position(j)] : 0.0f;
+  for (int j = 0; j < kPer; ++j) v[j] = c.has(j) ? x[c.position(j)] : 0.0f;
 }
 
 // Rows that see k tokens or fewer: every visible slot, then -1 padding (by the row's first CTA).
+template <int kPer>
 __device__ void take_all(const TopkArgs& a, const Chunk& c) {
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     if (c.has(j)) out[c.position(j)] = slot_of(a, c.b, c.position(j));
   }
   if (c.base == 0) {
@@ -176,11 +183,12 @@ __device__ void take_all(const TopkArgs& a, const Chunk& c) {
 }
 
 // Phase 1: the chunk's top digits counted in shared memory, then added into the row's histogram.
-__device__ void count_top_digits(const Chunk& c, const float (&v)[kPerThread], TopkShared& s, std::uint32_t* state) {
+template <int kPer>
+__device__ void count_top_digits(const Chunk& c, const float (&v)[kPer], TopkShared& s, std::uint32_t* state) {
   for (int d = threadIdx.x; d < kTopBins; d += kThreads) s.hist[d] = 0;
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     if (c.has(j)) atomicAdd(&s.hist[order_key(v[j]) >> kTopShift], 1u);
   }
   __syncthreads();
@@ -204,12 +212,13 @@ __device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint3
 // Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates. Room for
 // the CTA's share of both lists comes from one scan of both counts (packed in 16-bit halves) and
 // one atomic per list.
-__device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPerThread], std::uint32_t top,
+template <int kPer>
+__device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer], std::uint32_t top,
                              TopkShared& s, std::uint32_t* state, uint2* listed) {
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
   std::uint32_t counts = 0;
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     const std::uint32_t digit = order_key(v[j]) >> kTopShift;
     if (c.has(j)) counts += digit > top ? 1u : digit == top ? 0x10000u : 0u;
   }
@@ -222,7 +231,7 @@ __device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)
   __syncthreads();
   std::uint32_t at = s.result[0] + (before & 0xFFFFu), listed_at = s.result[1] + (before >> 16);
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     if (!c.has(j)) continue;
     const std::uint32_t key = order_key(v[j]);
     const std::uint32_t digit = key >> kTopShift;
@@ -300,15 +309,16 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
 
 // Two kernels after a memset of the row states; the last CTA of a row to finish each kernel does
 // the row's serial part (the threshold, then the finish).
+template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   const Chunk c = chunk_of(a, blockIdx.x);
   if (c.n <= a.k || c.base >= c.n) return;
-  float v[kPerThread];
+  float v[kPer];
   load_chunk(a, c, v);
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
   count_top_digits(c, v, s, state);
-  if (!arrive_last(&state[kArrivedHistogram], (c.n + kChunk - 1) / kChunk, s.last)) return;
+  if (!arrive_last(&state[kArrivedHistogram], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
   std::uint32_t top, above;
   top_threshold(a, s, state, top, above);
   if (threadIdx.x == 0) {
@@ -317,24 +327,26 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
   }
 }
 
+template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   const Chunk c = chunk_of(a, blockIdx.x);
-  if (c.n <= a.k) return take_all(a, c);
+  if (c.n <= a.k) return take_all<kPer>(a, c);
   if (c.base >= c.n) return;
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
   uint2* listed = a.candidates + static_cast<std::int64_t>(c.row) * kCandidates;
-  float v[kPerThread];
+  float v[kPer];
   load_chunk(a, c, v);
   const std::uint32_t top = __ldcg(&state[kDigit]);
   select_above(a, c, v, top, s, state, listed);
-  if (!arrive_last(&state[kArrivedSelect], (c.n + kChunk - 1) / kChunk, s.last)) return;
+  if (!arrive_last(&state[kArrivedSelect], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
   finish_row(a, s, c, top, __ldcg(&state[kAbove]), state, listed);
 }
 
 // The same three phases in one cooperative kernel, for grids that fit on the GPU at once: grid
 // barriers instead of the memset, the kernel boundary and the last-CTA tickets, and the logits read
 // once. Every CTA of a row computes the row's threshold itself from the row's histogram.
+template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   cg::grid_group grid = cg::this_grid();
@@ -345,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
   if (c.base == 0) {
     for (int w = threadIdx.x; w < kStateWords; w += kThreads) state[w] = 0;
   }
-  float v[kPerThread];
+  float v[kPer];
   if (select) load_chunk(a, c, v);
   grid.sync();
   if (select) count_top_digits(c, v, s, state);
@@ -355,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
     top_threshold(a, s, state, top, above);
     select_above(a, c, v, top, s, state, listed);
   } else if (c.n <= a.k) {
-    take_all(a, c);
+    take_all<kPer>(a, c);
   }
   grid.sync();
   if (select && c.base == 0) finish_row(a, s, c, top, above, state, listed);
@@ -368,13 +380,44 @@ std::size_t state_bytes(const TopkParams& p) {
 
 // Whether a grid of `ctas` CTAs of the cooperative kernel is resident at once on this device (the
 // condition for its grid barriers).
+template <int kPer>
 bool fits_at_once(std::int64_t ctas) {
   int device = 0, cooperative = 0, sms = 0, per_sm = 0;
   LKV_CUDA_CHECK("topk", cudaGetDevice(&device));
   LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
   LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LKV_CUDA_CHECK("topk", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_cooperative_kernel, kThreads, 0));
+  LKV_CUDA_CHECK("topk", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_cooperative_kernel<kPer>, kThreads, 0));
   return cooperative != 0 && ctas <= static_cast<std::int64_t>(sms) * per_sm;
+}
+
+// The grid of `rows` rows in chunks of kThreads x kPer logits: one cooperative kernel when it is
+// resident at once, else a memset of the row states and two kernels.
+template <int kPer>
+void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_t stream) {
+  a.chunk_len = kThreads * kPer;
+  a.chunks = a.max_len > 0 ? (a.max_len + a.chunk_len - 1) / a.chunk_len : 1;
+  const std::int64_t ctas = rows * a.chunks;
+  if (ctas > INT32_MAX) {
+    throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of " + std::to_string(a.chunk_len));
+  }
+  if (fits_at_once<kPer>(ctas)) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(ctas));
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute cooperative{};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    LKV_CUDA_CHECK("topk", cudaLaunchKernelEx(&config, topk_cooperative_kernel<kPer>, a));
+    return;
+  }
+  LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
+  topk_histogram_kernel<kPer><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("topk");
+  topk_select_kernel<kPer><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("topk");
 }
 
 }  // namespace
@@ -410,27 +453,16 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   a.q_len = static_cast<int>(p.logits.size(1));
   a.k = p.k;
-  a.chunks = a.max_len > 0 ? (a.max_len + kChunk - 1) / kChunk : 1;
-  const std::int64_t ctas = rows * a.chunks;
-  if (ctas > INT32_MAX) throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of 2048");
-  if (fits_at_once(ctas)) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(ctas));
-    config.blockDim = dim3(kThreads);
-    config.stream = stream;
-    cudaLaunchAttribute cooperative{};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    LKV_CUDA_CHECK("topk", cudaLaunchKernelEx(&config, topk_cooperative_kernel, a));
-    return;
-  }
-  LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
-  topk_histogram_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("topk");
-  topk_select_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("topk");
+  int device = 0, sms = 0;
+  LKV_CUDA_CHECK("topk", cudaGetDevice(&device));
+  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const auto ctas_with = [&](int per) {
+    return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
+  };
+  const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
+  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, stream);
+  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, stream);
+  launch_with<16>(a, rows, p, stream);
 }
 
 }  // namespace latentkv::cuda
