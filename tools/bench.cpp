@@ -115,7 +115,7 @@ void add_bench_command(CLI::App& app) {
   auto opt = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
   cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode",
-                                                                      "mla_prefill", "sparse_mla_prefill", "indexer_prefill"}));
+                                                                      "mla_prefill", "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}));
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
   cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
@@ -136,6 +136,7 @@ void add_bench_command(CLI::App& app) {
   cmd->callback([opt] {
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)
+                               : opt->op == "dsa_prefill"     ? run_dsa_prefill_bench(*opt)
                                : opt->op == "topk"         ? run_topk_bench(*opt)
                                : opt->op == "dsa_decode"   ? run_dsa_bench(*opt)
                                : opt->op.ends_with("prefill") ? run_prefill_bench(*opt)
@@ -157,6 +158,7 @@ BenchReport run_topk_bench(const BenchOptions& options) { return run_decode_benc
 BenchReport run_dsa_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
 BenchReport run_indexer_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
+BenchReport run_dsa_prefill_bench(const BenchOptions& options) { return run_decode_bench(options); }
 #endif
 
 }  // namespace latentkv::tools

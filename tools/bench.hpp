@@ -70,5 +70,7 @@ BenchReport run_topk_bench(const BenchOptions& options);
 BenchReport run_dsa_bench(const BenchOptions& options);
 // mla_prefill or sparse_mla_prefill: `new_tokens` new tokens per request over its cached prefix.
 BenchReport run_prefill_bench(const BenchOptions& options);
+// One layer's DSA prefill (indexer prefill on cuda, then sparse prefill on each --backends entry).
+BenchReport run_dsa_prefill_bench(const BenchOptions& options);
 
 }  // namespace latentkv::tools

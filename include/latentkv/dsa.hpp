@@ -1,5 +1,6 @@
-// latentkv/dsa.hpp - one layer's DeepSeek Sparse Attention decode as one call:
-// indexer logits -> top-k -> sparse MLA decode, every step reading the FP8 caches natively.
+// latentkv/dsa.hpp - one layer's DeepSeek Sparse Attention as one call, every step reading the FP8
+// caches natively: decode (indexer logits -> top-k -> sparse MLA decode) and prefill (indexer
+// prefill, the logits and top-k of every new token -> sparse MLA prefill).
 //
 // The three ops run back to back on the caller's stream through the chosen backends, with their
 // intermediate results (logits, selected slots) and scratch in one caller-owned workspace. Nothing
@@ -33,11 +34,14 @@ struct DsaDecodeParams {
   std::size_t workspace_bytes = 0;
 };
 
-// The backend of each step, normally from the resolved configuration (indexer, topk, sparse_decode).
+// The backend of each step, normally from the resolved configuration (indexer, topk, sparse_decode;
+// indexer_prefill, sparse_prefill). Decode uses the first three, prefill the last two.
 struct DsaBackends {
   const Backend* indexer_logits = nullptr;
   const Backend* topk = nullptr;
   const Backend* sparse_decode = nullptr;
+  const Backend* indexer_prefill = nullptr;
+  const Backend* sparse_prefill = nullptr;
 };
 DsaBackends same_backend(const Backend& backend);
 
@@ -68,5 +72,45 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 // o and lse. Throws Error naming the step and its argument on bad input.
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
+
+// ---- Prefill ------------------------------------------------------------------------------------
+// T new tokens in all, ragged over requests (cu_new_tokens), their latents and indexer keys already
+// appended: each new token's index row (indexer_prefill, in chunks of new tokens) into the
+// workspace, then sparse MLA prefill over those rows into o and lse.
+struct DsaPrefillParams {
+  TensorView q;              // [T, H, 576] bf16, absorbed queries of the new tokens
+  TensorView q_idx;          // [T, Hi, 128] fp8 e4m3, indexer queries
+  TensorView weights;        // [T, Hi] f32, indexer head weights
+  TensorView cu_new_tokens;  // [B + 1] i32, request b's new tokens are rows [cu[b], cu[b+1])
+  LatentCache cache;         // main cache, read only
+  IndexerCache indexer;      // indexer key cache, read only; same page size and pool as `cache`
+  TensorView block_table;    // [B, max_pages] i32, shared by both caches
+  TensorView seq_lens;       // [B] i32, L_b (prefix plus new tokens)
+  TensorView o;              // [T, H, 512] bf16
+  TensorView lse;            // [T, H] f32
+  float softmax_scale = 0.0f;
+  int topk = kMaxTopk;       // index_topk
+  int chunk_tokens = 0;      // new tokens per indexer chunk; 0 = the indexer backend's default
+  void* workspace = nullptr;  // plan_dsa_prefill(...).workspace_bytes of scratch on the op's device
+  std::size_t workspace_bytes = 0;
+};
+
+struct DsaPrefillSteps {
+  IndexerPrefillParams indexer;  // its slots are the sparse step's indices
+  SparseMlaPrefillParams sparse;
+};
+
+struct DsaPrefillPlan {
+  std::size_t workspace_bytes = 0;  // all of it: the index rows, then the larger plan's scratch (the
+                                    // steps take it in turn)
+  Plan indexer;                     // the indexer prefill's chunk and scratch
+  Plan sparse;                      // the sparse prefill's split schedule and scratch
+};
+
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p,
+                                const DeviceInfo& device = detect_device());
+DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan);
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 
 }  // namespace latentkv

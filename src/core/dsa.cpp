@@ -1,17 +1,19 @@
-// One layer's DSA decode: indexer logits -> top-k -> sparse MLA decode (include/latentkv/dsa.hpp).
+// One layer's DSA as one call (include/latentkv/dsa.hpp): decode (indexer logits -> top-k -> sparse
+// MLA decode) and prefill (indexer prefill -> sparse MLA prefill), over one workspace each.
 #include "latentkv/dsa.hpp"
 
+#include <algorithm>
 #include <string>
 
+#include "core/validate.hpp"
+#include "core/workspace.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv {
 namespace {
 
 constexpr std::string_view kOp = "dsa_decode";
-constexpr std::size_t kAlign = 256;
-
-std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+using detail::align_up;
 
 void check_backends(const DsaBackends& b) {
   if (b.indexer_logits == nullptr) throw Error(std::string(kOp), "backends.indexer_logits", "null", "a backend");
@@ -90,7 +92,7 @@ DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base)
 
 }  // namespace
 
-DsaBackends same_backend(const Backend& backend) { return {&backend, &backend, &backend}; }
+DsaBackends same_backend(const Backend& backend) { return {&backend, &backend, &backend, &backend, &backend}; }
 
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
   check_backends(backends);
@@ -127,9 +129,129 @@ void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
                 const ExecContext& context, const DeviceInfo& device) {
   check_backends(backends);
   const DsaSteps s = dsa_steps(p, plan);
+  // Every step's arguments before any runs: a bad o must not leave the first steps queued.
+  detail::validate_shapes(s.indexer, p.q.device);
+  detail::validate_shapes(s.topk, p.q.device);
+  detail::validate_shapes(s.sparse, p.q.device, detail::Outputs::kReferenceTypes);
   run(*backends.indexer_logits, s.indexer, context, device);
   run(*backends.topk, s.topk, context, device);
   run(*backends.sparse_decode, s.sparse, context, device);
+}
+
+// ---- Prefill ------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::string_view kPrefillOp = "dsa_prefill";
+
+void check_prefill_backends(const DsaBackends& b) {
+  if (b.indexer_prefill == nullptr) {
+    throw Error(std::string(kPrefillOp), "backends.indexer_prefill", "null", "a backend");
+  }
+  if (b.sparse_prefill == nullptr) throw Error(std::string(kPrefillOp), "backends.sparse_prefill", "null", "a backend");
+}
+
+void check_prefill_shapes(const DsaPrefillParams& p) {
+  if (p.q.rank != 3) throw Error(std::string(kPrefillOp), "q", p.q.shape_string(), "[T, H, 576] bf16");
+  if (p.q_idx.rank != 3 || p.q_idx.size(0) != p.q.size(0)) {
+    throw Error(std::string(kPrefillOp), "q_idx", p.q_idx.shape_string(),
+                "[T, Hi, 128] fp8 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
+  }
+  if (p.weights.rank != 2 || p.weights.size(0) != p.q.size(0)) {
+    throw Error(std::string(kPrefillOp), "weights", p.weights.shape_string(),
+                "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
+  }
+  if (p.indexer.page_size != p.cache.page_size || p.indexer.num_pages != p.cache.num_pages) {
+    throw Error(std::string(kPrefillOp), "indexer",
+                "page_size " + std::to_string(p.indexer.page_size) + ", " + std::to_string(p.indexer.num_pages) + " pages",
+                "the main cache's page_size " + std::to_string(p.cache.page_size) + " and " +
+                    std::to_string(p.cache.num_pages) + " pages (one block table serves both)");
+  }
+  if (p.topk < 1 || p.topk > kMaxTopk) {
+    throw Error(std::string(kPrefillOp), "topk", std::to_string(p.topk), "1 .. " + std::to_string(kMaxTopk));
+  }
+}
+
+// The index rows [T, topk], then one scratch region that the two steps use in turn (they run one
+// after the other on one stream): the larger of their plans.
+struct PrefillLayout {
+  std::size_t slots = 0, scratch = 0, end = 0;
+};
+
+PrefillLayout prefill_layout_of(const DsaPrefillParams& p, const DsaPrefillPlan& plan) {
+  PrefillLayout l;
+  l.scratch = align_up(static_cast<std::size_t>(p.q.size(0)) * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
+  l.end = align_up(l.scratch + std::max(plan.indexer.workspace_bytes, plan.sparse.workspace_bytes));
+  return l;
+}
+
+DsaPrefillSteps prefill_steps_at(const DsaPrefillParams& p, std::uint8_t* base) {
+  const std::int64_t t = p.q.size(0);
+  DsaPrefillSteps s;
+  s.indexer.q = p.q_idx;
+  s.indexer.weights = p.weights;
+  s.indexer.cu_new_tokens = p.cu_new_tokens;
+  s.indexer.cache = p.indexer;
+  s.indexer.block_table = p.block_table;
+  s.indexer.seq_lens = p.seq_lens;
+  s.indexer.k = p.topk;
+  s.indexer.slots = TensorView::contiguous(base, DType::kI32, {t, p.topk}, p.q.device);  // layout offset 0
+  s.indexer.chunk_tokens = p.chunk_tokens;
+
+  s.sparse.q = p.q;
+  s.sparse.cache = p.cache;
+  s.sparse.indices = s.indexer.slots;
+  s.sparse.o = p.o;
+  s.sparse.lse = p.lse;
+  s.sparse.softmax_scale = p.softmax_scale;
+  return s;
+}
+
+}  // namespace
+
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device) {
+  check_prefill_backends(backends);
+  check_prefill_shapes(p);
+  const DsaPrefillSteps s = prefill_steps_at(p, nullptr);
+  DsaPrefillPlan plan;
+  plan.indexer = backends.indexer_prefill->plan(s.indexer, device);
+  plan.sparse = backends.sparse_prefill->plan(s.sparse, device);
+  plan.workspace_bytes = prefill_layout_of(p, plan).end;
+  return plan;
+}
+
+DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan) {
+  check_prefill_shapes(p);
+  const PrefillLayout l = prefill_layout_of(p, plan);
+  if (p.workspace == nullptr && l.end > 0) {
+    throw Error(std::string(kPrefillOp), "workspace", "null",
+                std::to_string(l.end) + " bytes (plan_dsa_prefill's workspace_bytes)");
+  }
+  if (p.workspace_bytes < l.end) {
+    throw Error(std::string(kPrefillOp), "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(l.end) + " (plan_dsa_prefill's workspace_bytes for these shapes)");
+  }
+  auto* base = static_cast<std::uint8_t*>(p.workspace);
+  DsaPrefillSteps s = prefill_steps_at(p, base);
+  if (plan.indexer.chunk_tokens > 0) s.indexer.chunk_tokens = plan.indexer.chunk_tokens;
+  s.indexer.workspace = plan.indexer.workspace_bytes ? base + l.scratch : nullptr;
+  s.indexer.workspace_bytes = plan.indexer.workspace_bytes;
+  s.sparse.num_splits = plan.sparse.num_splits;
+  s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.scratch : nullptr;
+  s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
+  return s;
+}
+
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context, const DeviceInfo& device) {
+  check_prefill_backends(backends);
+  const DsaPrefillSteps s = dsa_prefill_steps(p, plan);
+  if (p.q.size(0) == 0) return;  // no new tokens
+  // Both steps' arguments before either runs: a bad o must not leave the indexer step queued.
+  detail::validate_shapes(s.indexer, p.q.device);
+  detail::validate_shapes(s.sparse, p.q.device, detail::Outputs::kReferenceTypes);
+  run(*backends.indexer_prefill, s.indexer, context, device);
+  run(*backends.sparse_prefill, s.sparse, context, device);
 }
 
 }  // namespace latentkv

@@ -32,10 +32,10 @@ void indexer_row(const double* q, const float* w, int heads, const double* keys,
 
 namespace {
 
-// Request b's first `length` keys, dequantized: keys [length, 128] without scale, scales [length].
-void load_keys(const IndexerCache& cache, const TensorView& block_table, std::int64_t b, std::int64_t length,
-               std::vector<double>& keys, std::vector<double>& scales) {
-  const std::vector<std::int64_t> slots = internal::request_slots(block_table, b, length, cache.page_size);
+// The keys at `slots`, dequantized: keys [n, 128] without scale, scales [n].
+void load_keys(const IndexerCache& cache, const std::vector<std::int64_t>& slots, std::vector<double>& keys,
+               std::vector<double>& scales) {
+  const auto length = static_cast<std::int64_t>(slots.size());
   keys.resize(static_cast<std::size_t>(length) * kIndexerDim);
   scales.resize(static_cast<std::size_t>(length));
   for (std::int64_t t = 0; t < length; ++t) {
@@ -66,7 +66,7 @@ void indexer_logits(const IndexerLogitsParams& p) {
   std::vector<double> q_row, keys, key_scales;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b];
-    load_keys(p.cache, p.block_table, b, length, keys, key_scales);
+    load_keys(p.cache, internal::request_slots(p.block_table, b, length, p.cache.page_size), keys, key_scales);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t row = b * q_len + i;
       load_indexer_query(p.q, row, heads, q_row);
@@ -93,8 +93,8 @@ void indexer_prefill(const IndexerPrefillParams& p) {
   std::vector<float> row_logits;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b], n_new = cu[b + 1] - cu[b];
-    load_keys(p.cache, p.block_table, b, length, keys, key_scales);
     const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.cache.page_size);
+    load_keys(p.cache, slots, keys, key_scales);
     row_logits.resize(static_cast<std::size_t>(length));
     for (std::int64_t j = 0; j < n_new; ++j) {
       const std::int64_t row = cu[b] + j;

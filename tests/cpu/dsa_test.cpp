@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -85,13 +84,6 @@ struct HostDsa {
     return ::testing::AssertionSuccess();
   }
 };
-
-// A host tensor holding a copy of what `view` (host memory) shows.
-HostTensor copy_of(const TensorView& view) {
-  HostTensor t(view.dtype, std::vector<std::int64_t>(view.shape.begin(), view.shape.begin() + view.rank));
-  std::memcpy(t.raw(), view.data, t.bytes());
-  return t;
-}
 
 // ---- the three steps by hand -----------------------------------------------------------------------
 

@@ -43,31 +43,6 @@ void check_cuda(cudaError_t status) {
 
 using Batch = PrefillBatch;
 
-// Every slot of the indexer pool that no request holds (past seq_lens in a request's last page, and
-// pages no request uses) is poisoned: fp8 codes 0x7F and a NaN scale.
-::testing::AssertionResult unread_slots_poisoned(const PagedFixture& f) {
-  const std::int64_t num_slots = f.num_pages() * f.page_size;
-  std::vector<char> held(static_cast<std::size_t>(num_slots), 0);
-  for (std::int64_t b = 0; b < f.batch(); ++b) {
-    for (std::int32_t s : f.slots(b, f.seq_lens[static_cast<std::size_t>(b)])) held[static_cast<std::size_t>(s)] = 1;
-  }
-  std::int64_t poisoned = 0;
-  const IndexerCache cache = f.indexer(const_cast<std::uint8_t*>(f.indexer_bytes.data()), Device::cpu());
-  for (std::int64_t s = 0; s < num_slots; ++s) {
-    if (held[static_cast<std::size_t>(s)]) continue;
-    const std::uint8_t* key = cache.key(s);
-    std::uint32_t scale_bits = 0;
-    std::memcpy(&scale_bits, cache.scale_ptr(s), 4);
-    if (std::any_of(key, key + kIndexerDim, [](std::uint8_t c) { return c != kPoisonFp8; }) ||
-        scale_bits != kPoisonF32Bits) {
-      return ::testing::AssertionFailure() << "slot " << s << " is held by no request but not poisoned";
-    }
-    ++poisoned;
-  }
-  if (poisoned == 0) return ::testing::AssertionFailure() << "no poisoned slot in the pool";
-  return ::testing::AssertionSuccess() << poisoned << " poisoned slots";
-}
-
 // One prefill on the GPU: device copies of the fixture's indexer cache, tables, cu, q and weights;
 // the slots output [T, k] followed by a guard; the planned workspace, garbage-filled once and then
 // left as each call leaves it.
@@ -144,22 +119,6 @@ class DevicePrefill {
   DeviceBuffer workspace_;
 };
 
-// Each row's entries sorted: the selected sets (and -1 count), whatever order the kernel wrote.
-std::vector<std::int32_t> sorted_rows(const HostTensor& slots) {
-  const std::int64_t rows = slots.shape()[0], k = slots.shape()[1];
-  std::vector<std::int32_t> out(slots.data<std::int32_t>(), slots.data<std::int32_t>() + slots.numel());
-  for (std::int64_t r = 0; r < rows; ++r) std::sort(out.begin() + r * k, out.begin() + (r + 1) * k);
-  return out;
-}
-
-// The first row whose set differs, for a failure message; -1 when none.
-std::int64_t first_different_row(const std::vector<std::int32_t>& a, const std::vector<std::int32_t>& b, std::int64_t k) {
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if (a[i] != b[i]) return static_cast<std::int64_t>(i) / k;
-  }
-  return a.size() == b.size() ? -1 : 0;
-}
-
 // ---- against the reference -------------------------------------------------------------------
 
 struct PrefillCase {
@@ -187,10 +146,7 @@ struct Inputs {
 };
 
 Inputs make_inputs(const Batch& batch, int page_size, int heads, double w_lo, Rng& rng) {
-  PagedFixtureOptions o;
-  o.page_size = page_size;
-  o.lengths = batch.lengths();
-  PagedFixture f = make_paged_fixture(o, rng);
+  PagedFixture f = make_prefill_fixture(batch, page_size, rng);
   std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
   HostTensor q = random_fp8(rng, {cu.back(), heads, kIndexerDim}, 2.0);
   HostTensor w = random_f32(rng, {cu.back(), heads}, w_lo, 1.0);

@@ -51,15 +51,6 @@ std::ostream& operator<<(std::ostream& os, const Batch& batch) {
   return os << "B" << batch.prefixes.size() << "_T" << batch.rows();
 }
 
-PagedFixture make_batch_fixture(const Batch& batch, KvDtype dtype, int page_size, Rng& rng) {
-  PagedFixtureOptions opt;
-  opt.page_size = page_size;
-  opt.lengths = batch.lengths();
-  opt.kv_dtype = dtype;
-  opt.with_indexer = false;
-  return make_paged_fixture(opt, rng);
-}
-
 // Sentinel-filled outputs o [T, H, 512] bf16 and lse [T, H] f32, on the host and on the device.
 struct DeviceOutputs {
   HostTensor o, lse;
@@ -155,7 +146,7 @@ TEST_P(GpuMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const DenseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_batch_fixture(c.batch, c.dtype, c.page_size, rng);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false);
   const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
   const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});
 
@@ -270,7 +261,7 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const SparseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_batch_fixture(c.batch, c.dtype, c.page_size, rng);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false);
   const std::int64_t rows = c.batch.rows();
   const HostTensor q = random_bf16(rng, {rows, c.heads, kQkDim});
   HostTensor indices = make_prefill_indices(f, c.batch.new_tokens, c.topk, rng);
@@ -296,6 +287,26 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
       }
     }
   }
+}
+
+// 1100 prompts of 60 new tokens: 66,000 query rows, more than one decode launch takes (65,535, a
+// grid dimension), so both prefills run in two slices; every row against the reference.
+TEST(GpuPrefillLarge, MoreNewTokensThanAGridColumn) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  const Batch batch = {std::vector<std::int64_t>(1100, 0), std::vector<std::int64_t>(1100, 60)};
+  PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+  const HostTensor q = random_bf16(rng, {batch.rows(), 1, kQkDim});
+  const std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+  const AttentionOutputs dense_ref = reference_mla_prefill(f, q, cu, kScale);
+  const GpuOutputs dense = gpu_mla_prefill(f, q, cu);
+  EXPECT_TRUE(compare("dense o", dense.o, dense_ref.o, Tolerance::bf16_output()));
+  EXPECT_TRUE(compare("dense lse", dense.lse, dense_ref.lse, Tolerance::lse()));
+  const HostTensor indices = make_prefill_indices(f, batch.new_tokens, 8, rng);
+  const AttentionOutputs sparse_ref = reference_sparse_prefill(f, q, indices, kScale);
+  const GpuOutputs sparse = gpu_sparse_prefill(f, q, indices);
+  EXPECT_TRUE(compare("sparse o", sparse.o, sparse_ref.o, Tolerance::bf16_output()));
+  EXPECT_TRUE(compare("sparse lse", sparse.lse, sparse_ref.lse, Tolerance::lse()));
 }
 
 std::vector<SparseCase> sparse_cases() {
@@ -327,7 +338,7 @@ TEST(GpuSparseMlaPrefillEmpty, AllRowsEmptyGiveZerosAndMinusInf) {
   for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kBf16}) {
     Rng rng = test_rng(kv_dtype_name(dtype));
     const Batch batch = {{0, 40}, {3, 9}};
-    PagedFixture f = make_batch_fixture(batch, dtype, 64, rng);
+    PagedFixture f = make_prefill_fixture(batch, 64, rng, dtype, false);
     const HostTensor q = random_bf16(rng, {batch.rows(), 16, kQkDim});
     HostTensor indices(DType::kI32, {batch.rows(), 64});
     std::fill_n(indices.data<std::int32_t>(), indices.numel(), -1);
@@ -364,7 +375,7 @@ TEST_P(GpuSparsePrefillEqualsDense, EverySelectedEqualsDenseReference) {
   LKV_REQUIRE_GPU();
   const EqualsDenseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_batch_fixture(c.batch, c.dtype, c.page_size, rng);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false);
   ASSERT_LE(f.max_len(), c.topk) << "the case's topk must cover every visible position";
   const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
   const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});

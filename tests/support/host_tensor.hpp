@@ -104,6 +104,14 @@ class HostTensor {
   std::vector<std::uint8_t> bytes_;
 };
 
+// A host tensor holding a copy of what `view` (contiguous, in host memory) shows: an intermediate
+// an op left in a caller's host workspace, say.
+inline HostTensor copy_of(const TensorView& view) {
+  HostTensor t(view.dtype, std::vector<std::int64_t>(view.shape.begin(), view.shape.begin() + view.rank));
+  if (t.bytes() > 0) std::memcpy(t.raw(), view.data, t.bytes());
+  return t;
+}
+
 // The sentinel pattern of one element of `dtype`, as bytes.
 inline std::vector<std::uint8_t> sentinel_bytes(DType dtype) {
   std::vector<std::uint8_t> b(dtype_size(dtype));

@@ -16,6 +16,8 @@
 //  * with the reference's logits x of the row (float64 sums rounded once, reference_prefill_logits),
 //    every visible position not chosen has x <= (the lowest chosen x) + tol,
 //    tol = 1e-5 * max |x| + 1e-6.
+//
+// sorted_rows() and first_different_row() compare two answers' selected sets row by row.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -224,6 +226,24 @@ inline ::testing::AssertionResult check_prefill_slots(const PagedFixture& f, con
     }
   }
   return ::testing::AssertionSuccess();
+}
+
+// Each row's entries of `slots` [T, k] i32 sorted: the selected sets (and -1 count), whatever order
+// the kernel wrote them in.
+inline std::vector<std::int32_t> sorted_rows(const HostTensor& slots) {
+  const std::int64_t rows = slots.shape()[0], k = slots.shape()[1];
+  std::vector<std::int32_t> out(slots.data<std::int32_t>(), slots.data<std::int32_t>() + slots.numel());
+  for (std::int64_t r = 0; r < rows; ++r) std::sort(out.begin() + r * k, out.begin() + (r + 1) * k);
+  return out;
+}
+
+// The first row of `k` entries where two sorted_rows() differ, for a failure message; -1 when none.
+inline std::int64_t first_different_row(const std::vector<std::int32_t>& a, const std::vector<std::int32_t>& b,
+                                        std::int64_t k) {
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (a[i] != b[i]) return static_cast<std::int64_t>(i) / k;
+  }
+  return a.size() == b.size() ? -1 : 0;
 }
 
 }  // namespace latentkv::testing

@@ -10,9 +10,13 @@
 //  * the block table matrix [B, max_pages] padded with -1 (with spare -1 columns), and seq_lens;
 //  * the bf16 values that were appended, for tests that need the unquantized inputs.
 //
+// unread_slots_poisoned() checks that every slot no request holds still holds the poison.
+//
 // GPU tests copy cache_bytes / indexer_bytes / block_table / seq_lens to the device and build the
 // descriptors with cache(device_pointer, Device::cuda()) and friends.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -160,6 +164,41 @@ inline void random_token_values(Rng& rng, const PagedFixtureOptions& o, std::uin
   }
   for (int j = 0; j < kRopeDim; ++j) latent576[kLatentDim + j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.rope_stddev)));
   for (int j = 0; j < kIndexerDim; ++j) key128[j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.key_stddev)));
+}
+
+// Every slot of the pool that no request holds (past seq_lens in a request's last page, and pages no
+// request uses) still holds the poison, in the main cache and in the indexer cache (each where the
+// fixture has one), and there is at least one such slot.
+inline ::testing::AssertionResult unread_slots_poisoned(const PagedFixture& f) {
+  const std::int64_t num_slots = f.num_pages() * f.page_size;
+  std::vector<char> held(static_cast<std::size_t>(num_slots), 0);
+  for (std::int64_t b = 0; b < f.batch(); ++b) {
+    for (std::int32_t s : f.slots(b, f.seq_lens[static_cast<std::size_t>(b)])) held[static_cast<std::size_t>(s)] = 1;
+  }
+  const std::size_t token_bytes = kv_token_bytes(f.kv_dtype);
+  std::vector<std::uint8_t> poisoned_token(token_bytes);  // [token_bytes] one poisoned main-cache token
+  poison_latent_cache(poisoned_token, f.kv_dtype);
+  const IndexerCache indexer = f.indexer(const_cast<std::uint8_t*>(f.indexer_bytes.data()), Device::cpu());
+  std::int64_t poisoned = 0;
+  for (std::int64_t s = 0; s < num_slots; ++s) {
+    if (held[static_cast<std::size_t>(s)]) continue;
+    if (!f.cache_bytes.empty() &&
+        !std::equal(poisoned_token.begin(), poisoned_token.end(), f.cache_bytes.begin() + s * token_bytes)) {
+      return ::testing::AssertionFailure() << "main-cache slot " << s << " is held by no request but not poisoned";
+    }
+    if (!f.indexer_bytes.empty()) {
+      const std::uint8_t* key = indexer.key(s);
+      std::uint32_t scale_bits = 0;
+      std::memcpy(&scale_bits, indexer.scale_ptr(s), 4);
+      if (std::any_of(key, key + kIndexerDim, [](std::uint8_t c) { return c != kPoisonFp8; }) ||
+          scale_bits != kPoisonF32Bits) {
+        return ::testing::AssertionFailure() << "indexer slot " << s << " is held by no request but not poisoned";
+      }
+    }
+    ++poisoned;
+  }
+  if (poisoned == 0) return ::testing::AssertionFailure() << "no poisoned slot in the pool";
+  return ::testing::AssertionSuccess() << poisoned << " poisoned slots";
 }
 
 inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {

@@ -60,6 +60,18 @@ struct PrefillBatch {
   }
 };
 
+// A fixture holding the batch's requests (prefix and new tokens, all appended) in shuffled pages of
+// `page_size`, with an indexer cache unless asked otherwise.
+inline PagedFixture make_prefill_fixture(const PrefillBatch& batch, int page_size, Rng& rng,
+                                         KvDtype kv_dtype = KvDtype::kFp8E4M3, bool with_indexer = true) {
+  PagedFixtureOptions o;
+  o.page_size = page_size;
+  o.lengths = batch.lengths();
+  o.kv_dtype = kv_dtype;
+  o.with_indexer = with_indexer;
+  return make_paged_fixture(o, rng);
+}
+
 // cu_new_tokens of requests with `new_tokens[b]` new tokens each.
 inline std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& new_tokens) {
   std::vector<std::int32_t> cu = {0};

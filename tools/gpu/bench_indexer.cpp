@@ -25,21 +25,6 @@ namespace latentkv::tools {
 
 using namespace gpu;
 
-namespace {
-
-// Queries: fp8 codes of roughly N(0, 1) values; weights around 1/sqrt(heads * 128).
-void random_indexer_queries(std::uint64_t seed, int heads, std::vector<std::uint8_t>& q, std::vector<float>& w) {
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto next = [&] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<double>(state >> 11) * 0x1p-53;
-  };
-  for (auto& c : q) c = fp8_e4m3_encode(static_cast<float>((next() + next() + next() - 1.5) * 2.0));
-  for (auto& x : w) x = static_cast<float>((next() - 0.5) * 2.0 / std::sqrt(heads * 128.0));
-}
-
-}  // namespace
-
 BenchReport run_indexer_bench(const BenchOptions& opt) {
   const ModelPreset& model = model_preset(opt.model);
   const int heads = opt.heads > 0 ? opt.heads : model.indexer_heads;
@@ -177,20 +162,14 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
   if (opt.check_requests > 0) {
     std::vector<std::uint8_t> cache(pool.indexer_bytes.bytes());
     cuda_ok(cudaMemcpy(cache.data(), pool.indexer_bytes.get(), cache.size(), cudaMemcpyDeviceToHost), "indexer");
+    IndexerCache host_cache = pool.indexer();
+    host_cache.data = cache.data();
+    host_cache.device = Device::cpu();
     for (int c = 0; c < checked_tokens; ++c) {
       const std::int64_t row = n - checked_tokens + c;
-      std::vector<std::int32_t> len = {static_cast<std::int32_t>(opt.context - n + row + 1)};
-      want[static_cast<std::size_t>(c)].resize(static_cast<std::size_t>(len[0]));
-      IndexerLogitsParams r;
-      r.q = TensorView::contiguous(host_q.data() + row * heads * 128, DType::kFP8E4M3, {1, 1, heads, 128});
-      r.weights = TensorView::contiguous(host_w.data() + row * heads, DType::kF32, {1, 1, heads});
-      r.cache = pool.indexer();
-      r.cache.data = cache.data();
-      r.cache.device = Device::cpu();
-      r.block_table = TensorView::contiguous(const_cast<std::int32_t*>(table.data()), DType::kI32, {1, sets.max_pages});
-      r.seq_lens = TensorView::contiguous(len.data(), DType::kI32, {1});
-      r.logits = TensorView::contiguous(want[static_cast<std::size_t>(c)].data(), DType::kF32, {1, 1, len[0]});
-      cpu::indexer_logits(r);
+      want[static_cast<std::size_t>(c)] =
+          reference_token_logits(host_cache, table.data(), sets.max_pages, host_q.data() + row * heads * 128,
+                                 host_w.data() + row * heads, heads, static_cast<std::int32_t>(opt.context - n + row + 1));
     }
   }
 
@@ -216,14 +195,8 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
       cuda_ok(cudaMemcpy(got.data(), slots.get<std::int32_t>() + first_row * opt.topk, got.size() * 4,
                          cudaMemcpyDeviceToHost), "slots");
       for (int c = 0; c < checked_tokens && failure.empty(); ++c) {
-        const std::vector<float>& x = want[static_cast<std::size_t>(c)];
-        double largest = 0;
-        for (float v : x) largest = std::max(largest, std::abs(static_cast<double>(v)));
-        // The float32 logits may differ from the reference's by the indexer check's bounds; a near
-        // tie may go either way within twice that.
-        const double tolerance = 2.0 * (1e-5 + 1e-4 * largest);
-        failure = topk_row_problem(x.data(), static_cast<std::int64_t>(x.size()), table.data(), opt.page_size,
-                                   got.data() + static_cast<std::size_t>(c) * opt.topk, opt.topk, tolerance);
+        failure = topk_row_problem_near(want[static_cast<std::size_t>(c)], table.data(), opt.page_size,
+                                        got.data() + static_cast<std::size_t>(c) * opt.topk, opt.topk);
         if (!failure.empty()) failure = "new token " + std::to_string(first_row + c) + ": " + failure;
       }
     }

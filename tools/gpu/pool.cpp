@@ -1,11 +1,13 @@
 #include "gpu/pool.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <stdexcept>
 #include <string>
 
+#include "cpu/reference.hpp"
 #include "gpu/kernels.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/ops.hpp"
@@ -122,5 +124,32 @@ std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, 
   return out;
 }
 
+
+void random_indexer_queries(std::uint64_t seed, int heads, std::vector<std::uint8_t>& q, std::vector<float>& w) {
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<double>(state >> 11) * 0x1p-53;
+  };
+  for (auto& c : q) c = fp8_e4m3_encode(static_cast<float>((next() + next() + next() - 1.5) * 2.0));
+  for (auto& x : w) x = static_cast<float>((next() - 0.5) * 2.0 / std::sqrt(heads * 128.0));
+}
+
+std::vector<float> reference_token_logits(const IndexerCache& host_cache, const std::int32_t* table_row, int max_pages,
+                                          const std::uint8_t* q_row, const float* w_row, int heads,
+                                          std::int32_t visible) {
+  std::vector<float> logits(static_cast<std::size_t>(std::max(visible, 1)));
+  std::int32_t length = visible;
+  IndexerLogitsParams r;
+  r.q = TensorView::contiguous(const_cast<std::uint8_t*>(q_row), DType::kFP8E4M3, {1, 1, heads, kIndexerDim});
+  r.weights = TensorView::contiguous(const_cast<float*>(w_row), DType::kF32, {1, 1, heads});
+  r.cache = host_cache;
+  r.block_table = TensorView::contiguous(const_cast<std::int32_t*>(table_row), DType::kI32, {1, max_pages});
+  r.seq_lens = TensorView::contiguous(&length, DType::kI32, {1});
+  r.logits = TensorView::contiguous(logits.data(), DType::kF32, {1, 1, static_cast<std::int64_t>(logits.size())});
+  cpu::indexer_logits(r);
+  logits.resize(static_cast<std::size_t>(visible));
+  return logits;
+}
 
 }  // namespace latentkv::tools::gpu

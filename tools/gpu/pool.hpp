@@ -49,6 +49,17 @@ RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::
 std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
                                             int page_size, std::uint64_t seed);
 
+// Indexer queries q (fp8 codes of roughly N(0, 1) values) and weights w (around 1/sqrt(heads * 128)),
+// any number of rows of `heads` heads; q.size() = 128 w.size().
+void random_indexer_queries(std::uint64_t seed, int heads, std::vector<std::uint8_t>& q, std::vector<float>& w);
+
+// The reference's logits of one query token (q_row [heads, 128] fp8, w_row [heads]) over the first
+// `visible` positions of a request (its block-table row of max_pages pages), from a host copy of
+// the indexer cache.
+std::vector<float> reference_token_logits(const IndexerCache& host_cache, const std::int32_t* table_row, int max_pages,
+                                          const std::uint8_t* q_row, const float* w_row, int heads,
+                                          std::int32_t visible);
+
 // How many sets keep the bytes read per rotation well above the L2 size, within the pool.
 int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
                   std::int64_t tokens_per_set);

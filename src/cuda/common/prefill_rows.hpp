@@ -13,9 +13,9 @@
 namespace latentkv::cuda {
 
 struct PrefillRows {
-  const std::int32_t* cu_new_tokens;  // [batch + 1]
-  const std::int32_t* seq_lens;       // [batch]
-  const std::int32_t* block_table;    // [batch, max_pages]
+  const std::int32_t* cu_new_tokens = nullptr;  // [batch + 1]
+  const std::int32_t* seq_lens = nullptr;       // [batch]
+  const std::int32_t* block_table = nullptr;    // [batch, max_pages]
   int batch = 0;                      // >= 1
   int max_pages = 0;
   int page_size = 1;

@@ -198,16 +198,24 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
   const int tiles = (a.max_len + 15) / 16;
   const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
+  const int live_end = min(end, (len + 15) / 16);  // tiles holding positions below the length
   // Two tiles in flight per warp while it computes a third.
   int tile = blockIdx.x * a.tiles_per_cta + warp;
   Tile current, next, after;
-  if (tile < end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
-  if (tile + kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
-  for (; tile < end; tile += kWarps) {
-    if (tile + 2 * kWarps < end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, after);
+  if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
+  if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
+  for (; tile < live_end; tile += kWarps) {
+    if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, after);
     tile_logits(a, current, 16 * tile, b, len, g, tig, head_tiles, q_s, w_s);
     current = next;
     next = after;
+  }
+  // Tiles past the length (a block table wider than the request): no keys, no products, -inf.
+  for (; tile < end; tile += kWarps) {
+    for (int j = lane; j < 16 * a.q_len; j += 32) {
+      const int i = j / 16, pos = 16 * tile + j % 16;
+      if (pos < a.max_len) a.logits[(static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len + pos] = -INFINITY;
+    }
   }
 }
 

@@ -16,13 +16,16 @@
 
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
-#include "cuda/common/workspace.hpp"
+#include "core/workspace.hpp"
 #include "cuda/indexer/launch.hpp"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
 namespace {
+
+using detail::align_up;
+using detail::kWorkspaceAlign;
 
 constexpr const char* kOp = "indexer_prefill";
 constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{256} << 20;
@@ -93,6 +96,7 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
 
 Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
   Plan plan;
+  if (p.q.size(0) == 0) return plan;  // no new tokens: nothing to select, no scratch
   plan.chunk_tokens = static_cast<int>(std::min<std::int64_t>(chunk_of(p), INT32_MAX));
   plan.workspace_bytes = chunk_views(p, 0, plan.chunk_tokens, nullptr).end;
   return plan;
@@ -100,6 +104,10 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
+  if (t == 0) return;  // nothing to select, no scratch needed
+  if (reinterpret_cast<std::uintptr_t>(p.q.data) % 16 != 0) {  // the indexer reads 16-byte rows
+    throw Error(kOp, "q", "an address not 16-byte aligned", "16-byte aligned device memory");
+  }
   const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
   if (p.workspace == nullptr) throw Error(kOp, "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
   if (p.workspace_bytes < need) {
@@ -110,7 +118,6 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
   if (reinterpret_cast<std::uintptr_t>(p.workspace) % kWorkspaceAlign != 0) {
     throw Error(kOp, "workspace", "an address not 256-byte aligned", "256-byte aligned device memory");
   }
-  if (t == 0) return;
   PrefillRows requests;
   requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
   requests.seq_lens = p.seq_lens.as<const std::int32_t>();

@@ -460,6 +460,10 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
   }
   if (a.batch == 0) return;
+  if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
+    throw Error(op, "q", std::to_string(a.batch) + " query tokens",
+                "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
+  }
   const int groups = groups_for(a.rows);
   if (fp8 && a.rows <= kNarrowMaxRows) launch_decode_narrow(a, stream);
   else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);

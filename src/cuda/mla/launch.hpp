@@ -10,6 +10,9 @@
 
 namespace latentkv::cuda {
 
+// Query tokens per decode call (B, or B x q_len for sparse decode): one grid row (y or z) each.
+inline constexpr int kMaxDecodeBatch = 65535;
+
 // The split-KV schedule for these shapes on a device with `multiprocessors` SMs. Depends on the
 // batch, rows (q_len x heads) and block-table capacity only, never on the current lengths.
 Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors);

@@ -9,7 +9,8 @@
 //   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
 //     tensors already have that layout.
 // Correct for any H 1-128 and any page size; the kernels are the decode ones (split-KV, FP8 tiles
-// dequantized on chip), not yet kernels built for many query tokens per request.
+// dequantized on chip), not yet kernels built for many query tokens per request. The decode kernels'
+// batch is a grid dimension, so prompts of more new tokens than it holds run in slices.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,12 +19,23 @@
 
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
-#include "cuda/common/workspace.hpp"
+#include "core/workspace.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
 namespace {
+
+using detail::align_up;
+
+// Rows [first, first + rows) of a contiguous view (its leading dimension).
+TensorView leading_rows(TensorView v, std::int64_t first, std::int64_t rows) {
+  std::int64_t inner = 1;
+  for (int d = 1; d < v.rank; ++d) inner *= v.shape[static_cast<std::size_t>(d)];
+  v.data = static_cast<std::uint8_t*>(v.data) + first * inner * static_cast<std::int64_t>(dtype_size(v.dtype));
+  v.shape[0] = rows;
+  return v;
+}
 
 // The dense prefill as per-token decode, with views at `scratch` (null while planning).
 struct PerToken {
@@ -95,7 +107,16 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   rows.page_size = p.cache.page_size;
   launch_prefill_rows(rows, 0, t, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(), stream,
                       "mla_prefill");
-  launch_mla_decode(r.decode, stream);
+  for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {
+    const std::int64_t n = std::min<std::int64_t>(kMaxDecodeBatch, t - first);
+    MlaDecodeParams d = r.decode;
+    d.q = leading_rows(d.q, first, n);
+    d.block_table = leading_rows(d.block_table, first, n);
+    d.seq_lens = leading_rows(d.seq_lens, first, n);
+    d.o = leading_rows(d.o, first, n);
+    d.lse = leading_rows(d.lse, first, n);
+    launch_mla_decode(d, stream);
+  }
 }
 
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
@@ -103,7 +124,17 @@ Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessor
 }
 
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
-  launch_sparse_mla_decode(as_sparse_decode(p), stream);
+  const SparseMlaDecodeParams whole = as_sparse_decode(p);
+  const std::int64_t t = p.q.size(0);
+  for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {
+    const std::int64_t n = std::min<std::int64_t>(kMaxDecodeBatch, t - first);
+    SparseMlaDecodeParams d = whole;
+    d.q = leading_rows(d.q, first, n);
+    d.indices = leading_rows(d.indices, first, n);
+    d.o = leading_rows(d.o, first, n);
+    d.lse = leading_rows(d.lse, first, n);
+    launch_sparse_mla_decode(d, stream);
+  }
 }
 
 }  // namespace latentkv::cuda

@@ -1,0 +1,304 @@
+// dsa_prefill on the reference backend (host memory, the workspace sized by plan_dsa_prefill): it is
+// the reference indexer_prefill then sparse_mla_prefill run by hand, with the index rows left at the
+// start of the caller's workspace where dsa_prefill_steps says; with topk >= every new token's
+// visible count it is dense prefill; and a rejected call names dsa_prefill (or the step that
+// failed) and the argument, and writes nothing to o and lse.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "latentkv/backend.hpp"
+#include "latentkv/dsa.hpp"
+#include "support/compare.hpp"
+#include "support/expect_error.hpp"
+#include "support/host_tensor.hpp"
+#include "support/indexer_prefill.hpp"
+#include "support/paged_fixture.hpp"
+#include "support/reference_ops.hpp"
+
+namespace latentkv::testing {
+namespace {
+
+constexpr float kScale = 0.0625f;
+constexpr std::uint8_t kWorkspaceGarbage = 0xA5;
+
+// One dsa_prefill call over host memory: a fixture holding the batch in both caches, random inputs,
+// sentinel o and lse (f64 unless asked otherwise), and a garbage-filled planned workspace.
+struct HostDsaPrefill {
+  Rng rng;
+  PagedFixture f;
+  std::vector<std::int32_t> cu;  // [B + 1]
+  HostTensor q, q_idx, weights, o, lse;
+  DsaPrefillParams params;
+  DsaPrefillPlan plan;
+  std::vector<std::uint8_t> workspace;
+
+  HostDsaPrefill(Rng r, const PrefillBatch& batch, int page_size, int heads, int indexer_heads, int topk,
+                 DType o_dtype = DType::kF64, DType lse_dtype = DType::kF64, int chunk_tokens = 0)
+      : rng(r),
+        f(make_prefill_fixture(batch, page_size, rng)),
+        cu(cumulative(batch.new_tokens)),
+        q(random_bf16(rng, {cu.back(), heads, kQkDim})),
+        q_idx(random_fp8(rng, {cu.back(), indexer_heads, kIndexerDim}, 2.0)),
+        weights(random_f32(rng, {cu.back(), indexer_heads}, -1.0, 1.0)),
+        o(sentinel_tensor(o_dtype, {cu.back(), heads, kLatentDim})),
+        lse(sentinel_tensor(lse_dtype, {cu.back(), heads})) {
+    params.q = q.view();
+    params.q_idx = q_idx.view();
+    params.weights = weights.view();
+    params.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {static_cast<std::int64_t>(cu.size())});
+    params.cache = f.cache();
+    params.indexer = f.indexer();
+    params.block_table = f.block_table_view();
+    params.seq_lens = f.seq_lens_view();
+    params.o = o.view();
+    params.lse = lse.view();
+    params.softmax_scale = kScale;
+    params.topk = topk;
+    params.chunk_tokens = chunk_tokens;
+    plan = plan_dsa_prefill(same_backend(reference_backend()), params, reference_device());
+    workspace.assign(plan.workspace_bytes, kWorkspaceGarbage);
+    params.workspace = workspace.data();
+    params.workspace_bytes = workspace.size();
+  }
+
+  void run() { dsa_prefill(same_backend(reference_backend()), params, plan, {}, reference_device()); }
+
+  ::testing::AssertionResult outputs_untouched() const {
+    if (!is_sentinel(o)) return ::testing::AssertionFailure() << "o was written";
+    if (!is_sentinel(lse)) return ::testing::AssertionFailure() << "lse was written";
+    return ::testing::AssertionSuccess();
+  }
+  ::testing::AssertionResult untouched() const {
+    ::testing::AssertionResult outputs = outputs_untouched();
+    if (!outputs) return outputs;
+    for (std::uint8_t byte : workspace) {
+      if (byte != kWorkspaceGarbage) return ::testing::AssertionFailure() << "the workspace was written";
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+// ---- the two steps by hand ---------------------------------------------------------------------
+
+struct StepsCase {
+  std::string name;
+  int page_size;
+  int heads;
+  int indexer_heads;
+  int topk;
+  PrefillBatch batch;
+  int chunk_tokens = 0;  // the reference works through all rows at once whatever the chunk
+};
+
+std::ostream& operator<<(std::ostream& os, const StepsCase& c) {
+  return os << c.name << " (page " << c.page_size << ", H " << c.heads << ", Hi " << c.indexer_heads << ", topk "
+            << c.topk << ", T " << c.batch.rows() << ")";
+}
+
+class DsaPrefill : public ::testing::TestWithParam<StepsCase> {};
+
+TEST_P(DsaPrefill, EqualsTheStepsByHand) {
+  const StepsCase& c = GetParam();
+  HostDsaPrefill d(test_rng(), c.batch, c.page_size, c.heads, c.indexer_heads, c.topk, DType::kF64, DType::kF64,
+                   c.chunk_tokens);
+  if (c.topk < kMaxTopk) {
+    bool selects = false;  // some new token sees more positions than topk: the indexer really selects
+    for (const PrefillRow& r : prefill_rows(d.f, d.cu)) selects = selects || r.visible > c.topk;
+    ASSERT_TRUE(selects) << c;
+  }
+  d.run();
+
+  const HostTensor slots = reference_indexer_prefill(d.f, d.q_idx, d.weights, d.cu, c.topk);
+  const AttentionOutputs want = reference_sparse_prefill(d.f, d.q, slots, kScale);
+  const DsaPrefillSteps steps = dsa_prefill_steps(d.params, d.plan);
+  EXPECT_EQ(copy_of(steps.indexer.slots).byte_vector(), slots.byte_vector()) << "workspace slots, " << c;
+  EXPECT_TRUE(compare("o", d.o, want.o, Tolerance::exact())) << c;
+  EXPECT_TRUE(compare("lse", d.lse, want.lse, Tolerance::exact())) << c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DsaPrefill,
+    ::testing::Values(
+        // A 23-token prompt, a request with no new tokens, a 1-token prompt, 9 new over 45, 5 over 35.
+        StepsCase{"ragged_page16_k20", 16, 8, 4, 20, {{0, 12, 0, 45, 35}, {23, 0, 1, 9, 5}}},
+        StepsCase{"page3_k7", 3, 4, 8, 7, {{1, 0, 40}, {2, 5, 3}}},
+        StepsCase{"page1_k2048", 1, 2, 2, kMaxTopk, {{4, 0}, {3, 90}}},
+        StepsCase{"page64_Hi64_k100_chunks7", 64, 16, 64, 100, {{3, 64, 150}, {2, 1, 40}}, 7},
+        StepsCase{"page17_H128_k1", 17, 128, 1, 1, {{0, 2, 30}, {1, 3, 5}}}),
+    [](const ::testing::TestParamInfo<StepsCase>& info) { return info.param.name; });
+
+// Where the plan puts the two steps: the index rows [T, topk] at the start of the workspace, read by
+// the sparse step as its indices; every other view is the caller's.
+TEST(DsaPrefillSteps, IndexRowsAtTheStartOfTheWorkspace) {
+  HostDsaPrefill d(test_rng(), {{5, 0, 30}, {4, 3, 2}}, 4, 8, 16, 6);
+  const std::int64_t t = d.cu.back();
+  ASSERT_GE(d.plan.workspace_bytes, static_cast<std::size_t>(t * 6) * sizeof(std::int32_t));
+  const DsaPrefillSteps s = dsa_prefill_steps(d.params, d.plan);
+
+  const TensorView& slots = s.indexer.slots;
+  EXPECT_EQ(slots.data, d.workspace.data());
+  EXPECT_EQ(slots.dtype, DType::kI32);
+  EXPECT_EQ(slots.shape_string(), "[" + std::to_string(t) + ", 6]");
+  EXPECT_TRUE(slots.is_contiguous());
+  EXPECT_EQ(s.sparse.indices.data, slots.data);
+  EXPECT_EQ(s.sparse.indices.shape_string(), slots.shape_string());
+  EXPECT_EQ(s.indexer.k, 6);
+
+  EXPECT_EQ(s.indexer.q.data, d.params.q_idx.data);
+  EXPECT_EQ(s.indexer.weights.data, d.params.weights.data);
+  EXPECT_EQ(s.indexer.cu_new_tokens.data, d.params.cu_new_tokens.data);
+  EXPECT_EQ(s.indexer.cache.data, d.params.indexer.data);
+  EXPECT_EQ(s.indexer.block_table.data, d.params.block_table.data);
+  EXPECT_EQ(s.indexer.seq_lens.data, d.params.seq_lens.data);
+  EXPECT_EQ(s.sparse.q.data, d.params.q.data);
+  EXPECT_EQ(s.sparse.cache.data, d.params.cache.data);
+  EXPECT_EQ(s.sparse.o.data, d.params.o.data);
+  EXPECT_EQ(s.sparse.lse.data, d.params.lse.data);
+  EXPECT_EQ(s.sparse.softmax_scale, kScale);
+  EXPECT_TRUE(d.untouched()) << "dsa_prefill_steps runs nothing";
+}
+
+// ---- sparse = dense --------------------------------------------------------------------------
+
+// With topk >= every new token's visible count, each row selects everything it sees: sparse
+// attention equals dense prefill. A 1-token prompt, a request with no new tokens, a 13-token
+// prompt, 7 new over 33, 29 new over 101 (130 positions at most), in pages of 1 and 64.
+TEST(DsaPrefillDense, TopkCoveringEveryTokenEqualsDense) {
+  const PrefillBatch batch = {{0, 17, 0, 33, 101}, {1, 0, 13, 7, 29}};
+  for (int page_size : {1, 64}) {
+    for (int topk : {130, kMaxTopk}) {
+      const std::string label = "page_size " + std::to_string(page_size) + ", topk " + std::to_string(topk);
+      HostDsaPrefill d(test_rng(label), batch, page_size, 4, 8, topk);
+      ASSERT_EQ(d.f.max_len(), 130);
+      d.run();
+      const AttentionOutputs dense = reference_mla_prefill(d.f, d.q, d.cu, kScale);
+      // Another order of the same float64 sums.
+      EXPECT_TRUE(compare("o " + label, d.o, dense.o, Tolerance::float64(1e-12)));
+      EXPECT_TRUE(compare("lse " + label, d.lse, dense.lse, Tolerance::float64(1e-12)));
+    }
+  }
+}
+
+// ---- rejected inputs ---------------------------------------------------------------------------
+
+// Requests of 4 new tokens over 5, 2 over 1 and 1 over 1 (T = 7) in pages of 4, topk 3; bf16 o and
+// f32 lse as on the GPU.
+HostDsaPrefill small_case() {
+  return HostDsaPrefill(test_rng(), {{5, 1, 1}, {4, 2, 1}}, 4, 4, 4, 3, DType::kBF16, DType::kF32);
+}
+
+TEST(DsaPrefillBadInput, TheCaseItselfIsValid) {
+  HostDsaPrefill d = small_case();
+  EXPECT_NO_THROW(d.run());
+  EXPECT_FALSE(is_sentinel(d.o));
+  EXPECT_FALSE(is_sentinel(d.lse));
+  for (std::int64_t i = 0; i < d.lse.numel(); ++i) ASSERT_TRUE(std::isfinite(d.lse.get(i))) << "lse element " << i;
+}
+
+TEST(DsaPrefillBadInput, NullBackend) {
+  HostDsaPrefill d = small_case();
+  DsaBackends backends = same_backend(reference_backend());
+  backends.indexer_prefill = nullptr;
+  EXPECT_TRUE(throws_error([&] { dsa_prefill(backends, d.params, d.plan, {}, reference_device()); }, "dsa_prefill",
+                           "backends.indexer_prefill", "null"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(backends, d.params, reference_device()); }, "dsa_prefill",
+                           "backends.indexer_prefill", "null"));
+  backends = same_backend(reference_backend());
+  backends.sparse_prefill = nullptr;
+  EXPECT_TRUE(throws_error([&] { dsa_prefill(backends, d.params, d.plan, {}, reference_device()); }, "dsa_prefill",
+                           "backends.sparse_prefill", "null"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(backends, d.params, reference_device()); }, "dsa_prefill",
+                           "backends.sparse_prefill", "null"));
+  EXPECT_TRUE(d.untouched());
+
+  // Prefill needs only its two backends: the decode steps' may be missing.
+  backends = DsaBackends{};
+  backends.indexer_prefill = &reference_backend();
+  backends.sparse_prefill = &reference_backend();
+  EXPECT_NO_THROW(plan_dsa_prefill(backends, d.params, reference_device()));
+  EXPECT_NO_THROW(dsa_prefill(backends, d.params, d.plan, {}, reference_device()));
+  EXPECT_FALSE(d.outputs_untouched());
+}
+
+TEST(DsaPrefillBadInput, NullWorkspace) {
+  HostDsaPrefill d = small_case();
+  d.params.workspace = nullptr;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace", "null"));
+  EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "workspace", "null"));
+  EXPECT_TRUE(d.untouched());
+}
+
+TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
+  HostDsaPrefill d = small_case();
+  ASSERT_GT(d.plan.workspace_bytes, 0u);
+  const std::string short_by_one = std::to_string(d.plan.workspace_bytes - 1);
+  d.params.workspace_bytes = d.plan.workspace_bytes - 1;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace_bytes", short_by_one));
+  EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "workspace_bytes", short_by_one));
+  EXPECT_TRUE(d.untouched());
+
+  d.params.workspace_bytes = d.plan.workspace_bytes;  // the planned size is enough
+  EXPECT_NO_THROW(d.run());
+  EXPECT_FALSE(d.untouched());
+}
+
+TEST(DsaPrefillBadInput, IndexerPageSizeUnlikeTheMainCache) {
+  HostDsaPrefill d = small_case();
+  // The same indexer bytes described as pages of 2 tokens: one block table cannot serve both.
+  d.params.indexer.page_size = 2;
+  d.params.indexer.num_pages *= 2;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "indexer", "page_size 2"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference_backend()), d.params, reference_device()); },
+                           "dsa_prefill", "indexer", "page_size 2"));
+  EXPECT_TRUE(d.untouched());
+}
+
+TEST(DsaPrefillBadInput, IndexerPoolUnlikeTheMainCache) {
+  HostDsaPrefill d = small_case();
+  const std::string pages = std::to_string(d.f.num_pages() - 1) + " pages";
+  d.params.indexer.num_pages -= 1;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "indexer", pages));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference_backend()), d.params, reference_device()); },
+                           "dsa_prefill", "indexer", pages));
+  EXPECT_TRUE(d.untouched());
+}
+
+TEST(DsaPrefillBadInput, TopkOutsideOneTo2048) {
+  HostDsaPrefill d = small_case();
+  for (int topk : {0, kMaxTopk + 1}) {
+    d.params.topk = topk;
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "topk", std::to_string(topk)));
+    EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference_backend()), d.params, reference_device()); },
+                             "dsa_prefill", "topk", std::to_string(topk)));
+    EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "topk", std::to_string(topk)));
+    EXPECT_TRUE(d.untouched());
+  }
+}
+
+// cu_new_tokens ending at 6 of T = 7 rows fails in the indexer step (dsa.hpp: the error names the
+// step), before anything reaches the workspace, o or lse.
+TEST(DsaPrefillBadInput, NewTokensNotEndingAtTFailInTheIndexerStep) {
+  HostDsaPrefill d = small_case();
+  ASSERT_EQ(d.cu, (std::vector<std::int32_t>{0, 4, 6, 7}));
+  d.cu[3] = 6;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "indexer_prefill", "cu_new_tokens[3]", "6"));
+  EXPECT_TRUE(d.untouched());
+}
+
+// A NaN query of the attention fails in the sparse step, after the indexer wrote the index rows:
+// the error names sparse_mla_prefill, and o and lse keep their sentinels.
+TEST(DsaPrefillBadInput, NanQueryFailsInTheSparseStep) {
+  HostDsaPrefill d = small_case();
+  const std::int64_t element = 2 * 4 * kQkDim + 300;  // row 2, head 0
+  d.q.data<std::uint16_t>()[element] = kPoisonBf16;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "q element " + std::to_string(element), "nan"));
+  EXPECT_TRUE(d.outputs_untouched());
+}
+
+}  // namespace
+}  // namespace latentkv::testing
