@@ -184,6 +184,16 @@ TEST(DsaPrefillDense, TopkCoveringEveryTokenEqualsDense) {
   }
 }
 
+// No new tokens (every prompt already cached): no workspace to plan, nothing to run or write.
+TEST(DsaPrefillEmpty, NoNewTokensNeedNoWorkspace) {
+  HostDsaPrefill d(test_rng(), {{5, 3}, {0, 0}}, 4, 4, 4, 3, DType::kBF16, DType::kF32);
+  EXPECT_EQ(d.plan.workspace_bytes, 0u);
+  d.params.workspace = nullptr;
+  d.params.workspace_bytes = 0;
+  EXPECT_NO_THROW(d.run());
+  EXPECT_NO_THROW(dsa_prefill_steps(d.params, d.plan));
+}
+
 // ---- rejected inputs ---------------------------------------------------------------------------
 
 // Requests of 4 new tokens over 5, 2 over 1 and 1 over 1 (T = 7) in pages of 4, topk 3; bf16 o and

@@ -5,8 +5,10 @@
 // sees positions t < L_b - n_b + j + 1 (prefill_rows() lists them). reference_row_logits() gives
 // one such token's logits by the reference indexer_logits of a one-request, one-token call (the
 // token's q and weights, request b's block-table row, seq_lens = the positions it sees): the
-// composition indexer_prefill must equal, row by row, before its top-k. reference_prefill_logits()
-// gives the same logits for many tokens at once by the reference's own path.
+// composition indexer_prefill must equal, row by row, before its top-k. (Both reference ops share
+// the per-row logit code, so the composition checks causality, the chunk and row bookkeeping and the
+// slot mapping; the logit arithmetic itself is checked against naive::indexer_logits elsewhere.)
+// reference_prefill_logits() gives the same logits for many tokens at once by the reference's own path.
 //
 // check_prefill_slots() judges an answer whose logits were summed in another order (float32 on the
 // GPU), so that its selection may differ from the reference's at near-ties. Per row:
