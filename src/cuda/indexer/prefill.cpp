@@ -14,9 +14,9 @@
 #include <cstdint>
 #include <string>
 
+#include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
-#include "core/workspace.hpp"
 #include "cuda/indexer/launch.hpp"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"

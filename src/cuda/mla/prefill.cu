@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <string>
 
+#include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
-#include "core/workspace.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
 
