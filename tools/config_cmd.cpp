@@ -16,21 +16,13 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "config_cmd.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/config.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/model.hpp"
 
 namespace latentkv::tools {
-
-// What the command reads and writes; tests replace the streams, the environment and the device.
-struct ConfigCommandIo {
-  std::ostream* out = &std::cout;
-  std::ostream* err = &std::cerr;
-  Environment environment = process_environment();
-  std::function<DeviceInfo()> device = [] { return detect_device(); };
-  std::function<std::vector<const Backend*>()> backends = [] { return registered_backends(); };
-};
 
 namespace {
 

@@ -19,9 +19,10 @@
 
 #include "latentkv/config.hpp"
 
-// The command's own source, compiled into this test so argv is parsed through exactly the options the
-// program defines (tools/ builds an executable, not a library).
-#include "../../tools/config_cmd.cpp"
+// The command itself (tools' latentkv_config_cmd library), so argv is parsed through exactly the
+// options the program defines.
+#include "commands.hpp"
+#include "config_cmd.hpp"
 
 namespace latentkv {
 namespace {
