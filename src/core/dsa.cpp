@@ -31,21 +31,40 @@ std::int64_t logits_columns(const DsaDecodeParams& p) {
   return p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
 }
 
+// One block table serves both caches, so the indexer cache must have the main cache's pages; and
+// index_topk in range. Shared by decode and prefill.
+void check_caches_and_topk(std::string_view op, const IndexerCache& indexer, const LatentCache& cache, int topk) {
+  if (indexer.page_size != cache.page_size || indexer.num_pages != cache.num_pages) {
+    throw Error(std::string(op), "indexer",
+                "page_size " + std::to_string(indexer.page_size) + ", " + std::to_string(indexer.num_pages) + " pages",
+                "the main cache's page_size " + std::to_string(cache.page_size) + " and " +
+                    std::to_string(cache.num_pages) + " pages (one block table serves both)");
+  }
+  if (topk < 1 || topk > kMaxTopk) {
+    throw Error(std::string(op), "topk", std::to_string(topk), "1 .. " + std::to_string(kMaxTopk));
+  }
+}
+
+// The caller's workspace against the `need` bytes the planner (named in messages) asked for.
+void check_workspace(std::string_view op, std::string_view planner, const void* workspace, std::size_t bytes,
+                     std::size_t need) {
+  if (workspace == nullptr && need > 0) {
+    throw Error(std::string(op), "workspace", "null",
+                std::to_string(need) + " bytes (" + std::string(planner) + "'s workspace_bytes)");
+  }
+  if (bytes < need) {
+    throw Error(std::string(op), "workspace_bytes", std::to_string(bytes),
+                ">= " + std::to_string(need) + " (" + std::string(planner) + "'s workspace_bytes for these shapes)");
+  }
+}
+
 void check_shapes(const DsaDecodeParams& p) {
   if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
   if (p.q_idx.rank != 4) throw Error(std::string(kOp), "q_idx", p.q_idx.shape_string(), "[B, q_len, Hi, 128] fp8");
   if (p.block_table.rank != 2) {
     throw Error(std::string(kOp), "block_table", p.block_table.shape_string(), "[B, max_pages] i32");
   }
-  if (p.indexer.page_size != p.cache.page_size || p.indexer.num_pages != p.cache.num_pages) {
-    throw Error(std::string(kOp), "indexer",
-                "page_size " + std::to_string(p.indexer.page_size) + ", " + std::to_string(p.indexer.num_pages) + " pages",
-                "the main cache's page_size " + std::to_string(p.cache.page_size) + " and " +
-                    std::to_string(p.cache.num_pages) + " pages (one block table serves both)");
-  }
-  if (p.topk < 1 || p.topk > kMaxTopk) {
-    throw Error(std::string(kOp), "topk", std::to_string(p.topk), "1 .. " + std::to_string(kMaxTopk));
-  }
+  check_caches_and_topk(kOp, p.indexer, p.cache, p.topk);
   if (p.max_len < 0) throw Error(std::string(kOp), "max_len", std::to_string(p.max_len), ">= 0 (0: table capacity)");
 }
 
@@ -108,13 +127,7 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_shapes(p);
   const Layout l = layout_of(p, plan);
-  if (p.workspace == nullptr) {
-    throw Error(std::string(kOp), "workspace", "null", std::to_string(l.end) + " bytes (plan_dsa_decode's workspace_bytes)");
-  }
-  if (p.workspace_bytes < l.end) {
-    throw Error(std::string(kOp), "workspace_bytes", std::to_string(p.workspace_bytes),
-                ">= " + std::to_string(l.end) + " (plan_dsa_decode's workspace_bytes for these shapes)");
-  }
+  check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaSteps s = steps_at(p, l, base);
   s.topk.workspace = plan.topk.workspace_bytes ? base + l.topk : nullptr;
@@ -161,15 +174,7 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
     throw Error(std::string(kPrefillOp), "weights", p.weights.shape_string(),
                 "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
-  if (p.indexer.page_size != p.cache.page_size || p.indexer.num_pages != p.cache.num_pages) {
-    throw Error(std::string(kPrefillOp), "indexer",
-                "page_size " + std::to_string(p.indexer.page_size) + ", " + std::to_string(p.indexer.num_pages) + " pages",
-                "the main cache's page_size " + std::to_string(p.cache.page_size) + " and " +
-                    std::to_string(p.cache.num_pages) + " pages (one block table serves both)");
-  }
-  if (p.topk < 1 || p.topk > kMaxTopk) {
-    throw Error(std::string(kPrefillOp), "topk", std::to_string(p.topk), "1 .. " + std::to_string(kMaxTopk));
-  }
+  check_caches_and_topk(kPrefillOp, p.indexer, p.cache, p.topk);
 }
 
 // The index rows [T, topk], then one scratch region that the two steps use in turn (they run one
@@ -223,14 +228,7 @@ DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillPar
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan) {
   check_prefill_shapes(p);
   const PrefillLayout l = prefill_layout_of(p, plan);
-  if (p.workspace == nullptr && l.end > 0) {
-    throw Error(std::string(kPrefillOp), "workspace", "null",
-                std::to_string(l.end) + " bytes (plan_dsa_prefill's workspace_bytes)");
-  }
-  if (p.workspace_bytes < l.end) {
-    throw Error(std::string(kPrefillOp), "workspace_bytes", std::to_string(p.workspace_bytes),
-                ">= " + std::to_string(l.end) + " (plan_dsa_prefill's workspace_bytes for these shapes)");
-  }
+  check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaPrefillSteps s = prefill_steps_at(p, base);
   if (plan.indexer.chunk_tokens > 0) s.indexer.chunk_tokens = plan.indexer.chunk_tokens;
