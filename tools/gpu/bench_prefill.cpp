@@ -25,6 +25,24 @@ namespace latentkv::tools {
 
 using namespace gpu;
 
+namespace {
+
+// The GPU's o and lse of the checked rows (from first_row on, as many as the reference has) against
+// the reference's: empty when they agree, else what differs.
+std::string checked_rows_problem(const DeviceMemory& o, const DeviceMemory& lse, std::size_t first_row, int heads,
+                                 const std::vector<double>& want_o, const std::vector<double>& want_lse) {
+  std::vector<std::uint16_t> got_o(want_o.size());
+  std::vector<float> got_lse(want_lse.size());
+  cuda_ok(cudaMemcpy(got_o.data(), o.get<std::uint16_t>() + first_row * heads * 512, got_o.size() * 2,
+                     cudaMemcpyDeviceToHost), "o");
+  cuda_ok(cudaMemcpy(got_lse.data(), lse.get<float>() + first_row * heads, got_lse.size() * 4,
+                     cudaMemcpyDeviceToHost), "lse");
+  const AttentionCheck c = check_attention(got_o, got_lse, want_o, want_lse);
+  return c.ok ? "" : c.detail;
+}
+
+}  // namespace
+
 BenchReport run_prefill_bench(const BenchOptions& opt) {
   const ModelShard shard = shard_model(model_preset(opt.model), opt.tp);
   const int heads = opt.heads > 0 ? opt.heads : shard.heads_per_gpu;
@@ -163,14 +181,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     std::string failure;
     if (opt.check_requests > 0) {
-      std::vector<std::uint16_t> got_o(want_o.size());
-      std::vector<float> got_lse(want_lse.size());
-      cuda_ok(cudaMemcpy(got_o.data(), o.get<std::uint16_t>() + first_row * heads * 512, got_o.size() * 2,
-                         cudaMemcpyDeviceToHost), "o");
-      cuda_ok(cudaMemcpy(got_lse.data(), lse.get<float>() + first_row * heads, got_lse.size() * 4,
-                         cudaMemcpyDeviceToHost), "lse");
-      const AttentionCheck c = check_attention(got_o, got_lse, want_o, want_lse);
-      failure = c.ok ? "" : c.detail;
+      failure = checked_rows_problem(o, lse, first_row, heads, want_o, want_lse);
     }
     finish_row(report, row, failure,
                opt.check_requests > 0 ? "pass (the last " + std::to_string(checked_tokens) + " new tokens of request 0)"
@@ -319,14 +330,7 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
         r.lse = TensorView::contiguous(want_lse.data(), DType::kF64, {checked_tokens, heads});
         r.softmax_scale = scale;
         cpu::sparse_mla_prefill(r);
-        std::vector<std::uint16_t> got_o(want_o.size());
-        std::vector<float> got_lse(want_lse.size());
-        cuda_ok(cudaMemcpy(got_o.data(), o.get<std::uint16_t>() + first_row * heads * 512, got_o.size() * 2,
-                           cudaMemcpyDeviceToHost), "o");
-        cuda_ok(cudaMemcpy(got_lse.data(), lse.get<float>() + first_row * heads, got_lse.size() * 4,
-                           cudaMemcpyDeviceToHost), "lse");
-        const AttentionCheck a = check_attention(got_o, got_lse, want_o, want_lse);
-        failure = a.ok ? "" : a.detail;
+        failure = checked_rows_problem(o, lse, first_row, heads, want_o, want_lse);
       }
     }
     finish_row(report, row, failure,
