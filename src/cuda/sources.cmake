@@ -13,6 +13,7 @@ set(LKV_CUDA_SOURCES
   src/cuda/kv_cache/cast.cu
   src/cuda/mla/decode.cu
   src/cuda/mla/decode_narrow.cu
+  src/cuda/mla/decode_wgmma.cu
   src/cuda/mla/prefill.cu
   src/cuda/topk/select.cu
 )

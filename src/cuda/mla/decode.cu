@@ -413,9 +413,29 @@ int wide_blocks_per_sm() {
   return blocks;
 }
 
+// The kernel a call runs, decided in one place for planning, launching and naming.
+enum class DecodeKernel { kNarrow, kWide, kWgmma };
+DecodeKernel kernel_for(bool fp8, int rows) {
+  if (fp8 && rows <= kNarrowMaxRows) return DecodeKernel::kNarrow;
+  if (fp8 && rows >= kWgmmaMinRows && wgmma_decode_available()) return DecodeKernel::kWgmma;
+  return DecodeKernel::kWide;
+}
+int rows_per_cta(DecodeKernel kernel, int rows) {
+  switch (kernel) {
+    case DecodeKernel::kNarrow: return rows;
+    case DecodeKernel::kWgmma: return kWgmmaRows;
+    case DecodeKernel::kWide: break;
+  }
+  return groups_for(rows) * kRowsPerGroup;
+}
+
 // CTAs one SM holds at once for the kernel these shapes run.
 int blocks_per_sm(bool fp8, int rows, int batch) {
-  if (fp8 && rows <= kNarrowMaxRows) return narrow_blocks_per_sm(rows, batch);
+  switch (kernel_for(fp8, rows)) {
+    case DecodeKernel::kNarrow: return narrow_blocks_per_sm(rows, batch);
+    case DecodeKernel::kWgmma: return wgmma_blocks_per_sm();
+    case DecodeKernel::kWide: break;
+  }
   const int groups = groups_for(rows);
   if (fp8) return groups == 1 ? wide_blocks_per_sm<true, 1>() : wide_blocks_per_sm<true, 2>();
   return groups == 1 ? wide_blocks_per_sm<false, 1>() : wide_blocks_per_sm<false, 2>();
@@ -431,8 +451,8 @@ namespace {
 // rows each: as many splits as fill the SMs in one wave (never a partial second wave), each split at
 // least min_tokens_per_split tokens.
 Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split) {
-  const int groups = groups_for(rows);
-  const int row_blocks = fp8 && rows <= kNarrowMaxRows ? 1 : (rows + groups * kRowsPerGroup - 1) / (groups * kRowsPerGroup);
+  const int per_cta = rows_per_cta(kernel_for(fp8, rows), rows);
+  const int row_blocks = (rows + per_cta - 1) / per_cta;
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
@@ -465,7 +485,9 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
                 "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
   }
   const int groups = groups_for(a.rows);
-  if (fp8 && a.rows <= kNarrowMaxRows) launch_decode_narrow(a, stream);
+  const DecodeKernel kernel = kernel_for(fp8, a.rows);
+  if (kernel == DecodeKernel::kNarrow) launch_decode_narrow(a, stream);
+  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, stream);
   else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
   else if (fp8) launch_instance<true, 2>(a, stream);
   else if (groups == 1) launch_instance<false, 1>(a, stream);
@@ -540,11 +562,14 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
 
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {
   const std::string op = sparse ? "sparse_mla_decode" : "mla_decode";
-  if (dtype == KvDtype::kFp8E4M3 && rows <= mla::kNarrowMaxRows) {
-    return op + "_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
+  const bool fp8 = dtype == KvDtype::kFp8E4M3;
+  switch (mla::kernel_for(fp8, rows)) {
+    case mla::DecodeKernel::kNarrow: return op + "_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
+    case mla::DecodeKernel::kWgmma: return op + "_wgmma<fp8, " + std::to_string(mla::kWgmmaRows) + " rows/cta>";
+    case mla::DecodeKernel::kWide: break;
   }
-  return op + "<" + (dtype == KvDtype::kFp8E4M3 ? "fp8" : "bf16") + ", " +
-         std::to_string(mla::groups_for(rows) * mla::kRowsPerGroup) + " rows/cta>";
+  return op + "<" + (fp8 ? "fp8" : "bf16") + ", " + std::to_string(mla::groups_for(rows) * mla::kRowsPerGroup) +
+         " rows/cta>";
 }
 
 }  // namespace latentkv::cuda

@@ -77,4 +77,14 @@ void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
 // holds at once (the occupancy API's answer).
 int narrow_blocks_per_sm(int rows, int batch);
 
+// More than 32 query rows over an fp8 cache on sm_90: the warpgroup tensor-core kernel of
+// decode_wgmma.cu, 64 rows per CTA. Available when the library holds sm_90a code, the current device
+// is sm_90 and the environment does not set LATENTKV_MLA_KERNEL=mma (which keeps the mma.sync
+// kernels, for comparison).
+inline constexpr int kWgmmaRows = 64;
+inline constexpr int kWgmmaMinRows = 33;
+bool wgmma_decode_available();
+void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream);
+int wgmma_blocks_per_sm();
+
 }  // namespace latentkv::cuda::mla

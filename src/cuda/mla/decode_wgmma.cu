@@ -1,0 +1,409 @@
+// MLA decode for many query rows over the fp8 cache on sm_90a: warpgroup tensor cores (wgmma).
+// Serves dense decode, sparse decode and both prefills (which run as decode) when a request has more
+// than 32 query rows: H 64 and 128, or q_len x H above 32. SPEC 4.2, 4.6.
+//
+// One CTA: 64 query rows of one request (rows = (q position, head) pairs; sparse: the heads of one
+// query token) over one split of its tokens, 64 tokens per tile, two warpgroups (256 threads).
+//   * Loads: the next tile's 656-byte entries are copied raw by cp.async while this tile computes;
+//     at the top of a tile they become bf16 codes (exact, unscaled) in the 128-byte-swizzled K
+//     layout of wgmma.cuh, the four per-block scales kept aside.
+//   * S = Q K^T: warpgroup g scores tokens [32g, 32g + 32) of the tile for all 64 rows (m64n32k16,
+//     Q and K from shared memory), one accumulator per 128-dim fp8 block plus rope, each weighted by
+//     its token's block scale: the scores stay within SPEC's lse bound, as in decode.cu.
+//   * Softmax: the warpgroups exchange row maxima and P (f32) through shared memory.
+//   * O += P' V: warpgroup g owns output dims [256g, 256g + 256) = fp8 blocks 2g and 2g + 1. P' = P x
+//     the token's scale of that block enters as A from registers in two bf16 parts (hi + lo, as in
+//     decode.cu); V is the same K tile read N-major (m64n128k16).
+// Shared memory: 211,456 bytes, so sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and
+// sm_120, and bf16 caches.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/common/convert.cuh"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/mma.cuh"
+#include "cuda/common/wgmma.cuh"
+#include "cuda/mla/decode_common.cuh"
+#include "cuda/mla/decode_config.hpp"
+
+namespace latentkv::cuda::mla {
+namespace {
+
+constexpr int kThreads = 256;       // two warpgroups
+constexpr int kRows = kWgmmaRows;   // query rows per CTA
+constexpr int kTile = 64;           // tokens per tile
+constexpr int kTokenBytes = 656;    // fp8 main-cache entry
+[[maybe_unused]] constexpr int kTokenChunks = kTokenBytes / 16;
+constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
+constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
+constexpr int kPStride = 72;        // floats per row of P: conflict-free float2 accesses per half-warp
+
+struct WgmmaSmem {
+  static constexpr int kQ = 0;                                        // bf16 [9 blocks][64 rows][64], swizzled
+  static constexpr int kK = kQ + kColumnBlocks * kBlockBytes;          // bf16 [9 blocks][64 tokens][64], swizzled
+  static constexpr int kRaw = kK + kColumnBlocks * kBlockBytes;        // u8  [64 tokens][656], the next tile
+  static constexpr int kP = kRaw + kTile * kTokenBytes;                // f32 [64 rows][kPStride]
+  static constexpr int kScale = kP + 4 * kRows * kPStride;             // f32 [64 tokens][4]
+  static constexpr int kRedMax = kScale + 4 * kTile * 4;               // f32 [2 warpgroups][64 rows]
+  static constexpr int kRedSum = kRedMax + 4 * 2 * kRows;              // f32 [2][64]
+  static constexpr int kSlots = kRedSum + 4 * 2 * kRows;               // i32 [2][64 tokens]
+  static constexpr int kBytes = kSlots + 4 * 2 * kTile;
+  static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
+  static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
+  static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
+};
+
+// Four fp8 e4m3 codes (low byte first) to four bf16 values, exactly: each code's bits moved into
+// the bf16 fields (sign; exponent and mantissa shifted by 4), then one multiply by 2^120 rebiases
+// the exponent (7 -> 127) and turns fp8 subnormals into bf16 normals. Integer and bf16x2 operations
+// only, no conversion instructions. (The NaN codes 0x7F / 0xFF, which quantization never writes,
+// would read as +-480.)
+__device__ __forceinline__ std::uint32_t codes_to_bf16x2(std::uint32_t spaced) {  // bytes [0, c0, 0, c1]
+  const std::uint32_t bits = ((spaced & 0x7F007F00u) >> 4) | (spaced & 0x80008000u);
+  __nv_bfloat162 v;
+  std::memcpy(&v, &bits, 4);
+  const std::uint32_t two_pow_120 = 0x7B807B80u;
+  __nv_bfloat162 k;
+  std::memcpy(&k, &two_pow_120, 4);
+  v = __hmul2(v, k);
+  std::uint32_t out;
+  std::memcpy(&out, &v, 4);
+  return out;
+}
+[[maybe_unused]] __device__ __forceinline__ void fp8x4_to_bf16x4(std::uint32_t codes, std::uint32_t& lo, std::uint32_t& hi) {
+  lo = codes_to_bf16x2(prmt(codes, 0u, 0x1404u));
+  hi = codes_to_bf16x2(prmt(codes, 0u, 0x3424u));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a) {
+#if LKV_WGMMA
+  using Smem = WgmmaSmem;
+  extern __shared__ __align__(1024) unsigned char smem_base[];
+  unsigned char* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
+  unsigned char* q_s = smem + Smem::kQ;
+  unsigned char* k_s = smem + Smem::kK;
+  unsigned char* raw_s = smem + Smem::kRaw;
+  auto* p_s = reinterpret_cast<float*>(smem + Smem::kP);
+  auto* scale_s = reinterpret_cast<float*>(smem + Smem::kScale);
+  auto* red_max = reinterpret_cast<float*>(smem + Smem::kRedMax);
+  auto* red_sum = reinterpret_cast<float*>(smem + Smem::kRedSum);
+  auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int quad = lane % 4;
+  const int wg = tid / 128;        // warpgroup: S for tokens [32 wg, +32), O for dims [256 wg, +256)
+  const int w = (tid / 32) % 4;    // warp in the warpgroup: rows [16 w, 16 w + 16)
+  const int b = blockIdx.z;
+  const int split = blockIdx.y;
+  const int row_base = blockIdx.x * kRows;
+  const SplitRange range = split_range(a, b, split, kTile);
+  const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
+
+  // Queries into the swizzled layout (rows past the last are zero).
+  for (int c = tid; c < kRows * 72; c += kThreads) {
+    const int r = c / 72, piece = c % 72;
+    const int row = row_base + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < a.rows) {
+      v = __ldg(reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk) + piece);
+    }
+    *reinterpret_cast<uint4*>(q_s + (piece / 8) * kBlockBytes + wgmma::swizzled_chunk_offset(r, piece % 8)) = v;
+  }
+  // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
+  std::int32_t ahead_entry = -1;
+  if (tid < kTile) {
+    slot_s[tid] = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
+    if (num_tiles > 1 && begin + kTile + tid < end) ahead_entry = load_token_entry(a, b, begin + kTile + tid);
+  }
+  wgmma::fence_shared_for_async();
+  __syncthreads();
+
+  // cp.async of a tile's raw entries; a slot of -1 (outside the pool, no index) reads nothing.
+  auto issue_raw = [&](int tile) {
+    const std::int32_t* slots = slot_s + (tile & 1) * kTile;
+    for (int c = tid; c < kTile * kTokenChunks; c += kThreads) {
+      const int token = c / kTokenChunks, piece = c % kTokenChunks;
+      const std::int32_t slot = slots[token];
+      const std::uint8_t* src = slot >= 0 ? a.cache + static_cast<std::int64_t>(slot) * kTokenBytes + piece * 16 : a.cache;
+      cp_async_16(raw_s + token * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  // The raw tile into bf16 codes (K layout) and scales.
+  auto convert_tile = [&]() {
+    for (int c = tid; c < kTile * kTokenChunks; c += kThreads) {
+      const int token = c / kTokenChunks, piece = c % kTokenChunks;
+      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + piece * 16);
+      if (piece < 32) {  // 16 codes: dims [16 piece, +16) = chunks 2 (piece % 4) and +1 of block piece / 4
+        std::uint32_t out[8];
+        fp8x4_to_bf16x4(v.x, out[0], out[1]);
+        fp8x4_to_bf16x4(v.y, out[2], out[3]);
+        fp8x4_to_bf16x4(v.z, out[4], out[5]);
+        fp8x4_to_bf16x4(v.w, out[6], out[7]);
+        unsigned char* block = k_s + (piece / 4) * kBlockBytes;
+        const int chunk = 2 * (piece % 4);
+        *reinterpret_cast<uint4*>(block + wgmma::swizzled_chunk_offset(token, chunk)) =
+            make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(block + wgmma::swizzled_chunk_offset(token, chunk + 1)) =
+            make_uint4(out[4], out[5], out[6], out[7]);
+      } else if (piece == 32) {
+        *reinterpret_cast<uint4*>(scale_s + token * 4) = v;
+      } else {  // rope, bf16 as stored: block 8
+        *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece - 33)) = v;
+      }
+    }
+  };
+
+  // This thread's rows (the accumulator layout): r0 = 16w + lane/4 and r0 + 8.
+  const int r_of[2] = {16 * w + lane / 4, 16 * w + lane / 4 + 8};
+  int visible[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + r_of[h];
+    visible[h] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+  }
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
+  float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed at the end
+  float o[2][64];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[j][i] = 0.0f;
+  }
+  const std::uint64_t q_desc = wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t k_desc = wgmma::desc_sw128(k_s + wg * 32 * wgmma::kSwizzleRowBytes, 16, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t v_desc = wgmma::desc_sw128(k_s, kBlockBytes, wgmma::kSwizzleAtomBytes);
+
+  if (num_tiles > 0) issue_raw(0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    wgmma::wait<0>();  // this warpgroup's P V of the last tile no longer reads K
+    wgmma::fence_registers(o[0]);
+    wgmma::fence_registers(o[1]);
+    cp_async_wait<0>();
+    __syncthreads();  // (A) raw tile complete; K, P, scales free
+    convert_tile();
+    if (tid < kTile && tile + 1 < num_tiles) {
+      const int t = begin + (tile + 1) * kTile + tid;
+      slot_s[((tile + 1) & 1) * kTile + tid] = t < end ? entry_to_slot(a, t, ahead_entry) : -1;
+      ahead_entry = -1;
+      if (tile + 2 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
+    }
+    wgmma::fence_shared_for_async();
+    __syncthreads();  // (B) K tile and the next tile's slots ready; raw free
+    if (tile + 1 < num_tiles) issue_raw(tile + 1);
+
+    // ---- S = Q K^T for this warpgroup's 32 tokens: one accumulator per fp8 block, then rope ----
+    float s[16];
+    {
+      float acc[2][16];
+      auto issue_block = [&](int blk, float(&d)[16]) {  // blk 0-3: latent dims [128 blk, +128); 4: rope
+        const int steps = blk < 4 ? 8 : 4;
+#pragma unroll
+        for (int kk = 0; kk < steps; ++kk) {
+          const std::uint32_t off = (2 * blk + kk / 4) * kBlockBytes + (kk % 4) * 32;
+          wgmma::mma_m64n32k16_ss(d, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off), kk > 0);
+        }
+        wgmma::commit();
+      };
+      auto fold = [&](int blk, float(&d)[16]) {  // s (+)= d x the token's scale of block blk
+        wgmma::fence_registers(d);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
+          const float v = blk < 4 ? d[e] * scale_s[token * 4 + blk] : d[e];
+          s[e] = blk == 0 ? v : s[e] + v;
+        }
+      };
+      wgmma::fence();
+      issue_block(0, acc[0]);
+      issue_block(1, acc[1]);
+      wgmma::wait<1>();
+      fold(0, acc[0]);
+      wgmma::fence();
+      issue_block(2, acc[0]);
+      wgmma::wait<1>();
+      fold(1, acc[1]);
+      wgmma::fence();
+      issue_block(3, acc[1]);
+      wgmma::wait<1>();
+      fold(2, acc[0]);
+      wgmma::fence();
+      issue_block(4, acc[0]);
+      wgmma::wait<1>();
+      fold(3, acc[1]);
+      wgmma::wait<0>();
+      fold(4, acc[0]);
+    }
+    // Mask (past the split, not yet visible to the row, or unread) and scale into the log2 domain.
+    const int tile_begin = begin + tile * kTile;
+    const std::int32_t* tile_slots = slot_s + (tile & 1) * kTile;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
+      const int t = tile_begin + token;
+      s[e] = (t < end && t < visible[(e / 2) % 2] && tile_slots[token] >= 0) ? s[e] * a.scale_log2 : -INFINITY;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if (quad == 0) red_max[wg * kRows + r_of[h]] = m;
+    }
+    __syncthreads();  // (C) both warpgroups' row maxima
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float tile_max = fmaxf(red_max[r_of[h]], red_max[kRows + r_of[h]]);
+      const float new_max = fmaxf(row_max[h], tile_max);
+      alpha[h] = new_max == -INFINITY ? 1.0f : exp2f(row_max[h] - new_max);
+      row_max[h] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int token = wg * 32 + 8 * i + 2 * quad;
+        const float p0 = s[4 * i + 2 * h] == -INFINITY ? 0.0f : exp2f(s[4 * i + 2 * h] - new_max);
+        const float p1 = s[4 * i + 2 * h + 1] == -INFINITY ? 0.0f : exp2f(s[4 * i + 2 * h + 1] - new_max);
+        *reinterpret_cast<float2*>(p_s + r_of[h] * kPStride + token) = make_float2(p0, p1);
+        sum += p0 + p1;
+      }
+      row_sum[h] = row_sum[h] * alpha[h] + sum;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        o[j][4 * i + 0] *= alpha[0];
+        o[j][4 * i + 1] *= alpha[0];
+        o[j][4 * i + 2] *= alpha[1];
+        o[j][4 * i + 3] *= alpha[1];
+      }
+    }
+    __syncthreads();  // (D) P of the whole tile
+
+    // ---- O += P' V for blocks 2 wg and 2 wg + 1 ----
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int blk = 2 * wg + j;
+      std::uint32_t a_hi[4][4], a_lo[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int part = 0; part < 4; ++part) {  // a0: (r, k), a1: (r + 8, k), a2: (r, k + 8), a3: (r + 8, k + 8)
+          const int r = r_of[part % 2];
+          const int k = 16 * kk + 2 * quad + 8 * (part / 2);
+          const float2 p = *reinterpret_cast<const float2*>(p_s + r * kPStride + k);
+          split_bf16x2(p.x * scale_s[k * 4 + blk], p.y * scale_s[(k + 1) * 4 + blk], a_hi[kk][part], a_lo[kk][part]);
+        }
+      }
+      if (j == 1) {
+        wgmma::wait<0>();  // block 2 wg's A registers are about to be reused
+        wgmma::fence_registers(o[0]);
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const std::uint64_t desc = wgmma::desc_advance(v_desc, 2 * blk * kBlockBytes + 16 * kk * wgmma::kSwizzleRowBytes);
+        wgmma::mma_m64n128k16_rs(o[j], a_hi[kk], desc);
+        wgmma::mma_m64n128k16_rs(o[j], a_lo[kk], desc);
+      }
+      wgmma::commit();
+    }
+  }
+  wgmma::wait<0>();
+  wgmma::fence_registers(o[0]);
+  wgmma::fence_registers(o[1]);
+
+  // ---- epilogue: row sums over both warpgroups, then this warpgroup's 256 dims ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (quad == 0) red_sum[wg * kRows + r_of[h]] = sum;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + r_of[h];
+    if (row >= a.rows) continue;
+    const float total = red_sum[r_of[h]] + red_sum[kRows + r_of[h]];
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const float lse = total > 0.0f ? (row_max[h] + log2f(total)) * kLn2 : -INFINITY;
+    const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int dim0 = (2 * wg + j) * 128 + 2 * quad;
+      if (a.num_splits == 1) {
+        std::uint16_t* out = a.o + out_row * kDimV + dim0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          *reinterpret_cast<std::uint32_t*>(out + 8 * i) = pack_bf16x2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
+        }
+      } else {
+        const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
+        float* out = a.o_part + part_row * kDimV + dim0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          *reinterpret_cast<float2*>(out + 8 * i) = make_float2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
+        }
+      }
+    }
+    if (wg == 0 && quad == 0) {
+      if (a.num_splits == 1) a.lse[out_row] = lse;
+      else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + out_row] = lse;
+    }
+  }
+#else
+  (void)a;
+  __trap();  // launched only where wgmma_decode_available() holds
+#endif
+}
+
+int configure() {
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(decode_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgmmaSmem::kAlloc);
+  LKV_CUDA_CHECK("mla_decode", configured);
+  return WgmmaSmem::kAlloc;
+}
+
+}  // namespace
+
+bool wgmma_decode_available() {
+#if defined(LKV_HAVE_SM90A)
+  const char* choice = std::getenv("LATENTKV_MLA_KERNEL");
+  if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+int wgmma_blocks_per_sm() {
+  int blocks = 0;
+  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_wgmma_kernel, kThreads,
+                                                                             configure()));
+  return blocks;
+}
+
+void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream) {
+  const int smem_bytes = configure();
+  const dim3 grid(static_cast<unsigned>((a.rows + kRows - 1) / kRows), static_cast<unsigned>(a.num_splits),
+                  static_cast<unsigned>(a.batch));
+  decode_wgmma_kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
+  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+}
+
+}  // namespace latentkv::cuda::mla
