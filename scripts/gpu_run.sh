@@ -2,7 +2,7 @@
 # One script for the GPU machine: configure, build with every core, run the GPU tests (optionally
 # under compute-sanitizer), run the benchmarks, and leave logs and JSON under $OUT.
 #
-#   scripts/gpu_run.sh [build] [test] [sanitize] [step] [profile] [bench] [bench-full]   (default: build test bench)
+#   scripts/gpu_run.sh [build] [test] [sanitize] [step] [profile] [sass] [bench] [bench-full]   (default: build test bench)
 #
 # BENCH_FILTER (an extended regex) runs only the benchmarks whose names match; SANITIZE_FILTER (a
 # gtest filter) narrows the sanitizer runs; GTEST_FILTER narrows the GPU tests.
@@ -55,16 +55,32 @@ for step in "${steps[@]}"; do
     profile)
       # PROFILE_OP (default mla_decode) and PROFILE_KERNELS (an ncu kernel regex, default decode_kernel):
       # one of each matching kernel at glm5 tp 8, B=1 32K and B=64 8K.
+      # PROFILE_ARGS replaces the two shapes with one bench command line (its own --op and shape).
       op=${PROFILE_OP:-mla_decode}
-      log "ncu on $op kernels matching ${PROFILE_KERNELS:-decode_kernel} (glm5 tp 8, B=1 and B=64)"
-      for shape in "--batch 1 --context 32768" "--batch 64 --context 8192"; do
+      log "ncu on $op kernels matching ${PROFILE_KERNELS:-decode_kernel} (${PROFILE_ARGS:-glm5 tp 8, B=1 and B=64})"
+      if [ -n "${PROFILE_ARGS:-}" ]; then shapes=("$PROFILE_ARGS"); else
+        shapes=("--op $op --batch 1 --context 32768 --topk 2048 --pool 600000"
+                "--op $op --batch 64 --context 8192 --topk 2048 --pool 600000"); fi
+      for shape in "${shapes[@]}"; do
         ncu --clock-control none -k "regex:${PROFILE_KERNELS:-decode_kernel}" -c "${PROFILE_COUNT:-1}" \
-          --section SpeedOfLight --section Occupancy \
+          --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
           --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-          "$BUILD/tools/latentkv" bench --op "$op" $shape --topk 2048 --pool 600000 --backends cuda --iters 1 --warmup 0 \
+          "$BUILD/tools/latentkv" bench $shape --backends cuda --iters 1 --warmup 0 \
           --check-requests 0 >>"$L/ncu.log" 2>&1 || { status=1; log "ncu FAILED"; }
       done
-      grep -E "^  [a-z_:<>0-9, ]+\(|Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)" "$L/ncu.log" | head -60
+      grep -E "^  [a-z_:<>0-9, ]+\(|Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Pipe|Executed Ipc|Issue Slots|Shared|stalled|Est. Speedup" "$L/ncu.log" | head -80
+      ;;
+    sass)
+      # SASS of library sources (SASS_SOURCES, default mla/decode_wgmma.cu) under $OUT, with an opcode
+      # histogram per file: what the compiler made of a kernel, without a profiler.
+      for src in ${SASS_SOURCES:-mla/decode_wgmma.cu}; do
+        obj="$BUILD/CMakeFiles/latentkv_objects.dir/src/cuda/$src.o"
+        name=$(echo "$src" | tr '/.' '__')
+        cuobjdump -sass "$obj" >"$OUT/sass_$name.txt" 2>&1 || { status=1; log "cuobjdump $src FAILED"; continue; }
+        log "SASS $src: $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$OUT/sass_$name.txt") instructions; most frequent opcodes:"
+        grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[0-9T] )?[A-Z0-9_.]+' "$OUT/sass_$name.txt" | awk '{print $NF}' \
+          | sed 's/\..*//' | sort | uniq -c | sort -rn | head -25 | tr '\n' ' '; echo
+      done
       ;;
     bench|bench-full)
       cli="$BUILD/tools/latentkv"

@@ -48,11 +48,12 @@ struct WgmmaSmem {
   static constexpr int kK = kQ + kColumnBlocks * kBlockBytes;          // bf16 [9 blocks][64 tokens][64], swizzled
   static constexpr int kRaw = kK + kColumnBlocks * kBlockBytes;        // u8  [64 tokens][656], the next tile
   static constexpr int kP = kRaw + kTile * kTokenBytes;                // f32 [64 rows][kPStride]
-  static constexpr int kScale = kP + 4 * kRows * kPStride;             // f32 [64 tokens][4]
+  static constexpr int kScale = kP + 4 * kRows * kPStride;             // f32 [4 blocks][64 tokens]
   static constexpr int kRedMax = kScale + 4 * kTile * 4;               // f32 [2 warpgroups][64 rows]
   static constexpr int kRedSum = kRedMax + 4 * 2 * kRows;              // f32 [2][64]
   static constexpr int kSlots = kRedSum + 4 * 2 * kRows;               // i32 [2][64 tokens]
-  static constexpr int kBytes = kSlots + 4 * 2 * kTile;
+  static constexpr int kAllRead = kSlots + 4 * 2 * kTile;             // i32 [2 tiles][2 warps]: every slot >= 0
+  static constexpr int kBytes = kAllRead + 4 * 2 * 2;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
   static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
@@ -80,6 +81,13 @@ __device__ __forceinline__ std::uint32_t codes_to_bf16x2(std::uint32_t spaced) {
   hi = codes_to_bf16x2(prmt(codes, 0u, 0x3424u));
 }
 
+// 2^x with the special-function unit (ex2.approx: relative error about 2^-22; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a) {
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
@@ -93,6 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   auto* red_max = reinterpret_cast<float*>(smem + Smem::kRedMax);
   auto* red_sum = reinterpret_cast<float*>(smem + Smem::kRedSum);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
+  auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -118,44 +127,65 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
   std::int32_t ahead_entry = -1;
   if (tid < kTile) {
-    slot_s[tid] = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
+    const std::int32_t slot = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
+    slot_s[tid] = slot;
+    const bool all_read = __all_sync(0xffffffffu, slot >= 0);
+    if (lane == 0) all_read_s[tid / 32] = all_read;
     if (num_tiles > 1 && begin + kTile + tid < end) ahead_entry = load_token_entry(a, b, begin + kTile + tid);
   }
   wgmma::fence_shared_for_async();
   __syncthreads();
 
+  // Moving a tile: warp `warp` takes tokens [8 warp, 8 warp + 8); lane l copies 16-byte chunk l of
+  // each (16 codes) and, for l < 9, chunk 32 + l (the scales, then rope).
+  const int warp = tid / 32;
   // cp.async of a tile's raw entries; a slot of -1 (outside the pool, no index) reads nothing.
   auto issue_raw = [&](int tile) {
-    const std::int32_t* slots = slot_s + (tile & 1) * kTile;
-    for (int c = tid; c < kTile * kTokenChunks; c += kThreads) {
-      const int token = c / kTokenChunks, piece = c % kTokenChunks;
-      const std::int32_t slot = slots[token];
-      const std::uint8_t* src = slot >= 0 ? a.cache + static_cast<std::int64_t>(slot) * kTokenBytes + piece * 16 : a.cache;
-      cp_async_16(raw_s + token * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
+    const std::int32_t* slots = slot_s + (tile & 1) * kTile + 8 * warp;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const std::int32_t slot = slots[i];
+      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + lane * 16;
+      unsigned char* dst = raw_s + (8 * warp + i) * kTokenBytes + lane * 16;
+      const int bytes = slot >= 0 ? 16 : 0;
+      cp_async_16(dst, src, bytes);
+      if (lane < kTokenChunks - 32) cp_async_16(dst + 32 * 16, src + 32 * 16, bytes);
     }
     cp_async_commit();
   };
-  // The raw tile into bf16 codes (K layout) and scales.
+  // The raw tile into bf16 codes (K layout) and scales. For the codes, lane l converts chunk l of
+  // token 8 warp + (i + l / 4) % 8 at step i: the 8 lanes writing one 16-byte column of the swizzled
+  // blocks then hold 8 different tokens (rows), so neither the reads nor the writes share banks.
   auto convert_tile = [&]() {
-    for (int c = tid; c < kTile * kTokenChunks; c += kThreads) {
-      const int token = c / kTokenChunks, piece = c % kTokenChunks;
-      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + piece * 16);
-      if (piece < 32) {  // 16 codes: dims [16 piece, +16) = chunks 2 (piece % 4) and +1 of block piece / 4
-        std::uint32_t out[8];
-        fp8x4_to_bf16x4(v.x, out[0], out[1]);
-        fp8x4_to_bf16x4(v.y, out[2], out[3]);
-        fp8x4_to_bf16x4(v.z, out[4], out[5]);
-        fp8x4_to_bf16x4(v.w, out[6], out[7]);
-        unsigned char* block = k_s + (piece / 4) * kBlockBytes;
-        const int chunk = 2 * (piece % 4);
-        *reinterpret_cast<uint4*>(block + wgmma::swizzled_chunk_offset(token, chunk)) =
-            make_uint4(out[0], out[1], out[2], out[3]);
-        *reinterpret_cast<uint4*>(block + wgmma::swizzled_chunk_offset(token, chunk + 1)) =
-            make_uint4(out[4], out[5], out[6], out[7]);
-      } else if (piece == 32) {
-        *reinterpret_cast<uint4*>(scale_s + token * 4) = v;
-      } else {  // rope, bf16 as stored: block 8
-        *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece - 33)) = v;
+    const int blk = lane / 4;                  // column block of this lane's 16 dims
+    const int chunk = 2 * (lane % 4);          // its first 16-byte chunk in the block's 128-byte row
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) {
+      const int sub = (i + blk) % 8;           // token % 8: the row's swizzle
+      const int token = 8 * warp + sub;
+      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + lane * 16);
+      std::uint32_t out[8];
+      fp8x4_to_bf16x4(v.x, out[0], out[1]);
+      fp8x4_to_bf16x4(v.y, out[2], out[3]);
+      fp8x4_to_bf16x4(v.z, out[4], out[5]);
+      fp8x4_to_bf16x4(v.w, out[6], out[7]);
+      unsigned char* row = k_s + blk * kBlockBytes + token * wgmma::kSwizzleRowBytes;
+      *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(row + (((chunk + 1) ^ sub) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+    if (lane < kTokenChunks - 32) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int token = 8 * warp + i;
+        const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + (32 + lane) * 16);
+        if (lane == 0) {  // the four scales, stored per block
+          scale_s[0 * kTile + token] = __uint_as_float(v.x);
+          scale_s[1 * kTile + token] = __uint_as_float(v.y);
+          scale_s[2 * kTile + token] = __uint_as_float(v.z);
+          scale_s[3 * kTile + token] = __uint_as_float(v.w);
+        } else {  // rope, bf16 as stored: block 8
+          *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, lane - 1)) = v;
+        }
       }
     }
   };
@@ -190,7 +220,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     convert_tile();
     if (tid < kTile && tile + 1 < num_tiles) {
       const int t = begin + (tile + 1) * kTile + tid;
-      slot_s[((tile + 1) & 1) * kTile + tid] = t < end ? entry_to_slot(a, t, ahead_entry) : -1;
+      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry) : -1;
+      slot_s[((tile + 1) & 1) * kTile + tid] = slot;
+      const bool all_read = __all_sync(0xffffffffu, slot >= 0);
+      if (lane == 0) all_read_s[((tile + 1) & 1) * 2 + tid / 32] = all_read;
       ahead_entry = -1;
       if (tile + 2 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
     }
@@ -216,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
           const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
-          const float v = blk < 4 ? d[e] * scale_s[token * 4 + blk] : d[e];
+          const float v = blk < 4 ? d[e] * scale_s[blk * kTile + token] : d[e];
           s[e] = blk == 0 ? v : s[e] + v;
         }
       };
@@ -240,14 +273,22 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       wgmma::wait<0>();
       fold(4, acc[0]);
     }
-    // Mask (past the split, not yet visible to the row, or unread) and scale into the log2 domain.
+    // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row) and
+    // scale into the log2 domain. Whole tiles every row sees skip the per-token tests.
     const int tile_begin = begin + tile * kTile;
     const std::int32_t* tile_slots = slot_s + (tile & 1) * kTile;
+    const bool whole = all_read_s[(tile & 1) * 2] && all_read_s[(tile & 1) * 2 + 1] &&
+                       tile_begin + kTile <= min(visible[0], visible[1]);
+    if (whole) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
-      const int t = tile_begin + token;
-      s[e] = (t < end && t < visible[(e / 2) % 2] && tile_slots[token] >= 0) ? s[e] * a.scale_log2 : -INFINITY;
+      for (int e = 0; e < 16; ++e) s[e] *= a.scale_log2;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
+        const bool seen = tile_slots[token] >= 0 && tile_begin + token < visible[(e / 2) % 2];
+        s[e] = seen ? s[e] * a.scale_log2 : -INFINITY;
+      }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -264,27 +305,31 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     for (int h = 0; h < 2; ++h) {
       const float tile_max = fmaxf(red_max[r_of[h]], red_max[kRows + r_of[h]]);
       const float new_max = fmaxf(row_max[h], tile_max);
-      alpha[h] = new_max == -INFINITY ? 1.0f : exp2f(row_max[h] - new_max);
+      const float base = new_max == -INFINITY ? 0.0f : new_max;  // all scores -inf: p = 0, alpha = 1
+      alpha[h] = fast_exp2(row_max[h] - base);
       row_max[h] = new_max;
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int token = wg * 32 + 8 * i + 2 * quad;
-        const float p0 = s[4 * i + 2 * h] == -INFINITY ? 0.0f : exp2f(s[4 * i + 2 * h] - new_max);
-        const float p1 = s[4 * i + 2 * h + 1] == -INFINITY ? 0.0f : exp2f(s[4 * i + 2 * h + 1] - new_max);
+        const float p0 = fast_exp2(s[4 * i + 2 * h] - base);
+        const float p1 = fast_exp2(s[4 * i + 2 * h + 1] - base);
         *reinterpret_cast<float2*>(p_s + r_of[h] * kPStride + token) = make_float2(p0, p1);
         sum += p0 + p1;
       }
       row_sum[h] = row_sum[h] * alpha[h] + sum;
     }
+    // Rescale O only when a row's maximum moved (after the first tiles it rarely does).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        o[j][4 * i + 0] *= alpha[0];
-        o[j][4 * i + 1] *= alpha[0];
-        o[j][4 * i + 2] *= alpha[1];
-        o[j][4 * i + 3] *= alpha[1];
+        for (int i = 0; i < 16; ++i) {
+          o[j][4 * i + 0] *= alpha[0];
+          o[j][4 * i + 1] *= alpha[0];
+          o[j][4 * i + 2] *= alpha[1];
+          o[j][4 * i + 3] *= alpha[1];
+        }
       }
     }
     __syncthreads();  // (D) P of the whole tile
@@ -301,7 +346,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
           const int r = r_of[part % 2];
           const int k = 16 * kk + 2 * quad + 8 * (part / 2);
           const float2 p = *reinterpret_cast<const float2*>(p_s + r * kPStride + k);
-          split_bf16x2(p.x * scale_s[k * 4 + blk], p.y * scale_s[(k + 1) * 4 + blk], a_hi[kk][part], a_lo[kk][part]);
+          const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + k);
+          split_bf16x2(p.x * sc.x, p.y * sc.y, a_hi[kk][part], a_lo[kk][part]);
         }
       }
       if (j == 1) {
