@@ -137,8 +137,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   __syncthreads();
 
   // Moving a tile: warp `warp` takes tokens [8 warp, 8 warp + 8); lane l copies 16-byte chunk l of
-  // each (16 codes) and, for l < 9, chunk 32 + l (the scales, then rope).
+  // each (16 codes), and the warp's 8 x 9 tail chunks (scales, then rope) go 32 at a time.
   const int warp = tid / 32;
+  constexpr int kTail = kTokenChunks - 32;  // 9 tail chunks per token
   // cp.async of a tile's raw entries; a slot of -1 (outside the pool, no index) reads nothing.
   auto issue_raw = [&](int tile) {
     const std::int32_t* slots = slot_s + (tile & 1) * kTile + 8 * warp;
@@ -149,7 +150,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       unsigned char* dst = raw_s + (8 * warp + i) * kTokenBytes + lane * 16;
       const int bytes = slot >= 0 ? 16 : 0;
       cp_async_16(dst, src, bytes);
-      if (lane < kTokenChunks - 32) cp_async_16(dst + 32 * 16, src + 32 * 16, bytes);
+    }
+#pragma unroll
+    for (int c = lane; c < 8 * kTail; c += 32) {
+      const int i = c / kTail, piece = 32 + c % kTail;
+      const std::int32_t slot = slots[i];
+      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + piece * 16;
+      cp_async_16(raw_s + (8 * warp + i) * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
     }
     cp_async_commit();
   };
@@ -173,19 +180,17 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
       *reinterpret_cast<uint4*>(row + (((chunk + 1) ^ sub) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
     }
-    if (lane < kTokenChunks - 32) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int token = 8 * warp + i;
-        const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + (32 + lane) * 16);
-        if (lane == 0) {  // the four scales, stored per block
-          scale_s[0 * kTile + token] = __uint_as_float(v.x);
-          scale_s[1 * kTile + token] = __uint_as_float(v.y);
-          scale_s[2 * kTile + token] = __uint_as_float(v.z);
-          scale_s[3 * kTile + token] = __uint_as_float(v.w);
-        } else {  // rope, bf16 as stored: block 8
-          *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, lane - 1)) = v;
-        }
+    for (int c = lane; c < 8 * kTail; c += 32) {
+      const int token = 8 * warp + c / kTail, piece = c % kTail;
+      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + (32 + piece) * 16);
+      if (piece == 0) {  // the four scales, stored per block
+        scale_s[0 * kTile + token] = __uint_as_float(v.x);
+        scale_s[1 * kTile + token] = __uint_as_float(v.y);
+        scale_s[2 * kTile + token] = __uint_as_float(v.z);
+        scale_s[3 * kTile + token] = __uint_as_float(v.w);
+      } else {  // rope, bf16 as stored: block 8
+        *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece - 1)) = v;
       }
     }
   };
