@@ -106,7 +106,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int quad = lane % 4;
-  const int wg = tid / 128;        // warpgroup: S for tokens [32 wg, +32), O for dims [256 wg, +256)
+  // Warpgroup: S for tokens [32 wg, +32), O for dims [256 wg, +256). Broadcast from lane 0 so that
+  // the compiler sees a warp-uniform value: the wgmma descriptors built from it then stay in
+  // uniform registers instead of being rebuilt per instruction (8 instructions each, in the SASS).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int w = (tid / 32) % 4;    // warp in the warpgroup: rows [16 w, 16 w + 16)
   const int b = blockIdx.z;
   const int split = blockIdx.y;
