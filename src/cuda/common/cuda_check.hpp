@@ -3,7 +3,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "latentkv/error.hpp"
 
@@ -13,6 +16,29 @@ inline void check(cudaError_t status, const char* op, const char* what) {
   if (status != cudaSuccess) {
     throw Error(op, std::string(what) + " failed: " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
   }
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per kernel
+// and device (the attribute is per device: a second GPU of the process needs its own call); returns
+// `bytes`.
+template <class Kernel>
+int allow_dynamic_smem(Kernel* kernel, int bytes, const char* op) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, cudaError_t> done;  // (kernel, device) -> result
+  int device = 0;
+  check(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
+  cudaError_t status;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto it = done.find(key);
+    if (it == done.end()) {
+      it = done.emplace(key, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)).first;
+    }
+    status = it->second;
+  }
+  check(status, op, "cudaFuncSetAttribute (dynamic shared memory)");
+  return bytes;
 }
 
 }  // namespace latentkv::cuda

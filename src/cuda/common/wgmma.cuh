@@ -7,8 +7,9 @@
 // step through k by moving the start address 32 bytes inside a row; the N-major B of O = P V (the
 // same K tile read token by token) steps 16 tokens (2048 bytes) at a time.
 //
-// On targets other than sm_90a these compile to a trap; launchers must check wgmma_compiled() and
-// the device before choosing a kernel that uses them.
+// On targets other than sm_90a the two instructions compile to a trap and the fences to nothing:
+// a launcher must know that the library holds sm_90a code and that the device is sm_90 before it
+// chooses a kernel that uses them (mla::wgmma_decode_available()).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
-// MLA decode over the paged cache, FP8 read natively: the "wide" kernel (more than 16 query rows per
-// request, and bf16 caches), the split combine, planning, and the launchers of dense and sparse
-// decode (sparse = each query token over its own index row). Few rows over fp8 go to
-// decode_narrow.cu. Layout of the work and shared memory: decode_config.hpp. Math: SPEC 4.2, 4.6.
+// MLA decode over the paged cache, FP8 read natively: the "wide" mma.sync kernel (more than 16 query
+// rows per request, and bf16 caches), the split combine, the kernel choice (kernel_for), planning,
+// and the launchers of dense and sparse decode (sparse = each query token over its own index row).
+// Few rows over fp8 go to decode_narrow.cu; more than 32 over fp8 on sm_90 to decode_wgmma.cu.
+// Layout of the work and shared memory: decode_config.hpp. Math: SPEC 4.2, 4.6.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -388,10 +389,7 @@ int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
 template <bool kFp8, int kGroups>
 int configure() {
   constexpr int kSmem = static_cast<int>(DecodeSmem<kGroups>::kBytes);
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(decode_kernel<kFp8, kGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  LKV_CUDA_CHECK("mla_decode", configured);
-  return kSmem;
+  return allow_dynamic_smem(decode_kernel<kFp8, kGroups>, kSmem, "mla_decode");
 }
 
 template <bool kFp8, int kGroups>
@@ -420,6 +418,7 @@ DecodeKernel kernel_for(bool fp8, int rows) {
   if (fp8 && rows >= kWgmmaMinRows && wgmma_decode_available()) return DecodeKernel::kWgmma;
   return DecodeKernel::kWide;
 }
+int tile_tokens(DecodeKernel kernel) { return kernel == DecodeKernel::kWgmma ? kWgmmaTile : kTileTokens; }
 int rows_per_cta(DecodeKernel kernel, int rows) {
   switch (kernel) {
     case DecodeKernel::kNarrow: return rows;
@@ -451,8 +450,11 @@ namespace {
 // rows each: as many splits as fill the SMs in one wave (never a partial second wave), each split at
 // least min_tokens_per_split tokens.
 Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split) {
-  const int per_cta = rows_per_cta(kernel_for(fp8, rows), rows);
+  const DecodeKernel kernel = kernel_for(fp8, rows);
+  const int per_cta = rows_per_cta(kernel, rows);
   const int row_blocks = (rows + per_cta - 1) / per_cta;
+  // A split holds whole tiles: fewer tokens than one tile would leave the last splits empty.
+  min_tokens_per_split = std::max(min_tokens_per_split, tile_tokens(kernel));
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);

@@ -1,5 +1,6 @@
-// src/cuda/mla/decode_common.cuh - what the dense MLA decode kernels share: their arguments, and
-// the narrow kernel's entry point (decode_narrow.cu) for the launcher in decode.cu.
+// src/cuda/mla/decode_common.cuh - what the MLA decode kernels share: their arguments, and the
+// entry points of the narrow (decode_narrow.cu) and wgmma (decode_wgmma.cu) kernels for the
+// launcher in decode.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -78,10 +79,11 @@ void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
 int narrow_blocks_per_sm(int rows, int batch);
 
 // More than 32 query rows over an fp8 cache on sm_90: the warpgroup tensor-core kernel of
-// decode_wgmma.cu, 64 rows per CTA. Available when the library holds sm_90a code, the current device
-// is sm_90 and the environment does not set LATENTKV_MLA_KERNEL=mma (which keeps the mma.sync
-// kernels, for comparison).
+// decode_wgmma.cu, 64 rows per CTA, 64 tokens per tile. Available when the library holds sm_90a
+// code and the current device is sm_90, unless the environment sets LATENTKV_MLA_KERNEL=mma (which
+// keeps the mma.sync kernels, for comparison; any value but "mma" or "auto" is an error).
 inline constexpr int kWgmmaRows = 64;
+inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
 bool wgmma_decode_available();
 void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream);

@@ -377,14 +377,11 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   }
 }
 
-// Raises the kernel's dynamic shared-memory limit once; returns the bytes it launches with.
+// Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
 template <int kNt, int kStages>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(narrow_kernel<kNt, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  LKV_CUDA_CHECK("mla_decode", configured);
-  return kSmem;
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages>, kSmem, "mla_decode");
 }
 
 template <int kNt, int kStages>

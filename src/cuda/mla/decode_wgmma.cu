@@ -1,6 +1,7 @@
 // MLA decode for many query rows over the fp8 cache on sm_90a: warpgroup tensor cores (wgmma).
 // Serves dense decode, sparse decode and both prefills (which run as decode) when a request has more
-// than 32 query rows: H 64 and 128, or q_len x H above 32. SPEC 4.2, 4.6.
+// than 32 query rows (q_len x H, up to 512; sparse: H): H 64 and 128, or q_len x H above 32.
+// SPEC 4.2, 4.6.
 //
 // One CTA: 64 query rows of one request (rows = (q position, head) pairs; sparse: the heads of one
 // query token) over one split of its tokens, 64 tokens per tile, two warpgroups (256 threads).
@@ -14,11 +15,11 @@
 //   * O += P' V: warpgroup g owns output dims [256g, 256g + 256) = fp8 blocks 2g and 2g + 1. P' = P x
 //     the token's scale of that block enters as A from registers in two bf16 parts (hi + lo, as in
 //     decode.cu); V is the same K tile read N-major (m64n128k16).
-// Shared memory: 211,456 bytes, so sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and
+// Shared memory: 211,472 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and
 // sm_120, and bf16 caches.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -30,25 +31,26 @@
 #include "cuda/common/wgmma.cuh"
 #include "cuda/mla/decode_common.cuh"
 #include "cuda/mla/decode_config.hpp"
+#include "latentkv/error.hpp"
 
 namespace latentkv::cuda::mla {
 namespace {
 
 constexpr int kThreads = 256;       // two warpgroups
 constexpr int kRows = kWgmmaRows;   // query rows per CTA
-constexpr int kTile = 64;           // tokens per tile
+constexpr int kTile = kWgmmaTile;   // tokens per tile
 constexpr int kTokenBytes = 656;    // fp8 main-cache entry
 [[maybe_unused]] constexpr int kTokenChunks = kTokenBytes / 16;
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
 constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
-constexpr int kPStride = 72;        // floats per row of P: conflict-free float2 accesses per half-warp
+constexpr int kWgPStride = 72;      // floats per row of P: conflict-free float2 accesses per half-warp
 
 struct WgmmaSmem {
   static constexpr int kQ = 0;                                        // bf16 [9 blocks][64 rows][64], swizzled
   static constexpr int kK = kQ + kColumnBlocks * kBlockBytes;          // bf16 [9 blocks][64 tokens][64], swizzled
   static constexpr int kRaw = kK + kColumnBlocks * kBlockBytes;        // u8  [64 tokens][656], the next tile
-  static constexpr int kP = kRaw + kTile * kTokenBytes;                // f32 [64 rows][kPStride]
-  static constexpr int kScale = kP + 4 * kRows * kPStride;             // f32 [4 blocks][64 tokens]
+  static constexpr int kP = kRaw + kTile * kTokenBytes;                // f32 [64 rows][kWgPStride]
+  static constexpr int kScale = kP + 4 * kRows * kWgPStride;             // f32 [4 blocks][64 tokens]
   static constexpr int kRedMax = kScale + 4 * kTile * 4;               // f32 [2 warpgroups][64 rows]
   static constexpr int kRedSum = kRedMax + 4 * 2 * kRows;              // f32 [2][64]
   static constexpr int kSlots = kRedSum + 4 * 2 * kRows;               // i32 [2][64 tokens]
@@ -59,30 +61,8 @@ struct WgmmaSmem {
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
 
-// Four fp8 e4m3 codes (low byte first) to four bf16 values, exactly: each code's bits moved into
-// the bf16 fields (sign; exponent and mantissa shifted by 4), then one multiply by 2^120 rebiases
-// the exponent (7 -> 127) and turns fp8 subnormals into bf16 normals. Integer and bf16x2 operations
-// only, no conversion instructions. (The NaN codes 0x7F / 0xFF, which quantization never writes,
-// would read as +-480.)
-__device__ __forceinline__ std::uint32_t codes_to_bf16x2(std::uint32_t spaced) {  // bytes [0, c0, 0, c1]
-  const std::uint32_t bits = ((spaced & 0x7F007F00u) >> 4) | (spaced & 0x80008000u);
-  __nv_bfloat162 v;
-  std::memcpy(&v, &bits, 4);
-  const std::uint32_t two_pow_120 = 0x7B807B80u;
-  __nv_bfloat162 k;
-  std::memcpy(&k, &two_pow_120, 4);
-  v = __hmul2(v, k);
-  std::uint32_t out;
-  std::memcpy(&out, &v, 4);
-  return out;
-}
-[[maybe_unused]] __device__ __forceinline__ void fp8x4_to_bf16x4(std::uint32_t codes, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = codes_to_bf16x2(prmt(codes, 0u, 0x1404u));
-  hi = codes_to_bf16x2(prmt(codes, 0u, 0x3424u));
-}
-
 // 2^x with the special-function unit (ex2.approx: relative error about 2^-22; 2^-inf = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
+[[maybe_unused]] __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
@@ -91,7 +71,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a) {
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
-  extern __shared__ __align__(1024) unsigned char smem_base[];
+  extern __shared__ __align__(16) unsigned char smem_base[];
   unsigned char* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
   unsigned char* q_s = smem + Smem::kQ;
   unsigned char* k_s = smem + Smem::kK;
@@ -110,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   // the compiler sees a warp-uniform value: the wgmma descriptors built from it then stay in
   // uniform registers instead of being rebuilt per instruction (8 instructions each, in the SASS).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int w = (tid / 32) % 4;    // warp in the warpgroup: rows [16 w, 16 w + 16)
+  const int wg_warp = (tid / 32) % 4;  // warp in the warpgroup: rows [16 wg_warp, +16)
   const int b = blockIdx.z;
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kRows;
@@ -175,10 +155,18 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       const int token = 8 * warp + sub;
       const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + lane * 16);
       std::uint32_t out[8];
-      fp8x4_to_bf16x4(v.x, out[0], out[1]);
-      fp8x4_to_bf16x4(v.y, out[2], out[3]);
-      fp8x4_to_bf16x4(v.z, out[4], out[5]);
-      fp8x4_to_bf16x4(v.w, out[6], out[7]);
+      fp8x4_to_bf16x4_exact(v.x, out[0], out[1]);
+      fp8x4_to_bf16x4_exact(v.y, out[2], out[3]);
+      fp8x4_to_bf16x4_exact(v.z, out[4], out[5]);
+      fp8x4_to_bf16x4_exact(v.w, out[6], out[7]);
+      const std::uint32_t nan_x = fp8_nan_bytes(v.x), nan_y = fp8_nan_bytes(v.y);
+      const std::uint32_t nan_z = fp8_nan_bytes(v.z), nan_w = fp8_nan_bytes(v.w);
+      if ((nan_x | nan_y | nan_z | nan_w) != 0) {  // a NaN in the cache stays a NaN, as in the reference
+        fp8x4_nan_fixup(nan_x, out[0], out[1]);
+        fp8x4_nan_fixup(nan_y, out[2], out[3]);
+        fp8x4_nan_fixup(nan_z, out[4], out[5]);
+        fp8x4_nan_fixup(nan_w, out[6], out[7]);
+      }
       unsigned char* row = k_s + blk * kBlockBytes + token * wgmma::kSwizzleRowBytes;
       *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
       *reinterpret_cast<uint4*>(row + (((chunk + 1) ^ sub) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
@@ -198,8 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     }
   };
 
-  // This thread's rows (the accumulator layout): r0 = 16w + lane/4 and r0 + 8.
-  const int r_of[2] = {16 * w + lane / 4, 16 * w + lane / 4 + 8};
+  // This thread's rows (the accumulator layout): r0 = 16 wg_warp + lane / 4, and r0 + 8.
+  const int r_of[2] = {16 * wg_warp + lane / 4, 16 * wg_warp + lane / 4 + 8};
   int visible[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -313,8 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     for (int h = 0; h < 2; ++h) {
       const float tile_max = fmaxf(red_max[r_of[h]], red_max[kRows + r_of[h]]);
       const float new_max = fmaxf(row_max[h], tile_max);
-      const float base = new_max == -INFINITY ? 0.0f : new_max;  // all scores -inf: p = 0, alpha = 1
-      alpha[h] = fast_exp2(row_max[h] - base);
+      const float base = new_max == -INFINITY ? 0.0f : new_max;  // all scores -inf so far: p = 0
+      alpha[h] = new_max == -INFINITY ? 1.0f : fast_exp2(row_max[h] - base);
       row_max[h] = new_max;
       float sum = 0.0f;
 #pragma unroll
@@ -322,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
         const int token = wg * 32 + 8 * i + 2 * quad;
         const float p0 = fast_exp2(s[4 * i + 2 * h] - base);
         const float p1 = fast_exp2(s[4 * i + 2 * h + 1] - base);
-        *reinterpret_cast<float2*>(p_s + r_of[h] * kPStride + token) = make_float2(p0, p1);
+        *reinterpret_cast<float2*>(p_s + r_of[h] * kWgPStride + token) = make_float2(p0, p1);
         sum += p0 + p1;
       }
       row_sum[h] = row_sum[h] * alpha[h] + sum;
@@ -353,14 +341,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
         for (int part = 0; part < 4; ++part) {  // a0: (r, k), a1: (r + 8, k), a2: (r, k + 8), a3: (r + 8, k + 8)
           const int r = r_of[part % 2];
           const int k = 16 * kk + 2 * quad + 8 * (part / 2);
-          const float2 p = *reinterpret_cast<const float2*>(p_s + r * kPStride + k);
+          const float2 p = *reinterpret_cast<const float2*>(p_s + r * kWgPStride + k);
           const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + k);
           split_bf16x2(p.x * sc.x, p.y * sc.y, a_hi[kk][part], a_lo[kk][part]);
         }
-      }
-      if (j == 1) {
-        wgmma::wait<0>();  // block 2 wg's A registers are about to be reused
-        wgmma::fence_registers(o[0]);
       }
       wgmma::fence();
 #pragma unroll
@@ -422,12 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #endif
 }
 
-int configure() {
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(decode_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgmmaSmem::kAlloc);
-  LKV_CUDA_CHECK("mla_decode", configured);
-  return WgmmaSmem::kAlloc;
-}
+int configure() { return allow_dynamic_smem(decode_wgmma_kernel, WgmmaSmem::kAlloc, "mla_decode"); }
 
 }  // namespace
 
@@ -435,11 +414,24 @@ bool wgmma_decode_available() {
 #if defined(LKV_HAVE_SM90A)
   const char* choice = std::getenv("LATENTKV_MLA_KERNEL");
   if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
+  if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
+    throw Error("mla_decode", "LATENTKV_MLA_KERNEL", choice, "unset, \"auto\" or \"mma\"");
+  }
+  // Compute capability per device, read once (0: not read yet, 1: sm_90, 2: another GPU).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sm90[kMaxDevices] = {};
+  int device = 0;
+  LKV_CUDA_CHECK("mla_decode", cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) return false;
+  int known = sm90[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0, minor = 0;
+    LKV_CUDA_CHECK("mla_decode", cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    LKV_CUDA_CHECK("mla_decode", cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    known = major == 9 && minor == 0 ? 1 : 2;
+    sm90[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
 #else
   return false;
 #endif
