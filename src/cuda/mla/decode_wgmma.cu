@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   constexpr int kTail = kTokenChunks - 32;  // 9 tail chunks per token
   // cp.async of a tile's raw entries; a slot of -1 (outside the pool, no index) reads nothing.
   auto issue_raw = [&](int tile) {
-    const std::int32_t* slots = slot_s + (tile & 1) * kTile + 8 * warp;
+    const std::int32_t* slots = slot_s + (tile & 1) * kTile + 8 * warp;  // [8]: this warp's tokens
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const std::int32_t slot = slots[i];
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row) and
     // scale into the log2 domain. Whole tiles every row sees skip the per-token tests.
     const int tile_begin = begin + tile * kTile;
-    const std::int32_t* tile_slots = slot_s + (tile & 1) * kTile;
+    const std::int32_t* tile_slots = slot_s + (tile & 1) * kTile;  // [64]: this tile's slots, -1 unread
     const bool whole = all_read_s[(tile & 1) * 2] && all_read_s[(tile & 1) * 2 + 1] &&
                        tile_begin + kTile <= min(visible[0], visible[1]);
     if (whole) {
@@ -381,14 +381,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     for (int j = 0; j < 2; ++j) {
       const int dim0 = (2 * wg + j) * 128 + 2 * quad;
       if (a.num_splits == 1) {
-        std::uint16_t* out = a.o + out_row * kDimV + dim0;
+        std::uint16_t* out = a.o + out_row * kDimV + dim0;  // bf16 [16 groups of 8 dims], 2 per thread
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           *reinterpret_cast<std::uint32_t*>(out + 8 * i) = pack_bf16x2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
         }
       } else {
         const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
-        float* out = a.o_part + part_row * kDimV + dim0;
+        float* out = a.o_part + part_row * kDimV + dim0;  // f32 [16 groups of 8 dims], 2 per thread
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           *reinterpret_cast<float2*>(out + 8 * i) = make_float2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
