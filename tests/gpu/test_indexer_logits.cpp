@@ -59,13 +59,24 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   EXPECT_TRUE(compare("logits", logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));
 }
 
+// Many long requests: each warp streams more tiles than its ring holds (the steady state of the
+// pipeline, not only its first tiles); with page size 17, the 4-byte copies of unaligned pages.
+std::vector<std::int64_t> long_lengths(int count, std::int64_t first, std::int64_t step) {
+  std::vector<std::int64_t> lengths;
+  for (int i = 0; i < count; ++i) lengths.push_back(first + step * i);
+  return lengths;
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                          ::testing::Values(LogitsCase{32, 1, 64, {0, 1, 63, 65, 1000}},
+                                           LogitsCase{8, 1, 64, long_lengths(48, 4000, 97)},
+                                           LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
                                            LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
-                           os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size;
+                           os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"
+                              << info.param.lengths.size();
                            return os.str();
                          });
 

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
@@ -167,6 +168,7 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const int head_tiles = (a.heads + 7) / 8, padded = head_tiles * 8;
   float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
+  wait_for_previous_kernels();
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -210,6 +212,7 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
     current = next;
     next = after;
   }
+  allow_next_kernel();
   // Tiles past the length (a block table wider than the request): no keys, no products, -inf.
   for (; tile < end; tile += kWarps) {
     for (int j = lane; j < 16 * a.q_len; j += 32) {
@@ -236,7 +239,8 @@ void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
   const int per_request = std::clamp((sms * std::max(per_sm, 1) + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
   a.tiles_per_cta = (tiles + per_request - 1) / per_request;
   const int ctas = (tiles + a.tiles_per_cta - 1) / a.tiles_per_cta;
-  kernel<<<dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem, stream>>>(a);
+  launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
+                 stream, false, a);
 }
 
 }  // namespace
@@ -271,7 +275,6 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   } else {
     launch<false>(a, batch, smem, stream);
   }
-  LKV_CUDA_CHECK_LAUNCH("indexer_logits");
 }
 
 }  // namespace latentkv::cuda

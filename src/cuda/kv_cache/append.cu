@@ -2,6 +2,7 @@
 // One warp per token. Bit-identical to the CPU reference (src/cpu/append.cpp).
 #include <cstdint>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/kv_cache/launch.hpp"
@@ -30,6 +31,8 @@ __device__ __forceinline__ float abs_max_over(float v, int width) {
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs a) {
+  wait_for_previous_kernels();
+  allow_next_kernel();  // one short pass: the next kernel may take its place as soon as it ends
   const int lane = threadIdx.x % 32;
   const std::int64_t token = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (token >= a.n) return;
@@ -94,8 +97,7 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   a.pow2 = p.scale_mode == ScaleMode::kPow2;
   if (a.n == 0) return;
   const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  append_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("append");
+  launch_chained("append", append_kernel, blocks, kWarpsPerBlock * 32, 0, stream, false, a);
 }
 
 }  // namespace latentkv::cuda

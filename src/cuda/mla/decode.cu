@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kGroups * kRowsPerGroup;
 
+  wait_for_previous_kernels();
   const SplitRange range = split_range(a, b, split, kTileTokens);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // Queries of this CTA's rows into shared memory (rows past the last are zero).
@@ -264,6 +266,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
   }
 
   // ---- epilogue: normalise and write this split's rows ----
+  allow_next_kernel();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
@@ -313,6 +316,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
   const auto part = [&](int s) {
     return reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[lane];
   };
+  wait_for_previous_kernels();
 
   float l[kLsePerThread];  // this thread's splits threadIdx.x + e * kCombineThreads
 #pragma unroll
@@ -327,6 +331,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const DecodeAr
     v[k] = s < n ? part(s) : make_float4(0.f, 0.f, 0.f, 0.f);  // every split wrote its partial (zeros when empty)
   }
 
+  allow_next_kernel();
   float m = -INFINITY;
 #pragma unroll
   for (int e = 0; e < kLsePerThread; ++e) m = fmaxf(m, l[e]);
@@ -398,8 +403,8 @@ void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
   const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  decode_kernel<kFp8, kGroups><<<grid, kGroups * kWarpsPerGroup * 32, smem_bytes, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+  launch_chained("mla_decode", decode_kernel<kFp8, kGroups>, grid, kGroups * kWarpsPerGroup * 32, smem_bytes, stream,
+                 false, a);
 }
 
 template <bool kFp8, int kGroups>
@@ -497,11 +502,10 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
   if (a.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(a.batch * a.rows), kDimV / kCombineDims);
     if (a.num_splits <= 32) {
-      combine_kernel<128><<<grid, 128, 0, stream>>>(a);
+      launch_chained(op, combine_kernel<128>, grid, 128, 0, stream, false, a);
     } else {
-      combine_kernel<512><<<grid, 512, 0, stream>>>(a);
+      launch_chained(op, combine_kernel<512>, grid, 512, 0, stream, false, a);
     }
-    LKV_CUDA_CHECK_LAUNCH(op);
   }
 }
 

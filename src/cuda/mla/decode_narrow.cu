@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   const int r = lane / 4, c = lane % 4;
   const int b = blockIdx.y, split = blockIdx.x;
 
+  wait_for_previous_kernels();
   const SplitRange range = split_range(a, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // ---- queries: latent as f16 scaled by 2^e per row (max |q| in [2^12, 2^13)), rope as bf16 ----
@@ -345,6 +347,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   }
 
   // ---- epilogue: o = unit x O / sum, back in natural dim order ----
+  allow_next_kernel();
   const float u = unit[warp];
 #pragma unroll
   for (int n = 0; n < kNt; ++n) {
@@ -388,8 +391,7 @@ template <int kNt, int kStages>
 void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
   const int smem_bytes = configure<kNt, kStages>();
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  narrow_kernel<kNt, kStages><<<grid, kThreads, smem_bytes, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+  launch_chained("mla_decode", narrow_kernel<kNt, kStages>, grid, kThreads, smem_bytes, stream, false, a);
 }
 
 template <int kNt, int kStages>

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const int b = blockIdx.z;
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kRows;
+  wait_for_previous_kernels();
   const SplitRange range = split_range(a, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
 
@@ -361,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   wgmma::fence_registers(o[1]);
 
   // ---- epilogue: row sums over both warpgroups, then this warpgroup's 256 dims ----
+  allow_next_kernel();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = row_sum[h];
@@ -448,8 +451,7 @@ void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream) {
   const int smem_bytes = configure();
   const dim3 grid(static_cast<unsigned>((a.rows + kRows - 1) / kRows), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  decode_wgmma_kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("mla_decode");
+  launch_chained("mla_decode", decode_wgmma_kernel, grid, kThreads, smem_bytes, stream, false, a);
 }
 
 }  // namespace latentkv::cuda::mla

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/common/chained_launch.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"
@@ -312,12 +313,14 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
+  wait_for_previous_kernels();
   const Chunk c = chunk_of(a, blockIdx.x);
   if (c.n <= a.k || c.base >= c.n) return;
   float v[kPer];
   load_chunk(a, c, v);
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
   count_top_digits(c, v, s, state);
+  allow_next_kernel();
   if (!arrive_last(&state[kArrivedHistogram], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
   std::uint32_t top, above;
   top_threshold(a, s, state, top, above);
@@ -330,6 +333,8 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
+  wait_for_previous_kernels();
+  allow_next_kernel();  // the next kernel's CTAs may queue behind the row finishers
   const Chunk c = chunk_of(a, blockIdx.x);
   if (c.n <= a.k) return take_all<kPer>(a, c);
   if (c.base >= c.n) return;
@@ -350,6 +355,7 @@ template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   cg::grid_group grid = cg::this_grid();
+  wait_for_previous_kernels();
   const Chunk c = chunk_of(a, blockIdx.x);
   const bool select = c.n > a.k && c.base < c.n;
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
@@ -370,6 +376,7 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
     take_all<kPer>(a, c);
   }
   grid.sync();
+  allow_next_kernel();  // what is left: one CTA per row finishing it
   if (select && c.base == 0) finish_row(a, s, c, top, above, state, listed);
 }
 
@@ -401,23 +408,12 @@ void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_
     throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of " + std::to_string(a.chunk_len));
   }
   if (fits_at_once<kPer>(ctas)) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(ctas));
-    config.blockDim = dim3(kThreads);
-    config.stream = stream;
-    cudaLaunchAttribute cooperative{};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    LKV_CUDA_CHECK("topk", cudaLaunchKernelEx(&config, topk_cooperative_kernel<kPer>, a));
+    launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
     return;
   }
   LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
-  topk_histogram_kernel<kPer><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("topk");
-  topk_select_kernel<kPer><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
-  LKV_CUDA_CHECK_LAUNCH("topk");
+  launch_chained("topk", topk_histogram_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
+  launch_chained("topk", topk_select_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
 }
 
 }  // namespace
