@@ -135,6 +135,9 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 8, 2, 3, {2, 3, 4, 101}});
   for (int s : {1, 3, 7, 40}) v.push_back({"cuda", fp8, 8, 1, 64, {0, 1, 500, 2049}, s});
   v.push_back({"cuda", fp8, 8, 1, 64, {6000}});
+  // One or two long requests: more than 128 splits, the combine of 32 dims per CTA.
+  v.push_back({"cuda", fp8, 8, 1, 64, {40000, 0}});
+  v.push_back({"cuda", fp8, 8, 2, 64, {17000, 21001}});
   v.push_back({"cuda", fp8, 128, 2, 64, {1300}});
   v.push_back({"cuda", bf16, 8, 1, 64, mixed});
   v.push_back({"cuda", bf16, 16, 4, 17, {4, 100, 257}});

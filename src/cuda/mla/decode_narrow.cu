@@ -95,42 +95,34 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   wait_for_previous_kernels();
   const SplitRange range = split_range(a, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
-  // ---- queries: latent as f16 scaled by 2^e per row (max |q| in [2^12, 2^13)), rope as bf16 ----
-  for (int row = warp; row < kRows; row += 4) {
-    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
+  // ---- the first tiles go out before the queries are staged, so that the two overlap: the
+  // queries' loads, the slots of the first kStages tiles (all their entries loaded before any is
+  // used), then the copies ----
+  constexpr int kRowsPerWarp = kRows / 4;  // rows warp + 4 i
+  uint4 q_latent[kRowsPerWarp][2], q_rope[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = warp + 4 * i;
+    q_latent[i][0] = q_latent[i][1] = q_rope[i] = make_uint4(0, 0, 0, 0);
     if (row < a.rows) {
       const uint4* src = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * 576);
-      w0 = src[2 * lane];
-      w1 = src[2 * lane + 1];
-      if (lane < 8) rope = src[64 + lane];
+      q_latent[i][0] = src[2 * lane];
+      q_latent[i][1] = src[2 * lane + 1];
+      if (lane < 8) q_rope[i] = src[64 + lane];
     }
-    float v[16];
-    float amax = unpack_bf16x16(w0, w1, v);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    int e = 0;
-    if (amax > 0.0f) frexpf(amax, &e);
-    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
-    std::uint32_t packed[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const __half2 h = __floats2half2_rn(v[2 * i] * up, v[2 * i + 1] * up);
-      packed[i] = *reinterpret_cast<const std::uint32_t*>(&h);
-    }
-    unsigned char* dst = q_s + row * kQStride + lane * 32;
-    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    *reinterpret_cast<uint4*>(dst + 16) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    if (lane < 8) *reinterpret_cast<uint4*>(q_rope_s + row * kRopeStride + lane * 16) = rope;
-    if (lane == 0) row_qscale[row] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
   }
-  if (tid < kRows) {
-    row_max[tid] = -INFINITY;
-    row_sum[tid] = 0.0f;
-  }
-  if (tid < 4) unit[tid] = 0.0f;
   if (tid < kTile) {
+    std::int32_t entry[kStages];
 #pragma unroll
-    for (int t = 0; t < kStages; ++t) slot_s[t * kTile + tid] = t < num_tiles ? token_slot(a, b, begin + t * kTile + tid, end) : -1;
+    for (int t = 0; t < kStages; ++t) {
+      const int pos = begin + t * kTile + tid;
+      entry[t] = t < num_tiles && pos < end ? load_token_entry(a, b, pos) : -1;
+    }
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) {
+      const int pos = begin + t * kTile + tid;
+      slot_s[t * kTile + tid] = t < num_tiles && pos < end ? entry_to_slot(a, pos, entry[t]) : -1;
+    }
   }
   __syncthreads();
 
@@ -152,6 +144,36 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
     cp_async_commit();
   };
   for (int t = 0; t < kStages - 1; ++t) issue_tile(t);
+
+  // ---- queries: latent as f16 scaled by 2^e per row (max |q| in [2^12, 2^13)), rope as bf16 ----
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = warp + 4 * i;
+    float v[16];
+    float amax = unpack_bf16x16(q_latent[i][0], q_latent[i][1], v);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int e = 0;
+    if (amax > 0.0f) frexpf(amax, &e);
+    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
+    std::uint32_t packed[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const __half2 h = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
+      packed[k] = *reinterpret_cast<const std::uint32_t*>(&h);
+    }
+    unsigned char* dst = q_s + row * kQStride + lane * 32;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *reinterpret_cast<uint4*>(dst + 16) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if (lane < 8) *reinterpret_cast<uint4*>(q_rope_s + row * kRopeStride + lane * 16) = q_rope[i];
+    if (lane == 0) row_qscale[row] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
+  }
+  if (tid < kRows) {
+    row_max[tid] = -INFINITY;
+    row_sum[tid] = 0.0f;
+  }
+  if (tid < 4) unit[tid] = 0.0f;
+  __syncthreads();  // the queries are staged
 
   float acc_o[8][kNt][4];
 #pragma unroll
