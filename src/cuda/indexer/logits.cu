@@ -169,6 +169,17 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   const int head_tiles = (a.heads + 7) / 8, padded = head_tiles * 8;
   float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
   wait_for_previous_kernels();
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  const int tiles = (a.max_len + 15) / 16;
+  const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
+  const int live_end = min(end, (len + 15) / 16);  // tiles holding positions below the length
+  // Two tiles in flight per warp while it computes a third; the first two go out before the queries
+  // are staged, so that their loads overlap.
+  int tile = blockIdx.x * a.tiles_per_cta + warp;
+  Tile current, next, after;
+  if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
+  if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -196,16 +207,6 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   }
   __syncthreads();
 
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
-  const int tiles = (a.max_len + 15) / 16;
-  const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
-  const int live_end = min(end, (len + 15) / 16);  // tiles holding positions below the length
-  // Two tiles in flight per warp while it computes a third.
-  int tile = blockIdx.x * a.tiles_per_cta + warp;
-  Tile current, next, after;
-  if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
-  if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
   for (; tile < live_end; tile += kWarps) {
     if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, after);
     tile_logits(a, current, 16 * tile, b, len, g, tig, head_tiles, q_s, w_s);
