@@ -69,16 +69,18 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, std::uint32_t& 
 
 namespace latentkv::cuda {
 
-// Two packed fp8 e4m3 codes (low byte first) to two packed f16 values: exact, one instruction.
-__device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t two_codes) {
+// The two fp8 e4m3 codes in the low (bytes 0, 1) or high (bytes 2, 3) half of a word to two packed
+// f16 values (low byte first): exact, one instruction each. The high half is selected by the
+// conversion itself (an operand selector in SASS), with no shift before it.
+__device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t codes) {
   std::uint32_t r;
-  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(two_codes));
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(codes));
   return r;
 }
-
-__device__ __forceinline__ float fp8_to_float(std::uint8_t code) {
-  const std::uint32_t h = fp8x2_to_f16x2(code);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)));
+__device__ __forceinline__ std::uint32_t fp8x2_hi_to_f16x2(std::uint32_t codes) {
+  std::uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(codes));
+  return r;
 }
 
 // Four fp8 e4m3 codes (low byte first) to four bf16 values (lo: codes 0, 1; hi: codes 2, 3) with

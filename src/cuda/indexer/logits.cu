@@ -119,8 +119,8 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const std::uint32_t w = word(t.keys[r], s);
-      frag[s][r] = fp8x2_to_f16x2(w & 0xFFFFu);  // dims + 0, + 1
-      frag[s][2 + r] = fp8x2_to_f16x2(w >> 16);  // dims + 2, + 3
+      frag[s][r] = fp8x2_to_f16x2(w);  // dims + 0, + 1
+      frag[s][2 + r] = fp8x2_hi_to_f16x2(w);  // dims + 2, + 3
     }
   }
   const int padded = head_tiles * 8;
@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
       std::uint32_t halves[8];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        halves[2 * k] = fp8x2_to_f16x2(words[k] & 0xFFFFu);
-        halves[2 * k + 1] = fp8x2_to_f16x2(words[k] >> 16);
+        halves[2 * k] = fp8x2_to_f16x2(words[k]);
+        halves[2 * k + 1] = fp8x2_hi_to_f16x2(words[k]);
       }
       // Codes 16c .. 16c + 15 are dims of quarter c / 2, pieces 2 (c % 2) and 2 (c % 2) + 1.
       const int row_head = i * padded + h, quarter = c / 2, piece = 2 * (c % 2);

@@ -9,9 +9,13 @@
 // the products: they weight the per-block score partials, and fold into P' for the output block.
 //
 // Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, 2 or 3 deep:
-//   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2)
-//   softmax: all threads, over the tile's partials in shared memory (running max and sum per row)
+//   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2),
+//            masked tokens written as -inf; the two halves' partials meet in shared memory
+//   softmax: every warp, the whole tile, in registers: lane (r, c) takes row r and the tokens its
+//            output B fragments need, so P never goes back to shared memory and the running max and
+//            sum live in registers (each warp holds the same values)
 //   output:  warp w: the 128 dims of fp8 scale block w
+// Two CTA barriers per tile: the tile is staged, and the score partials are complete.
 // K's dims are read in a permuted order (16 contiguous codes per thread cover four k-steps); Q is
 // laid out to match, so the sum is unchanged. V^T pairs two tokens per register with byte permutes,
 // and the output dims are permuted the same way and put back in place when written.
@@ -34,6 +38,8 @@ constexpr int kTile = 32;          // tokens per tile
 constexpr int kTokenBytes = 656;   // fp8 main-cache entry
 constexpr int kTokenChunks = kTokenBytes / 16;
 constexpr int kStageBytes = kTile * kTokenBytes;
+constexpr int kCopyLanes = 8;                    // threads per token when a tile is copied in
+constexpr int kCopyTokens = kThreads / kCopyLanes;  // tokens per pass of all the threads
 // Tiles in flight per CTA: 3 (the current one and two ahead) when few requests share the GPU and
 // each CTA streams a short split (latency counts), 2 when the batch alone fills the GPU (more CTAs
 // fit per SM in less shared memory, and keep as many bytes in flight). H200, glm5 tp 8: 2 stages took
@@ -41,7 +47,7 @@ constexpr int kStageBytes = kTile * kTokenBytes;
 constexpr int kShallowFromBatch = 32;
 constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
 constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
-constexpr int kPStride = 36;       // floats per row of P
+constexpr int kSStride = 40;       // floats per row of score partials (conflict-free 8-byte reads)
 
 template <int kNt, int kStages>
 struct NarrowSmem {
@@ -49,16 +55,9 @@ struct NarrowSmem {
   static constexpr int kStage = 0;                                   // u8  [kStages][kTile * 656]
   static constexpr int kQ = kStage + kStages * kStageBytes;                // f16 [kRows][kQStride / 2]
   static constexpr int kQRope = kQ + kRows * kQStride;               // bf16 [kRows][kRopeStride / 2]
-  static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kTile][kRows]
-  static constexpr int kP = kSPart + 4 * 2 * kTile * kRows;          // f32 [kRows][kPStride]
-  static constexpr int kRowMax = kP + 4 * kRows * kPStride;          // f32 [kRows], log2 domain
-  static constexpr int kRowSum = kRowMax + 4 * kRows;                // f32 [kRows]
-  static constexpr int kRowAlpha = kRowSum + 4 * kRows;              // f32 [kRows], this tile's rescale
-  static constexpr int kRowQScale = kRowAlpha + 4 * kRows;           // f32 [kRows], 2^-e of the f16 queries
-  static constexpr int kUnit = kRowQScale + 4 * kRows;               // f32 [4], running max scale per block
-  static constexpr int kGamma = kUnit + 16;                          // f32 [4], this tile's unit rescale
-  static constexpr int kRatio = kGamma + 16;                         // f32 [4][kTile], scale / unit
-  static constexpr int kSlots = kRatio + 4 * 4 * kTile;              // i32 [kStages][kTile]
+  static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kRows][kSStride]
+  static constexpr int kRowQScale = kSPart + 4 * 2 * kRows * kSStride;  // f32 [kRows], 2^-e of the f16 queries
+  static constexpr int kSlots = kRowQScale + 4 * kRows;              // i32 [kStages][kTile]
   static constexpr int kBytes = kSlots + 4 * kStages * kTile;
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
 };
@@ -70,7 +69,7 @@ __device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, 
 }
 
 template <int kNt, int kStages>
-__global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_kernel(const DecodeArgs a) {
   using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -78,14 +77,7 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
   unsigned char* q_s = smem + Smem::kQ;
   unsigned char* q_rope_s = smem + Smem::kQRope;
   float* s_part = reinterpret_cast<float*>(smem + Smem::kSPart);
-  float* p_s = reinterpret_cast<float*>(smem + Smem::kP);
-  float* row_max = reinterpret_cast<float*>(smem + Smem::kRowMax);
-  float* row_sum = reinterpret_cast<float*>(smem + Smem::kRowSum);
-  float* row_alpha = reinterpret_cast<float*>(smem + Smem::kRowAlpha);
   float* row_qscale = reinterpret_cast<float*>(smem + Smem::kRowQScale);
-  float* unit = reinterpret_cast<float*>(smem + Smem::kUnit);
-  float* gamma = reinterpret_cast<float*>(smem + Smem::kGamma);
-  float* ratio = reinterpret_cast<float*>(smem + Smem::kRatio);
   std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -128,18 +120,27 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
 
   // cp.async of tile `tile` into stage tile % kStages, as one commit group; past the last tile an
   // empty group, so that "all but the newest kStages - 2 groups have landed" always means "this tile".
+  // Eight threads per token, each the 16-byte pieces p, p + 8, ... of tokens tid / 8 and tid / 8 + 16:
+  // one slot read per token and fixed offsets, so a tile costs each thread about a dozen instructions.
+  const int copy_token = tid / kCopyLanes, copy_piece = tid % kCopyLanes;
   auto issue_tile = [&](int tile) {
-    if (tile >= num_tiles) {
-      cp_async_commit();
-      return;
-    }
-    const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
-    std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
-    for (int ch = tid; ch < kTile * kTokenChunks; ch += kThreads) {
-      const int token = ch / kTokenChunks, piece = ch % kTokenChunks;
-      const std::int32_t slot = slots[token];
-      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes + piece * 16 : 0);
-      cp_async_16(stage + token * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
+    if (tile < num_tiles) {
+      const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
+      std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
+#pragma unroll
+      for (int pass = 0; pass < kTile / kCopyTokens; ++pass) {
+        const int token = copy_token + kCopyTokens * pass;
+        const std::int32_t slot = slots[token];
+        const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + 16 * copy_piece;
+        std::uint8_t* dst = stage + token * kTokenBytes + 16 * copy_piece;
+        const int bytes = slot >= 0 ? 16 : 0;  // zero-filled: an unread token's V meets P = 0, never NaN
+#pragma unroll
+        for (int i = 0; i < kTokenChunks / kCopyLanes; ++i) cp_async_16(dst + 16 * kCopyLanes * i, src + 16 * kCopyLanes * i, bytes);
+        if (copy_piece < kTokenChunks % kCopyLanes) {
+          constexpr int kLast = kTokenChunks / kCopyLanes * kCopyLanes * 16;
+          cp_async_16(dst + kLast, src + kLast, bytes);
+        }
+      }
     }
     cp_async_commit();
   };
@@ -168,12 +169,23 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
     if (lane < 8) *reinterpret_cast<uint4*>(q_rope_s + row * kRopeStride + lane * 16) = q_rope[i];
     if (lane == 0) row_qscale[row] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
   }
-  if (tid < kRows) {
-    row_max[tid] = -INFINITY;
-    row_sum[tid] = 0.0f;
-  }
-  if (tid < 4) unit[tid] = 0.0f;
   __syncthreads();  // the queries are staged
+
+  // Causal limit of the rows this thread writes scores for: rows n * 8 + 2c + e see tokens < visible.
+  int visible[kNt][2];
+#pragma unroll
+  for (int n = 0; n < kNt; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = n * 8 + 2 * c + e;
+      visible[n][e] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+    }
+  // Running softmax state of rows n * 8 + r (log2 domain), the same in every warp, and the running
+  // unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1.
+  float row_max[kNt], row_sum[kNt];
+#pragma unroll
+  for (int n = 0; n < kNt; ++n) row_max[n] = -INFINITY, row_sum[n] = 0.0f;
+  float unit = 0.0f;
 
   float acc_o[8][kNt][4];
 #pragma unroll
@@ -217,8 +229,8 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
         }
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const std::uint32_t a0 = fp8x2_to_f16x2(k0w[s]), a2 = fp8x2_to_f16x2(k0w[s] >> 16);
-          const std::uint32_t a1 = fp8x2_to_f16x2(k1w[s]), a3 = fp8x2_to_f16x2(k1w[s] >> 16);
+          const std::uint32_t a0 = fp8x2_to_f16x2(k0w[s]), a2 = fp8x2_hi_to_f16x2(k0w[s]);
+          const std::uint32_t a1 = fp8x2_to_f16x2(k1w[s]), a3 = fp8x2_hi_to_f16x2(k1w[s]);
 #pragma unroll
           for (int n = 0; n < kNt; ++n) {
             const std::uint32_t qw[8] = {qa[n].x, qa[n].y, qa[n].z, qa[n].w, qb[n].x, qb[n].y, qb[n].z, qb[n].w};
@@ -239,100 +251,105 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
           }
         }
       }
-      // Element e of n-tile n: token (e < 2 ? tok0 : tok1), row n * 8 + 2c + (e & 1).
+      // Element e of n-tile n: token (e < 2 ? tok0 : tok1), row n * 8 + 2c + (e & 1). A token past
+      // the split, past the row's causal limit or without a slot (not read) is -inf in both halves.
+      const float sc0[2] = {token_scale(kv, tok0, 2 * half), token_scale(kv, tok0, 2 * half + 1)};
+      const float sc1[2] = {token_scale(kv, tok1, 2 * half), token_scale(kv, tok1, 2 * half + 1)};
+      const int pos0 = tile_begin + tok0, pos1 = tile_begin + tok1;
+      const bool read0 = pos0 < end && tile_slots[tok0] >= 0, read1 = pos1 < end && tile_slots[tok1] >= 0;
 #pragma unroll
       for (int n = 0; n < kNt; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int token = e < 2 ? tok0 : tok1;
           const int row = n * 8 + 2 * c + (e & 1);
-          float part = (acc[0][n][e] * token_scale(kv, token, 2 * half) +
-                        acc[1][n][e] * token_scale(kv, token, 2 * half + 1)) *
-                       row_qscale[row];
+          const float* sc = e < 2 ? sc0 : sc1;
+          float part = (acc[0][n][e] * sc[0] + acc[1][n][e] * sc[1]) * row_qscale[row];
           if (half == 1) part += acc[2][n][e];
-          s_part[(half * kTile + token) * kRows + row] = part;
+          const bool keep = (e < 2 ? read0 : read1) && (e < 2 ? pos0 : pos1) < visible[n][e & 1];
+          s_part[(half * kRows + row) * kSStride + token] = keep ? part : -INFINITY;
         }
       }
     }
     __syncthreads();  // (B) score partials complete
 
-    // ---- online softmax over the tile: thread -> row tid / 8, tokens 4 (tid % 8) .. +3 ----
-    if (tid < kRows * 8) {
-      const int row = tid / 8, t0 = 4 * (tid % 8);
-      const int visible = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
-      float s[4];
+    // ---- online softmax over the tile, in every warp: lane (r, c) takes rows n * 8 + r and the tokens
+    // 16 ks + 2c + {0, 1, 8, 9} (ks = 0, 1) that its B fragments of P' hold: p[n][4 ks + {0, 1, 2, 3}] ----
+    float p[kNt][8], alpha[kNt];
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) {
+      const float* s0 = s_part + (n * 8 + r) * kSStride + 2 * c;
+      const float* s1 = s0 + kRows * kSStride;
       float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int t = t0 + i, pos = tile_begin + t;
-        const float v = (s_part[t * kRows + row] + s_part[(kTile + t) * kRows + row]) * a.scale_log2;
-        const bool read = tile_slots[t] >= 0;  // a slot outside the pool (or a -1 index) is not attended
-        s[i] = (pos < end && pos < visible && read) ? v : -INFINITY;
-        mx = fmaxf(mx, s[i]);
+      for (int j = 0; j < 4; ++j) {  // tokens 8 j + 2c, + 1
+        const float2 h0 = *reinterpret_cast<const float2*>(s0 + 8 * j);
+        const float2 h1 = *reinterpret_cast<const float2*>(s1 + 8 * j);
+        p[n][2 * j] = (h0.x + h1.x) * a.scale_log2;
+        p[n][2 * j + 1] = (h0.y + h1.y) * a.scale_log2;
+        mx = fmaxf(mx, fmaxf(p[n][2 * j], p[n][2 * j + 1]));
       }
-      const float old_max = row_max[row];
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float new_max = fmaxf(row_max[n], mx);
+      alpha[n] = new_max == -INFINITY ? 1.0f : exp2f(row_max[n] - new_max);
+      float sum = 0.0f;
 #pragma unroll
-      for (int off = 1; off < 8; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float new_max = fmaxf(old_max, mx);
-      float p[4], sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        p[i] = s[i] == -INFINITY ? 0.0f : exp2f(s[i] - new_max);
-        sum += p[i];
+      for (int i = 0; i < 8; ++i) {
+        p[n][i] = p[n][i] == -INFINITY ? 0.0f : exp2f(p[n][i] - new_max);
+        sum += p[n][i];
       }
-      *reinterpret_cast<float4*>(p_s + row * kPStride + t0) = make_float4(p[0], p[1], p[2], p[3]);
-#pragma unroll
-      for (int off = 1; off < 8; off *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      __syncwarp();  // every lane has read row_max / row_sum before lane 0 rewrites them
-      if (tid % 8 == 0) {
-        const float alpha = new_max == -INFINITY ? 1.0f : exp2f(old_max - new_max);
-        row_alpha[row] = alpha;
-        row_sum[row] = row_sum[row] * alpha + sum;
-        row_max[row] = new_max;
-      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      row_sum[n] = row_sum[n] * alpha[n] + sum;
+      row_max[n] = new_max;
     }
-    {  // running unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1
-      const float sc = token_scale(kv, lane, warp);
-      float mx = sc;
+    // ---- the scale block of this warp: ratio = scale / unit for the same tokens ----
+    float ratio[8];
+    float gamma;
+    {
+      float mx = 0.0f;
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float old_unit = unit[warp];
-      const float new_unit = fmaxf(old_unit, mx);
-      ratio[warp * kTile + lane] = new_unit > 0.0f ? sc / new_unit : 0.0f;
-      __syncwarp();
-      if (lane == 0) {
-        gamma[warp] = new_unit > 0.0f ? old_unit / new_unit : 1.0f;
-        unit[warp] = new_unit;
+      for (int i = 0; i < 8; ++i) {
+        ratio[i] = token_scale(kv, 8 * (i / 2) + 2 * c + i % 2, warp);
+        mx = fmaxf(mx, ratio[i]);
       }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float new_unit = fmaxf(unit, mx);
+      const float inv = new_unit > 0.0f ? 1.0f / new_unit : 0.0f;
+      gamma = new_unit > 0.0f ? unit * inv : 1.0f;
+      unit = new_unit;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ratio[i] *= inv;
     }
-    __syncthreads();  // (C) P, the row rescales and the block unit are ready
 
     // ---- O^T += V^T P'^T for the 128 dims of block `warp` ----
     {
-      const float g = gamma[warp];
 #pragma unroll
-      for (int n = 0; n < kNt; ++n) {
-        const float f0 = row_alpha[n * 8 + 2 * c] * g, f1 = row_alpha[n * 8 + 2 * c + 1] * g;
+      for (int n = 0; n < kNt; ++n) {  // the accumulators hold rows n * 8 + 2c, + 1: lanes 8c, 8c + 4
+        const float f0 = __shfl_sync(0xffffffffu, alpha[n], 8 * c) * gamma;
+        const float f1 = __shfl_sync(0xffffffffu, alpha[n], 8 * c + 4) * gamma;
+        if (__any_sync(0xffffffffu, f0 != 1.0f || f1 != 1.0f)) {
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          acc_o[m][n][0] *= f0;
-          acc_o[m][n][1] *= f1;
-          acc_o[m][n][2] *= f0;
-          acc_o[m][n][3] *= f1;
+          for (int m = 0; m < 8; ++m) {
+            acc_o[m][n][0] *= f0;
+            acc_o[m][n][1] *= f1;
+            acc_o[m][n][2] *= f0;
+            acc_o[m][n][3] *= f1;
+          }
         }
       }
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {
         const int t = 16 * ks + 2 * c;
         std::uint32_t b_hi[kNt][2], b_lo[kNt][2];
-        const float* rt = ratio + warp * kTile;
 #pragma unroll
         for (int n = 0; n < kNt; ++n) {
-          const float* prow = p_s + (n * 8 + r) * kPStride;
-          const float2 p01 = *reinterpret_cast<const float2*>(prow + t);
-          const float2 p89 = *reinterpret_cast<const float2*>(prow + t + 8);
-          split_f16x2(p01.x * rt[t], p01.y * rt[t + 1], b_hi[n][0], b_lo[n][0]);
-          split_f16x2(p89.x * rt[t + 8], p89.y * rt[t + 9], b_hi[n][1], b_lo[n][1]);
+          const float* pk = p[n] + 4 * ks;
+          const float* rk = ratio + 4 * ks;
+          split_f16x2(pk[0] * rk[0], pk[1] * rk[1], b_hi[n][0], b_lo[n][0]);
+          split_f16x2(pk[2] * rk[2], pk[3] * rk[3], b_hi[n][1], b_lo[n][1]);
         }
 #pragma unroll
         for (int gi = 0; gi < 2; ++gi) {
@@ -350,9 +367,8 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
           const std::uint32_t pd[2] = {prmt(v10, v11, 0x5140), prmt(v10, v11, 0x7362)};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {  // m-tile: rows r -> dim dim_r + j, r + 8 -> dim dim_r + 32 + j
-            const int sh = 16 * (j % 2);
-            const std::uint32_t a0 = fp8x2_to_f16x2(pa[j / 2] >> sh), a1 = fp8x2_to_f16x2(pb[j / 2] >> sh);
-            const std::uint32_t a2 = fp8x2_to_f16x2(pc[j / 2] >> sh), a3 = fp8x2_to_f16x2(pd[j / 2] >> sh);
+            const auto cvt = j % 2 == 0 ? fp8x2_to_f16x2 : fp8x2_hi_to_f16x2;
+            const std::uint32_t a0 = cvt(pa[j / 2]), a1 = cvt(pb[j / 2]), a2 = cvt(pc[j / 2]), a3 = cvt(pd[j / 2]);
             float(&acc)[kNt][4] = acc_o[4 * gi + j];
 #pragma unroll
             for (int n = 0; n < kNt; ++n) {
@@ -370,17 +386,17 @@ __global__ void __launch_bounds__(kThreads) narrow_kernel(const DecodeArgs a) {
 
   // ---- epilogue: o = unit x O / sum, back in natural dim order ----
   allow_next_kernel();
-  const float u = unit[warp];
 #pragma unroll
   for (int n = 0; n < kNt; ++n) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int row = n * 8 + 2 * c + e;
+      const int row = n * 8 + 2 * c + e;  // its state is held by lanes 4 (2c + e) + any
+      const float l = __shfl_sync(0xffffffffu, row_sum[n], 4 * (2 * c + e));
+      const float mx = __shfl_sync(0xffffffffu, row_max[n], 4 * (2 * c + e));
       if (row >= a.rows) continue;
-      const float l = row_sum[row];
-      const float inv = l > 0.0f ? u / l : 0.0f;
+      const float inv = l > 0.0f ? unit / l : 0.0f;
       const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
-      const float lse = l > 0.0f ? (row_max[row] + log2f(l)) * kLn2 : -INFINITY;
+      const float lse = l > 0.0f ? (mx + log2f(l)) * kLn2 : -INFINITY;
       const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
