@@ -12,6 +12,21 @@ namespace latentkv::cuda::mla {
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^x with the special-function unit (ex2.approx: relative error about 2^-22; 2^-inf = 0), without
+// exp2f's fix-up for results below 2^-126 (softmax weights that small are zeros here).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x with the special-function unit (rcp.approx: within one ulp), without a division's slow path.
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 struct DecodeArgs {
   const std::uint16_t* q;            // [B, q_len, H, 576] bf16
   const std::uint8_t* cache;         // [num_pages * page_size, token_bytes]

@@ -292,11 +292,12 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float new_max = fmaxf(row_max[n], mx);
-      alpha[n] = new_max == -INFINITY ? 1.0f : exp2f(row_max[n] - new_max);
+      const float base = new_max == -INFINITY ? 0.0f : new_max;  // every token masked so far: p = 2^-inf = 0
+      alpha[n] = fast_exp2(row_max[n] - base);
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        p[n][i] = p[n][i] == -INFINITY ? 0.0f : exp2f(p[n][i] - new_max);
+        p[n][i] = fast_exp2(p[n][i] - base);
         sum += p[n][i];
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float new_unit = fmaxf(unit, mx);
-      const float inv = new_unit > 0.0f ? 1.0f / new_unit : 0.0f;
+      const float inv = new_unit > 0.0f ? fast_rcp(new_unit) : 0.0f;
       gamma = new_unit > 0.0f ? unit * inv : 1.0f;
       unit = new_unit;
 #pragma unroll

@@ -62,13 +62,6 @@ struct WgmmaSmem {
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
 
-// 2^x with the special-function unit (ex2.approx: relative error about 2^-22; 2^-inf = 0).
-[[maybe_unused]] __device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a) {
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
