@@ -18,8 +18,6 @@
 
 #include <cuda_runtime.h>
 
-#include <map>
-#include <mutex>
 #include <utility>
 
 #include "cuda/common/cuda_check.hpp"
@@ -39,21 +37,8 @@ __device__ __forceinline__ void allow_next_kernel() {
 }
 
 // Whether the current device can start a kernel before the previous one ends (compute capability
-// 9.0 and later), asked once per device.
-inline bool chained_launch_supported(const char* op) {
-  static std::mutex mutex;
-  static std::map<int, bool> known;
-  int device = 0;
-  check(cudaGetDevice(&device), op, "cudaGetDevice");
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    int major = 0;
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), op, "cudaDeviceGetAttribute");
-    it = known.emplace(device, major >= 9).first;
-  }
-  return it->second;
-}
+// 9.0 and later).
+inline bool chained_launch_supported(const char* op) { return current_device_sm(op) >= 90; }
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), chained to the previous kernel of the
 // stream where the device supports it; `cooperative` adds the cooperative-launch attribute (grid

@@ -18,6 +18,23 @@ inline void check(cudaError_t status, const char* op, const char* what) {
   }
 }
 
+// The current device's compute capability as major * 10 + minor (90 for sm_90), read once per device.
+inline int current_device_sm(const char* op) {
+  static std::mutex mutex;
+  static std::map<int, int> known;  // device -> sm
+  int device = 0;
+  check(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    int major = 0, minor = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), op, "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), op, "cudaDeviceGetAttribute");
+    it = known.emplace(device, major * 10 + minor).first;
+  }
+  return it->second;
+}
+
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per kernel
 // and device (the attribute is per device: a second GPU of the process needs its own call); returns
 // `bytes`.

@@ -228,10 +228,11 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
 template <bool kAligned16>
 void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
   const auto kernel = logits_kernel<kAligned16>;
-  if (smem > 48 * 1024) {  // 64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows
-    LKV_CUDA_CHECK("indexer_logits",
-                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
+  // The most any call takes (64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows),
+  // allowed once per device the first time a call needs more than the default 48 KB.
+  constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * (2 * kDim + static_cast<int>(sizeof(float)));
+  static_assert(kMaxSmem <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
+  if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
   int device = 0, sms = 0, per_sm = 0;
   LKV_CUDA_CHECK("indexer_logits", cudaGetDevice(&device));
   LKV_CUDA_CHECK("indexer_logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -19,7 +19,6 @@
 // sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -413,21 +412,7 @@ bool wgmma_decode_available() {
   if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
     throw Error("mla_decode", "LATENTKV_MLA_KERNEL", choice, "unset, \"auto\" or \"mma\"");
   }
-  // Compute capability per device, read once (0: not read yet, 1: sm_90, 2: another GPU).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> sm90[kMaxDevices] = {};
-  int device = 0;
-  LKV_CUDA_CHECK("mla_decode", cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) return false;
-  int known = sm90[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0, minor = 0;
-    LKV_CUDA_CHECK("mla_decode", cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    LKV_CUDA_CHECK("mla_decode", cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    known = major == 9 && minor == 0 ? 1 : 2;
-    sm90[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
+  return current_device_sm("mla_decode") == 90;
 #else
   return false;
 #endif
