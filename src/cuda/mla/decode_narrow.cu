@@ -68,6 +68,8 @@ __device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, 
   return reinterpret_cast<const float*>(kv + token * kTokenBytes + 512)[block];
 }
 
+// Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
+// file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages.
 template <int kNt, int kStages>
 __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_kernel(const DecodeArgs a) {
   using Smem = NarrowSmem<kNt, kStages>;
