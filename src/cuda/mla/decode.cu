@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
-    visible[h] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+    visible[h] = visible_tokens(a, len, row);
   }
 
   if (num_tiles > 0) issue_loads(0);

@@ -69,6 +69,12 @@ __device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, int b, in
   return s;
 }
 
+// Tokens query row `row` (q_len x heads rows, new token row / heads) of a request of length `len`
+// sees, causal among the request's q_len new tokens; 0 for the padding rows past a.rows.
+__device__ __forceinline__ int visible_tokens(const DecodeArgs& a, int len, int row) {
+  return row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+}
+
 // Token t of request b comes from its block table (dense: page t / page_size) or its index row
 // (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the
 // global load can be issued early and used late. A slot outside the pool, or -1, gives -1: the

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int row = n * 8 + 2 * c + e;
-      visible[n][e] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+      visible[n][e] = visible_tokens(a, len, row);
     }
   // Running softmax state of rows n * 8 + r (log2 domain), the same in every warp, and the running
   // unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1.

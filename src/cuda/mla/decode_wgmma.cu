@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + r_of[h];
-    visible[h] = row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
+    visible[h] = visible_tokens(a, len, row);
   }
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
   float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed at the end
