@@ -5,14 +5,18 @@
 // one small matrix product per query row, S[token, head] = K[token, 0:128] . Q[head, 0:128]:
 //   * A = 16 tokens x 16 dims of keys, B = 16 dims x 8 heads of queries, per k-step. The 128 dims
 //     are visited in a permuted order (the same for keys and queries, so every product still pairs
-//     the right values): lane (g, tig) supplies, over the eight k-steps, dims 32*tig .. 32*tig + 31
-//     - two 16-byte loads straight from a token's key, converted to f16 once per tile.
+//     the right values): lane (g, tig) supplies, over the eight k-steps, dims 16*tig .. 16*tig + 15
+//     and 64 + 16*tig .. 64 + 16*tig + 15 - two 16-byte loads straight from a token's key (each load
+//     instruction of the warp reads whole 64-byte halves of 8 keys), converted to f16 once per tile.
 //   * A CTA owns a span of one request's positions; its 4 warps take 16-token tiles in turn, each
 //     loading its next two tiles' keys into registers while it computes the current one, which serves
-//     every query row. The grid is one wave of resident CTAs whatever the batch.
-//   * All query rows and weights of the request sit in shared memory; heads are taken 8 at a time
-//     (a missing head has zero queries and weight), relu'd, weighted and summed across the 4 lanes
-//     of a quad, then scaled by kscale_t and written. Positions a row cannot see get -inf.
+//     every query row. The three tiles rotate through registers by unrolling, not by copies. The
+//     grid is one wave of resident CTAs whatever the batch.
+//   * All query rows and weights of the request sit in shared memory, heads padded to a multiple of
+//     8 with zero queries and weights. Heads are taken 8 at a time, their products summed over even
+//     and odd k-steps apart: two independent mma chains per warp instead of one of eight. The sums are
+//     relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t and written.
+//     Positions a row cannot see get -inf.
 // f16 holds every e4m3 value exactly, so each product is exact; the sums are float32 in tensor-core
 // order. (mma.sync on raw e4m3 codes was tried first: on sm_90 it converts to f16 inside every
 // instruction, for every 8 heads again, and ran the kernel instruction-bound.)
@@ -35,6 +39,9 @@ namespace {
 constexpr int kDim = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kHeadGroup = 8;  // heads per pass of the head loop (one mma n-tile)
+
+__host__ __device__ constexpr int padded_heads(int heads) { return (heads + kHeadGroup - 1) / kHeadGroup * kHeadGroup; }
 
 struct LogitsArgs {
   const std::uint8_t* q;             // [B, q_len, Hi, 128] fp8
@@ -45,6 +52,7 @@ struct LogitsArgs {
   float* logits;                     // [B, q_len, max_len]
   std::int64_t num_pages;
   int page_size;
+  int page_shift;                    // log2(page_size) when a power of two, else -1
   int max_pages;
   int q_len;
   int heads;
@@ -52,26 +60,33 @@ struct LogitsArgs {
   int tiles_per_cta;                 // 16-token tiles of one CTA's span of positions
 };
 
-// One token's 32 key bytes for this lane (dims 32*tig ..) and its scale; false (and zeros) when the
-// position is past the request's length or its page is outside the pool.
+// One token's 32 key bytes for this lane (dims 16*tig .. and 64 + 16*tig ..) and its scale; false
+// (and zeros) when the position is past the request's length or its page is outside the pool.
 template <bool kAligned16>
 __device__ __forceinline__ bool load_key(const LogitsArgs& a, int b, int t, int len, int tig, uint4 (&k)[2],
                                          float& scale) {
   k[0] = k[1] = make_uint4(0, 0, 0, 0);
   scale = 0.0f;
   if (t >= len) return false;
-  const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
+  int index, offset;  // page index in the table, position in the page
+  if (a.page_shift >= 0) {
+    index = t >> a.page_shift;
+    offset = t & (a.page_size - 1);
+  } else {
+    index = t / a.page_size;
+    offset = t - index * a.page_size;
+  }
+  const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + index];
   if (page < 0 || page >= a.num_pages) return false;
   const std::uint8_t* page_base = a.cache + static_cast<std::int64_t>(page) * a.page_size * 132;
-  const int offset = t % a.page_size;
-  const std::uint8_t* key = page_base + static_cast<std::int64_t>(offset) * kDim + 32 * tig;
+  const std::uint8_t* key = page_base + static_cast<std::int64_t>(offset) * kDim + 16 * tig;
   if constexpr (kAligned16) {
-    k[0] = reinterpret_cast<const uint4*>(key)[0];
-    k[1] = reinterpret_cast<const uint4*>(key)[1];
+    k[0] = *reinterpret_cast<const uint4*>(key);
+    k[1] = *reinterpret_cast<const uint4*>(key + kDim / 2);
   } else {  // pages of 132 x page_size bytes with page_size % 4 != 0: only 4-byte alignment
     const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(key);
     k[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    k[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    k[1] = make_uint4(w[16], w[17], w[18], w[19]);
   }
   scale = reinterpret_cast<const float*>(page_base + static_cast<std::int64_t>(a.page_size) * kDim)[offset];
   return true;
@@ -101,18 +116,19 @@ __device__ __forceinline__ void load_tile(const LogitsArgs& a, int b, int first,
   for (int r = 0; r < 2; ++r) t.cached[r] = load_key<kAligned16>(a, b, first + g + 8 * r, len, tig, t.keys[r], t.scales[r]);
 }
 
-// Shared-memory byte offset of 16-byte piece `piece` (0..3) of quarter `quarter` (0..3, dims
-// 32*quarter ..) of head `head`'s f16 queries. The XOR swizzle spreads the 8 lanes of a load phase
-// (heads g, g+1 of one 8-head tile, quarters 0..3) over all 8 16-byte bank groups.
+// Shared-memory byte offset of 16-byte piece `piece` (0..3) of quarter `quarter` (0..3: the dims
+// lane tig = quarter supplies) of head `head`'s f16 queries. The XOR swizzle spreads the 8 lanes of a
+// load phase (heads g, g+1 of one 8-head tile, quarters 0..3) over all 8 16-byte bank groups.
 __device__ __forceinline__ int q_offset(int row_head, int head, int quarter, int piece) {
   return row_head * kDim * 2 + quarter * 64 + ((piece ^ ((quarter >> 1) | ((head & 1) << 1))) * 16);
 }
 
 // One tile against every query row: S = K Q^T per 8 heads on the tensor cores, relu, weights, the
-// sum over heads across the quad, kscale; -inf where the row cannot see.
+// sum over heads across the quad, kscale; -inf where the row cannot see. q_lane is this lane's
+// queries of head g, row 0 (its quarter tig); sw its swizzle of the pieces.
 __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, int b, int len, int g, int tig,
-                                            int head_tiles, const std::uint8_t* q_s, const float* w_s) {
-  // A fragments of the 8 k-steps: step s covers this lane's dims 32*tig + 4s .. + 3 of both rows.
+                                            int padded, const std::uint8_t* q_lane, int sw, const float* w_s) {
+  // A fragments of the 8 k-steps: step s covers this lane's word s (4 dims) of both rows.
   std::uint32_t frag[8][4];
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
@@ -123,28 +139,27 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
       frag[s][2 + r] = fp8x2_hi_to_f16x2(w);  // dims + 2, + 3
     }
   }
-  const int padded = head_tiles * 8;
   for (int i = 0; i < a.q_len; ++i) {
     float logit[2] = {0.0f, 0.0f};
 #pragma unroll 1
-    for (int n = 0; n < head_tiles; ++n) {
-      // Head n*8 + g's 32 f16 queries of this lane's dims, and the weights of the heads it accumulates.
-      const int head = n * 8 + g, row_head = i * padded + head;
+    for (int n = 0; n < padded; n += kHeadGroup) {
+      // Head n + g's 32 f16 queries of this lane's dims (pieces 0..3), and the weights of the heads
+      // whose sums it holds (n + 2 tig, + 1).
+      const std::uint8_t* q_head = q_lane + (i * padded + n) * kDim * 2;
       uint4 q[4];
 #pragma unroll
-      for (int piece = 0; piece < 4; ++piece) {
-        q[piece] = *reinterpret_cast<const uint4*>(q_s + q_offset(row_head, head, tig, piece));
-      }
-      const float w0 = w_s[i * padded + n * 8 + 2 * tig], w1 = w_s[i * padded + n * 8 + 2 * tig + 1];
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int piece = 0; piece < 4; ++piece) q[piece] = *reinterpret_cast<const uint4*>(q_head + ((piece ^ sw) * 16));
+      // Two independent chains: even and odd k-steps.
+      float s[2][4] = {};
 #pragma unroll
       for (int step = 0; step < 8; ++step) {
         const uint4 (&pair)[2] = *reinterpret_cast<const uint4(*)[2]>(&q[step / 4 * 2]);
-        mma_f16_16816(s, frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
+        mma_f16_16816(s[step % 2], frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
                       word(pair, 2 * (step % 4) + 1));
       }
-      logit[0] = fmaf(w0, fmaxf(s[0], 0.0f), fmaf(w1, fmaxf(s[1], 0.0f), logit[0]));
-      logit[1] = fmaf(w0, fmaxf(s[2], 0.0f), fmaf(w1, fmaxf(s[3], 0.0f), logit[1]));
+      const float2 w = *reinterpret_cast<const float2*>(w_s + i * padded + n + 2 * tig);
+      logit[0] = fmaf(w.x, fmaxf(s[0][0] + s[1][0], 0.0f), fmaf(w.y, fmaxf(s[0][1] + s[1][1], 0.0f), logit[0]));
+      logit[1] = fmaf(w.x, fmaxf(s[0][2] + s[1][2], 0.0f), fmaf(w.y, fmaxf(s[0][3] + s[1][3], 0.0f), logit[1]));
     }
     const int visible = len - a.q_len + i + 1;  // causal among the new tokens
     float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
@@ -159,14 +174,25 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
   }
 }
 
+// One turn of a warp's walk: compute tile `tile` (its keys in `current`) after sending for the keys of
+// the tile two turns ahead into `refill`; false (doing nothing) past the live tiles.
+template <bool kAligned16>
+__device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end, int b, int len, int g, int tig, int padded,
+                                     const std::uint8_t* q_lane, int sw, const float* w_s, const Tile& current, Tile& refill) {
+  if (tile >= live_end) return false;
+  if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, refill);
+  tile_logits(a, current, 16 * tile, b, len, g, tig, padded, q_lane, sw, w_s);
+  return true;
+}
+
 // Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once (as
 // f16), then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
 template <bool kAligned16>
-__global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
+__global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a) {
   extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] f16, then [q_len, padded] weights
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-  const int head_tiles = (a.heads + 7) / 8, padded = head_tiles * 8;
+  const int padded = padded_heads(a.heads);
   float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
   wait_for_previous_kernels();
   const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
@@ -177,9 +203,9 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   // Two tiles in flight per warp while it computes a third; the first two go out before the queries
   // are staged, so that their loads overlap.
   int tile = blockIdx.x * a.tiles_per_cta + warp;
-  Tile current, next, after;
-  if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, current);
-  if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, next);
+  Tile t0, t1, t2;
+  if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, t0);
+  if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, t1);
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -194,8 +220,9 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
         halves[2 * k] = fp8x2_to_f16x2(words[k]);
         halves[2 * k + 1] = fp8x2_hi_to_f16x2(words[k]);
       }
-      // Codes 16c .. 16c + 15 are dims of quarter c / 2, pieces 2 (c % 2) and 2 (c % 2) + 1.
-      const int row_head = i * padded + h, quarter = c / 2, piece = 2 * (c % 2);
+      // Codes 16c .. 16c + 15 are dims of quarter c % 4 (the lane that loads them), pieces 2 (c / 4)
+      // and 2 (c / 4) + 1.
+      const int row_head = i * padded + h, quarter = c % 4, piece = 2 * (c / 4);
       *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece)) = make_uint4(halves[0], halves[1], halves[2], halves[3]);
       *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece + 1)) = make_uint4(halves[4], halves[5], halves[6], halves[7]);
     }
@@ -207,11 +234,15 @@ __global__ void __launch_bounds__(kThreads) logits_kernel(const LogitsArgs a) {
   }
   __syncthreads();
 
-  for (; tile < live_end; tile += kWarps) {
-    if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, after);
-    tile_logits(a, current, 16 * tile, b, len, g, tig, head_tiles, q_s, w_s);
-    current = next;
-    next = after;
+  const std::uint8_t* q_lane = q_s + g * kDim * 2 + tig * 64;
+  const int sw = (tig >> 1) | ((g & 1) << 1);  // q_offset's swizzle for heads n + g, n a multiple of 8
+  for (;;) {  // unrolled by three so that the tiles rotate through t0, t1, t2 without copies
+    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t0, t2)) break;
+    tile += kWarps;
+    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t1, t0)) break;
+    tile += kWarps;
+    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t2, t1)) break;
+    tile += kWarps;
   }
   allow_next_kernel();
   // Tiles past the length (a block table wider than the request): no keys, no products, -inf.
@@ -230,6 +261,7 @@ void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
   const auto kernel = logits_kernel<kAligned16>;
   // The most any call takes (64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows),
   // allowed once per device the first time a call needs more than the default 48 KB.
+  static_assert(padded_heads(kMaxIndexerHeads) == kMaxIndexerHeads);
   constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * (2 * kDim + static_cast<int>(sizeof(float)));
   static_assert(kMaxSmem <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
   if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
@@ -257,6 +289,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.logits = p.logits.as<float>();
   a.num_pages = p.cache.num_pages;
   a.page_size = p.cache.page_size;
+  a.page_shift = (a.page_size & (a.page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(a.page_size)) : -1;
   a.max_pages = static_cast<int>(p.block_table.size(1));
   a.q_len = static_cast<int>(p.q.size(1));
   a.heads = static_cast<int>(p.q.size(2));
@@ -270,7 +303,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
     throw Error("indexer_logits", "q", "an address not 16-byte aligned", "16-byte aligned device memory");
   }
-  const int padded = (a.heads + 7) / 8 * 8;
+  const int padded = padded_heads(a.heads);
   const auto smem = static_cast<std::size_t>(a.q_len) * padded * (2 * kDim + sizeof(float));
   if (a.page_size % 4 == 0) {  // 132 x page_size bytes per page: every key 16-byte aligned
     launch<true>(a, batch, smem, stream);
