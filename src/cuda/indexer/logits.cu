@@ -265,10 +265,8 @@ void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
   constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * (2 * kDim + static_cast<int>(sizeof(float)));
   static_assert(kMaxSmem <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
   if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
-  int device = 0, sms = 0, per_sm = 0;
-  LKV_CUDA_CHECK("indexer_logits", cudaGetDevice(&device));
-  LKV_CUDA_CHECK("indexer_logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LKV_CUDA_CHECK("indexer_logits", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int sms = current_device_limits("indexer_logits").multiprocessors;
+  const int per_sm = resident_ctas_per_sm(kernel, kThreads, smem, "indexer_logits");
   const int tiles = (a.max_len + 15) / 16;
   const int per_request = std::clamp((sms * std::max(per_sm, 1) + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
   a.tiles_per_cta = (tiles + per_request - 1) / per_request;

@@ -424,11 +424,8 @@ void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
 
 template <bool kFp8, int kGroups>
 int wide_blocks_per_sm() {
-  int blocks = 0;
-  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                   &blocks, decode_kernel<kFp8, kGroups>, kGroups * kWarpsPerGroup * 32,
-                                   configure<kFp8, kGroups>()));
-  return blocks;
+  return resident_ctas_per_sm(decode_kernel<kFp8, kGroups>, kGroups * kWarpsPerGroup * 32, configure<kFp8, kGroups>(),
+                              "mla_decode");
 }
 
 // The kernel a call runs, decided in one place for planning, launching and naming.

@@ -437,10 +437,7 @@ void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
 
 template <int kNt, int kStages>
 int blocks_per_sm() {
-  int blocks = 0;
-  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, narrow_kernel<kNt, kStages>,
-                                                                             kThreads, configure<kNt, kStages>()));
-  return blocks;
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages>, kThreads, configure<kNt, kStages>(), "mla_decode");
 }
 
 }  // namespace

@@ -419,10 +419,7 @@ bool wgmma_decode_available() {
 }
 
 int wgmma_blocks_per_sm() {
-  int blocks = 0;
-  LKV_CUDA_CHECK("mla_decode", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_wgmma_kernel, kThreads,
-                                                                             configure()));
-  return blocks;
+  return resident_ctas_per_sm(decode_wgmma_kernel, kThreads, configure(), "mla_decode");
 }
 
 void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream) {

@@ -389,12 +389,9 @@ std::size_t state_bytes(const TopkParams& p) {
 // condition for its grid barriers).
 template <int kPer>
 bool fits_at_once(std::int64_t ctas) {
-  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
-  LKV_CUDA_CHECK("topk", cudaGetDevice(&device));
-  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
-  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LKV_CUDA_CHECK("topk", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_cooperative_kernel<kPer>, kThreads, 0));
-  return cooperative != 0 && ctas <= static_cast<std::int64_t>(sms) * per_sm;
+  const DeviceLimits& device = current_device_limits("topk");
+  const int per_sm = resident_ctas_per_sm(topk_cooperative_kernel<kPer>, kThreads, 0, "topk");
+  return device.cooperative && ctas <= static_cast<std::int64_t>(device.multiprocessors) * per_sm;
 }
 
 // The grid of `rows` rows in chunks of kThreads x kPer logits: one cooperative kernel when it is
@@ -449,9 +446,7 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   a.q_len = static_cast<int>(p.logits.size(1));
   a.k = p.k;
-  int device = 0, sms = 0;
-  LKV_CUDA_CHECK("topk", cudaGetDevice(&device));
-  LKV_CUDA_CHECK("topk", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = current_device_limits("topk").multiprocessors;
   const auto ctas_with = [&](int per) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
   };
