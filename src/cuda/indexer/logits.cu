@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -187,6 +188,7 @@ __device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end
 
 // Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once (as
 // f16), then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
+// At most 128 registers (4 CTAs, 16 warps per SM): the kernel fits them without spilling.
 template <bool kAligned16>
 __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a) {
   extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] f16, then [q_len, padded] weights
@@ -287,7 +289,8 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.logits = p.logits.as<float>();
   a.num_pages = p.cache.num_pages;
   a.page_size = p.cache.page_size;
-  a.page_shift = (a.page_size & (a.page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(a.page_size)) : -1;
+  const auto page_size = static_cast<unsigned>(a.page_size);  // >= 1 (validated)
+  a.page_shift = std::has_single_bit(page_size) ? std::countr_zero(page_size) : -1;
   a.max_pages = static_cast<int>(p.block_table.size(1));
   a.q_len = static_cast<int>(p.q.size(1));
   a.heads = static_cast<int>(p.q.size(2));
