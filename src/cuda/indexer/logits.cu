@@ -124,11 +124,19 @@ __device__ __forceinline__ int q_offset(int row_head, int head, int quarter, int
   return row_head * kDim * 2 + quarter * 64 + ((piece ^ ((quarter >> 1) | ((head & 1) << 1))) * 16);
 }
 
+// What a lane keeps for its whole walk.
+struct Lane {
+  int b, len;             // its request and the request's length
+  int g, tig;             // its place in the warp (mma row group, thread in group)
+  int padded;             // heads padded to a multiple of kHeadGroup
+  const std::uint8_t* q;  // its f16 queries of head g, row 0 (its quarter tig), in shared memory
+  int sw;                 // q_offset's swizzle of its pieces (the same for heads n + g, n a multiple of 8)
+  const float* w;         // the weights [q_len, padded] in shared memory
+};
+
 // One tile against every query row: S = K Q^T per 8 heads on the tensor cores, relu, weights, the
-// sum over heads across the quad, kscale; -inf where the row cannot see. q_lane is this lane's
-// queries of head g, row 0 (its quarter tig); sw its swizzle of the pieces.
-__device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, int b, int len, int g, int tig,
-                                            int padded, const std::uint8_t* q_lane, int sw, const float* w_s) {
+// sum over heads across the quad, kscale; -inf where the row cannot see.
+__device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, const Lane& l) {
   // A fragments of the 8 k-steps: step s covers this lane's word s (4 dims) of both rows.
   std::uint32_t frag[8][4];
 #pragma unroll
@@ -143,13 +151,13 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
   for (int i = 0; i < a.q_len; ++i) {
     float logit[2] = {0.0f, 0.0f};
 #pragma unroll 1
-    for (int n = 0; n < padded; n += kHeadGroup) {
+    for (int n = 0; n < l.padded; n += kHeadGroup) {
       // Head n + g's 32 f16 queries of this lane's dims (pieces 0..3), and the weights of the heads
       // whose sums it holds (n + 2 tig, + 1).
-      const std::uint8_t* q_head = q_lane + (i * padded + n) * kDim * 2;
+      const std::uint8_t* q_head = l.q + (i * l.padded + n) * kDim * 2;
       uint4 q[4];
 #pragma unroll
-      for (int piece = 0; piece < 4; ++piece) q[piece] = *reinterpret_cast<const uint4*>(q_head + ((piece ^ sw) * 16));
+      for (int piece = 0; piece < 4; ++piece) q[piece] = *reinterpret_cast<const uint4*>(q_head + ((piece ^ l.sw) * 16));
       // Two independent chains: even and odd k-steps.
       float s[2][4] = {};
 #pragma unroll
@@ -158,19 +166,19 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
         mma_f16_16816(s[step % 2], frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
                       word(pair, 2 * (step % 4) + 1));
       }
-      const float2 w = *reinterpret_cast<const float2*>(w_s + i * padded + n + 2 * tig);
+      const float2 w = *reinterpret_cast<const float2*>(l.w + i * l.padded + n + 2 * l.tig);
       logit[0] = fmaf(w.x, fmaxf(s[0][0] + s[1][0], 0.0f), fmaf(w.y, fmaxf(s[0][1] + s[1][1], 0.0f), logit[0]));
       logit[1] = fmaf(w.x, fmaxf(s[0][2] + s[1][2], 0.0f), fmaf(w.y, fmaxf(s[0][3] + s[1][3], 0.0f), logit[1]));
     }
-    const int visible = len - a.q_len + i + 1;  // causal among the new tokens
-    float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
+    const int visible = l.len - a.q_len + i + 1;  // causal among the new tokens
+    float* out = a.logits + (static_cast<std::int64_t>(l.b) * a.q_len + i) * a.max_len;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float v = logit[r];
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
-      const int pos = first + g + 8 * r;
-      if (tig == 0 && pos < a.max_len) out[pos] = pos < visible && t.cached[r] ? v * t.scales[r] : -INFINITY;
+      const int pos = first + l.g + 8 * r;
+      if (l.tig == 0 && pos < a.max_len) out[pos] = pos < visible && t.cached[r] ? v * t.scales[r] : -INFINITY;
     }
   }
 }
@@ -178,11 +186,11 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
 // One turn of a warp's walk: compute tile `tile` (its keys in `current`) after sending for the keys of
 // the tile two turns ahead into `refill`; false (doing nothing) past the live tiles.
 template <bool kAligned16>
-__device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end, int b, int len, int g, int tig, int padded,
-                                     const std::uint8_t* q_lane, int sw, const float* w_s, const Tile& current, Tile& refill) {
+__device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end, const Lane& l, const Tile& current,
+                                     Tile& refill) {
   if (tile >= live_end) return false;
-  if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + 2 * kWarps), len, g, tig, refill);
-  tile_logits(a, current, 16 * tile, b, len, g, tig, padded, q_lane, sw, w_s);
+  if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, l.b, 16 * (tile + 2 * kWarps), l.len, l.g, l.tig, refill);
+  tile_logits(a, current, 16 * tile, l);
   return true;
 }
 
@@ -236,14 +244,13 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
   }
   __syncthreads();
 
-  const std::uint8_t* q_lane = q_s + g * kDim * 2 + tig * 64;
-  const int sw = (tig >> 1) | ((g & 1) << 1);  // q_offset's swizzle for heads n + g, n a multiple of 8
+  const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s};
   for (;;) {  // unrolled by three so that the tiles rotate through t0, t1, t2 without copies
-    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t0, t2)) break;
+    if (!walk<kAligned16>(a, tile, live_end, l, t0, t2)) break;
     tile += kWarps;
-    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t1, t0)) break;
+    if (!walk<kAligned16>(a, tile, live_end, l, t1, t0)) break;
     tile += kWarps;
-    if (!walk<kAligned16>(a, tile, live_end, b, len, g, tig, padded, q_lane, sw, w_s, t2, t1)) break;
+    if (!walk<kAligned16>(a, tile, live_end, l, t2, t1)) break;
     tile += kWarps;
   }
   allow_next_kernel();
