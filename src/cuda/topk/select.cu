@@ -7,11 +7,11 @@
 //   1. each CTA counts its chunk's top digits in shared memory and adds them into the row's
 //      histogram; the row's threshold digit T (where the k-th largest key falls) follows from it;
 //   2. each key above T is selected on the spot (its slot written to the output); keys in T's bin
-//      are listed, with their positions, as candidates;
+//      are listed, with their slots, as candidates;
 //   3. one CTA of the row resolves the remaining bits among the candidates (two histograms in
 //      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
 // When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
-// one cooperative kernel with grid barriers between them and the logits read once. Otherwise a
+// one cooperative kernel with grid barriers between the first two and the logits read once. Otherwise a
 // memset of the row states and two kernels run them, the last CTA of a row to finish each kernel
 // doing the row's serial part. Rows that see k tokens or fewer skip the selection: every visible
 // slot, then -1s. A row with more candidates than the list holds (masses of equal logits) re-reads
@@ -67,7 +67,7 @@ struct TopkArgs {
   const std::int32_t* seq_lens;     // [B]
   std::int32_t* slots;              // [rows, k]
   std::uint32_t* state;             // [rows, kStateWords]
-  uint2* candidates;                // [rows, kCandidates] {position, key}
+  uint2* candidates;                // [rows, kCandidates] {slot, key}
   std::int64_t capacity;            // max_pages * page_size
   int max_len;
   int max_pages;
@@ -183,9 +183,10 @@ __device__ void take_all(const TopkArgs& a, const Chunk& c) {
   }
 }
 
-// Phase 1: the chunk's top digits counted in shared memory, then added into the row's histogram.
+// Phase 1: the chunk's top digits counted in shared memory (count_top_digits), then added into the
+// row's histogram (publish_top_digits).
 template <int kPer>
-__device__ void count_top_digits(const Chunk& c, const float (&v)[kPer], TopkShared& s, std::uint32_t* state) {
+__device__ void count_top_digits(const Chunk& c, const float (&v)[kPer], TopkShared& s) {
   for (int d = threadIdx.x; d < kTopBins; d += kThreads) s.hist[d] = 0;
   __syncthreads();
 #pragma unroll
@@ -193,6 +194,8 @@ __device__ void count_top_digits(const Chunk& c, const float (&v)[kPer], TopkSha
     if (c.has(j)) atomicAdd(&s.hist[order_key(v[j]) >> kTopShift], 1u);
   }
   __syncthreads();
+}
+__device__ void publish_top_digits(const TopkShared& s, std::uint32_t* state) {
   for (int d = threadIdx.x; d < kTopBins; d += kThreads) {
     if (s.hist[d] != 0) atomicAdd(&state[kHist + d], s.hist[d]);
   }
@@ -210,18 +213,25 @@ __device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint3
   find_threshold<kTopBins>(s.hist, static_cast<std::uint32_t>(a.k), s.scan, s.result, top, above);
 }
 
-// Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates. Room for
-// the CTA's share of both lists comes from one scan of both counts (packed in 16-bit halves) and
-// one atomic per list.
+// Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates with their
+// slots. Room for the CTA's share of both lists comes from one scan of both counts (packed in 16-bit
+// halves) and one atomic per list. With up to 8 keys per thread (few rows: latency counts) the
+// block-table loads of the kept keys go out before the scan, so that their round trip overlaps the
+// scan and the atomics; with 16, their registers would cost the cooperative kernel its fourth CTA
+// per SM (80 registers instead of 64), so the slots are looked up when written.
 template <int kPer>
 __device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer], std::uint32_t top,
                              TopkShared& s, std::uint32_t* state, uint2* listed) {
+  constexpr bool kEarly = kPer <= 8;
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
   std::uint32_t counts = 0;
+  std::int32_t early[kEarly ? kPer : 1];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const std::uint32_t digit = order_key(v[j]) >> kTopShift;
-    if (c.has(j)) counts += digit > top ? 1u : digit == top ? 0x10000u : 0u;
+    const bool kept = c.has(j) && digit >= top;
+    if constexpr (kEarly) early[j] = kept ? slot_of(a, c.b, c.position(j)) : -1;
+    if (kept) counts += digit > top ? 1u : 0x10000u;
   }
   std::uint32_t before, total;
   Scan(s.scan).ExclusiveSum(counts, before, total);
@@ -236,9 +246,13 @@ __device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)
     if (!c.has(j)) continue;
     const std::uint32_t key = order_key(v[j]);
     const std::uint32_t digit = key >> kTopShift;
-    if (digit > top) out[at++] = slot_of(a, c.b, c.position(j));
+    if (digit < top) continue;
+    std::int32_t slot;
+    if constexpr (kEarly) slot = early[j];
+    else slot = slot_of(a, c.b, c.position(j));
+    if (digit > top) out[at++] = slot;
     if (digit == top) {
-      if (listed_at < kCandidates) listed[listed_at] = make_uint2(static_cast<std::uint32_t>(c.position(j)), key);
+      if (listed_at < kCandidates) listed[listed_at] = make_uint2(static_cast<std::uint32_t>(slot), key);
       ++listed_at;
     }
   }
@@ -267,14 +281,18 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
       if (i < count) s.cands[i] = mine[e];
     }
   }
-  // Calls f(position, key) for every candidate: from shared memory, or the row's logits on overflow.
+  // Calls f(key) or f(key, slot) for every candidate: from shared memory, or the row's logits on
+  // overflow (the slot looked up only when f asks for it).
   const auto for_each = [&](auto&& f) {
     if (cached) {
-      for (int i = threadIdx.x; i < count; i += kThreads) f(static_cast<int>(s.cands[i].x), s.cands[i].y);
+      for (int i = threadIdx.x; i < count; i += kThreads) {
+        const uint2 cand = s.cands[i];
+        f(cand.y, [&] { return static_cast<std::int32_t>(cand.x); });
+      }
     } else {
       for (int t = threadIdx.x; t < c.n; t += kThreads) {
         const std::uint32_t key = order_key(x[t]);
-        if (key >> kTopShift == top) f(t, key);
+        if (key >> kTopShift == top) f(key, [&] { return slot_of(a, c.b, t); });
       }
     }
   };
@@ -282,7 +300,7 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
   std::uint32_t need = static_cast<std::uint32_t>(a.k) - above;
   for (int d = threadIdx.x; d < kMidBins; d += kThreads) s.hist[d] = 0;
   __syncthreads();
-  for_each([&](int, std::uint32_t key) { atomicAdd(&s.hist[(key >> kLowBits) & (kMidBins - 1)], 1u); });
+  for_each([&](std::uint32_t key, auto) { atomicAdd(&s.hist[(key >> kLowBits) & (kMidBins - 1)], 1u); });
   __syncthreads();
   std::uint32_t mid, mid_above;
   find_threshold<kMidBins>(s.hist, need, s.scan, s.result, mid, mid_above);
@@ -290,7 +308,7 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
 
   for (int d = threadIdx.x; d < kLowBins; d += kThreads) s.hist[d] = 0;
   __syncthreads();
-  for_each([&](int, std::uint32_t key) {
+  for_each([&](std::uint32_t key, auto) {
     if (((key >> kLowBits) & (kMidBins - 1)) == mid) atomicAdd(&s.hist[key & (kLowBins - 1)], 1u);
   });
   __syncthreads();
@@ -301,10 +319,8 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
   const std::uint32_t kth = (top << kTopShift) | (mid << kLowBits) | low;
   if (threadIdx.x == 0) s.taken = s.ties = 0;
   __syncthreads();
-  for_each([&](int t, std::uint32_t key) {
-    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) {
-      out[above + atomicAdd(&s.taken, 1u)] = slot_of(a, c.b, t);
-    }
+  for_each([&](std::uint32_t key, auto slot) {
+    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) out[above + atomicAdd(&s.taken, 1u)] = slot();
   });
 }
 
@@ -319,7 +335,8 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
   float v[kPer];
   load_chunk(a, c, v);
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
-  count_top_digits(c, v, s, state);
+  count_top_digits(c, v, s);
+  publish_top_digits(s, state);
   allow_next_kernel();
   if (!arrive_last(&state[kArrivedHistogram], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
   std::uint32_t top, above;
@@ -348,9 +365,12 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a)
   finish_row(a, s, c, top, __ldcg(&state[kAbove]), state, listed);
 }
 
-// The same three phases in one cooperative kernel, for grids that fit on the GPU at once: grid
-// barriers instead of the memset, the kernel boundary and the last-CTA tickets, and the logits read
-// once. Every CTA of a row computes the row's threshold itself from the row's histogram.
+// The same three phases in one cooperative kernel, for grids that fit on the GPU at once: two grid
+// barriers (the row states zeroed; the histograms complete) instead of the memset and the kernel
+// boundary, and the logits read once. Every CTA of a row computes the row's threshold itself from
+// the row's histogram; the last of the row's CTAs to finish selecting finishes the row.
+// At 64 registers (kPer 16, sm_90a) four CTAs fit per SM, so that B 64 x 32K (512 CTAs of 4096
+// logits) is one resident grid; a cap by __launch_bounds__ makes ptxas spill, so it is left uncapped.
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
@@ -364,9 +384,12 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
     for (int w = threadIdx.x; w < kStateWords; w += kThreads) state[w] = 0;
   }
   float v[kPer];
-  if (select) load_chunk(a, c, v);
+  if (select) {  // the chunk's own histogram while the row's state is being zeroed
+    load_chunk(a, c, v);
+    count_top_digits(c, v, s);
+  }
   grid.sync();
-  if (select) count_top_digits(c, v, s, state);
+  if (select) publish_top_digits(s, state);
   grid.sync();
   std::uint32_t top = 0, above = 0;
   if (select) {
@@ -375,9 +398,11 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
   } else if (c.n <= a.k) {
     take_all<kPer>(a, c);
   }
-  grid.sync();
   allow_next_kernel();  // what is left: one CTA per row finishing it
-  if (select && c.base == 0) finish_row(a, s, c, top, above, state, listed);
+  // The row's last CTA to be done selecting finishes it: one atomic round trip, not a grid barrier.
+  if (select && arrive_last(&state[kArrivedSelect], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) {
+    finish_row(a, s, c, top, above, state, listed);
+  }
 }
 
 std::int64_t rows_of(const TopkParams& p) { return p.logits.size(0) * p.logits.size(1); }
