@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
     if (row >= a.rows) continue;
     const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
-    const float lse = row_sum[h] > 0.0f ? (row_max[h] + log2f(row_sum[h])) * kLn2 : -INFINITY;
+    const float lse = row_lse(row_max[h], row_sum[h]);
     const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
     if (a.num_splits == 1) {
       std::uint16_t* o = a.o + out_row * kDimV + w * 128 + 2 * (lane % 4);
@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
     packed.x = pack_bf16x2(sum.x * inv, sum.y * inv);
     packed.y = pack_bf16x2(sum.z * inv, sum.w * inv);
     reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[col] = packed;
-    if (col == 0 && blockIdx.y == 0) a.lse[out_row] = total > 0.0f ? m + logf(total) : -INFINITY;
+    // No split saw a token: -inf; a split's lse NaN (a NaN reached its scores): NaN, as its o.
+    if (col == 0 && blockIdx.y == 0) a.lse[out_row] = total == 0.0f ? -INFINITY : m + logf(total);
   }
 }
 

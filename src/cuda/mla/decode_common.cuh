@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace latentkv::cuda::mla {
@@ -25,6 +26,12 @@ __device__ __forceinline__ float fast_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// A row's lse (natural log) from its running maximum (log2 domain) and softmax sum: -inf when the
+// row saw no token (sum 0), NaN when a NaN reached its scores (sum NaN), as in the reference.
+__device__ __forceinline__ float row_lse(float max_log2, float sum) {
+  return sum == 0.0f ? -INFINITY : (max_log2 + log2f(sum)) * kLn2;
 }
 
 struct DecodeArgs {

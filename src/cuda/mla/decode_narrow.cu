@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       if (row >= a.rows) continue;
       const float inv = l > 0.0f ? unit / l : 0.0f;
       const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
-      const float lse = l > 0.0f ? (mx + log2f(l)) * kLn2 : -INFINITY;
+      const float lse = row_lse(mx, l);
       const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
 #pragma unroll
       for (int m = 0; m < 8; ++m) {

@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     if (row >= a.rows) continue;
     const float total = red_sum[r_of[h]] + red_sum[kRows + r_of[h]];
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const float lse = total > 0.0f ? (row_max[h] + log2f(total)) * kLn2 : -INFINITY;
+    const float lse = row_lse(row_max[h], total);
     const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
