@@ -20,6 +20,25 @@ inline void check(cudaError_t status, const char* op, const char* what) {
   }
 }
 
+// compute() for `key`, computed once per process and kept (thread-safe). Each call site's lambda is
+// its own type, so each call site keeps its own map; map nodes stay put, so the reference stays valid.
+template <class Key, class Compute>
+const auto& once_per_key(const Key& key, Compute&& compute) {
+  using Value = decltype(compute());
+  static std::mutex mutex;
+  static std::map<Key, Value> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(key);
+  if (it == known.end()) it = known.emplace(key, compute()).first;
+  return it->second;
+}
+
+inline int current_device(const char* op) {
+  int device = 0;
+  check(cudaGetDevice(&device), op, "cudaGetDevice");
+  return device;
+}
+
 // What the launchers ask of the current device, read once per device.
 struct DeviceLimits {
   int sm = 0;                // compute capability as major * 10 + minor (90 for sm_90)
@@ -28,21 +47,16 @@ struct DeviceLimits {
 };
 
 inline const DeviceLimits& current_device_limits(const char* op) {
-  static std::mutex mutex;
-  static std::map<int, DeviceLimits> known;  // device -> limits (map nodes stay put: references stay valid)
-  int device = 0;
-  check(cudaGetDevice(&device), op, "cudaGetDevice");
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    int major = 0, minor = 0, sms = 0, cooperative = 0;
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), op, "cudaDeviceGetAttribute");
-    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), op, "cudaDeviceGetAttribute");
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op, "cudaDeviceGetAttribute");
-    check(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device), op, "cudaDeviceGetAttribute");
-    it = known.emplace(device, DeviceLimits{major * 10 + minor, sms, cooperative != 0}).first;
-  }
-  return it->second;
+  const int device = current_device(op);
+  return once_per_key(device, [&] {
+    const auto attribute = [&](cudaDeviceAttr which) {
+      int value = 0;
+      check(cudaDeviceGetAttribute(&value, which, device), op, "cudaDeviceGetAttribute");
+      return value;
+    };
+    const int sm = attribute(cudaDevAttrComputeCapabilityMajor) * 10 + attribute(cudaDevAttrComputeCapabilityMinor);
+    return DeviceLimits{sm, attribute(cudaDevAttrMultiProcessorCount), attribute(cudaDevAttrCooperativeLaunch) != 0};
+  });
 }
 
 // The current device's compute capability as major * 10 + minor (90 for sm_90).
@@ -53,41 +67,24 @@ inline int current_device_sm(const char* op) { return current_device_limits(op).
 // may ask on every call.
 template <class Kernel>
 int resident_ctas_per_sm(Kernel* kernel, int threads, std::size_t smem, const char* op) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, std::size_t>, int> known;  // (kernel, device, threads, smem)
-  int device = 0;
-  check(cudaGetDevice(&device), op, "cudaGetDevice");
-  const std::tuple<const void*, int, int, std::size_t> key{reinterpret_cast<const void*>(kernel), device, threads, smem};
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find(key);
-  if (it == known.end()) {
+  const std::tuple<const void*, int, int, std::size_t> key{reinterpret_cast<const void*>(kernel), current_device(op),
+                                                           threads, smem};
+  return once_per_key(key, [&] {
     int ctas = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem), op,
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    it = known.emplace(key, ctas).first;
-  }
-  return it->second;
+    return ctas;
+  });
 }
 
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per kernel
 // and device (the attribute is per device: a second GPU of the process needs its own call); returns
-// `bytes`.
+// `bytes`. A failure is kept too, and reported on every call.
 template <class Kernel>
 int allow_dynamic_smem(Kernel* kernel, int bytes, const char* op) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, cudaError_t> done;  // (kernel, device) -> result
-  int device = 0;
-  check(cudaGetDevice(&device), op, "cudaGetDevice");
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
-  cudaError_t status;
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    auto it = done.find(key);
-    if (it == done.end()) {
-      it = done.emplace(key, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)).first;
-    }
-    status = it->second;
-  }
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), current_device(op)};
+  const cudaError_t status = once_per_key(
+      key, [&] { return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes); });
   check(status, op, "cudaFuncSetAttribute (dynamic shared memory)");
   return bytes;
 }
