@@ -2,8 +2,8 @@
 //
 // Keys are the logits' float bits mapped to unsigned integers of the same order. The k-th largest
 // key K* is found a digit at a time - the top 12 bits over the whole row, the other 20 bits only
-// among the candidates that share K*'s top digit - in three phases over CTAs of 1024, 2048 or 4096
-// logits (kPer below):
+// among the candidates that share K*'s top digit - in three phases over CTAs of 512 to 4096 logits
+// (kPer below):
 //   1. each CTA counts its chunk's top digits in shared memory and adds them into the row's
 //      histogram; the row's threshold digit T (where the k-th largest key falls) follows from it;
 //   2. each key above T is selected on the spot (its slot written to the output); keys in T's bin
@@ -34,10 +34,12 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
-// Logits per thread (kPer, a template parameter: 4, 8 or 16): the smallest whose grid has at most
-// two CTAs per SM, else 16. Few rows run fastest on many small chunks (more SMs share the passes);
-// many rows on few large ones (fewer CTAs, and the grid resident at once). H200, k 2048: B 1 x 128K
-// 16.0 / 16.4 / 18.3 us with 4 / 8 / 16; B 64 x 32K 37.2 / 30.8 / 26.5 us.
+// Logits per thread (kPer, a template parameter: 2, 4, 8 or 16): 2 when that grid has at most one
+// CTA per SM, else the smallest of 4, 8, 16 whose grid has at most two CTAs per SM, else 16. Few
+// rows run fastest on many small chunks (more SMs share the passes); many rows on few large ones
+// (fewer CTAs, and the grid resident at once). H200, k 2048: B 1 x 128K 16.0 / 16.4 / 18.3 us with
+// 4 / 8 / 16, and 16.9 with 2 (256 CTAs); B 64 x 32K 37.2 / 30.8 / 26.5 us; B 1 x 32K inside
+// dsa_decode 13.2 us with 4 (32 CTAs), 12.7 with 2 (64).
 constexpr int kMaxCtasPerSm = 2;
 // Digits of the key: 12 top bits (sign, exponent, 3 mantissa bits: eighths of an octave), 10, 10.
 constexpr int kTopBits = 12, kMidBits = 10, kLowBits = 10;
@@ -476,6 +478,7 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
   };
   const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
+  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, stream);
   if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, stream);
   if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, stream);
   launch_with<16>(a, rows, p, stream);
