@@ -30,11 +30,9 @@ __global__ void decode_pairs_kernel(const std::uint16_t* pairs, std::uint32_t* o
   if (i < n) out[i] = cuda::fp8x2_to_bf16x2(pairs[i]);
 }
 
-__global__ void decode_quads_kernel(const std::uint32_t* quads, uint2* out, int n, bool fix_nan) {
+__global__ void decode_words_f16_kernel(const std::uint32_t* words, uint2* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  cuda::fp8x4_to_bf16x4_exact(quads[i], out[i].x, out[i].y);
-  if (fix_nan) cuda::fp8x4_nan_fixup(cuda::fp8_nan_bytes(quads[i]), out[i].x, out[i].y);
+  if (i < n) out[i] = make_uint2(cuda::fp8x2_to_f16x2(words[i]), cuda::fp8x2_hi_to_f16x2(words[i]));
 }
 
 // Every code's value, the midpoints between neighbours and a hair either side, the saturation
@@ -148,42 +146,38 @@ TEST(GpuFp8, PairsDecodeExactlyToBf16) {
   }
 }
 
-// The integer-op conversion of the wgmma decode: every code in every byte position of a word, exact
-// for finite codes; the two NaN codes give NaN after the fix-up (and +-480 before it).
-TEST(GpuFp8, QuadsDecodeExactlyToBf16ByIntegerOps) {
+// The f16 conversion of the narrow and wgmma decode kernels and the indexer: every code in every
+// byte position of a word, the low half's two codes by fp8x2_to_f16x2, the high half's by
+// fp8x2_hi_to_f16x2; exact for finite codes (sign of zero included), NaN for the two NaN codes.
+TEST(GpuFp8, WordsDecodeExactlyToF16) {
   LKV_REQUIRE_GPU();
-  std::vector<std::uint32_t> quads;
+  std::vector<std::uint32_t> words;
   for (int c = 0; c < 256; ++c) {
     for (int other = 0; other < 256; other += 51) {
       for (int pos = 0; pos < 4; ++pos) {
         std::uint32_t w = 0x01010101u * static_cast<std::uint32_t>(other);
         w = (w & ~(0xFFu << (8 * pos))) | (static_cast<std::uint32_t>(c) << (8 * pos));
-        quads.push_back(w);
+        words.push_back(w);
       }
     }
   }
-  DeviceBuffer d_in(quads);
-  for (const bool fix_nan : {false, true}) {
-    DeviceBuffer d_out(quads.size() * sizeof(uint2));
-    decode_quads_kernel<<<static_cast<unsigned>((quads.size() + 255) / 256), 256>>>(
-        d_in.get<std::uint32_t>(), d_out.get<uint2>(), static_cast<int>(quads.size()), fix_nan);
-    LKV_CUDA_OK(cudaDeviceSynchronize());
-    const auto out = d_out.to_host<std::uint32_t>();  // lo, hi per quad
-    for (std::size_t i = 0; i < quads.size(); ++i) {
-      for (int pos = 0; pos < 4; ++pos) {
-        const auto code = static_cast<std::uint8_t>(quads[i] >> (8 * pos));
-        const std::uint32_t word = out[2 * i + pos / 2];
-        const float got = bf16_decode(static_cast<std::uint16_t>(word >> (16 * (pos % 2))));
-        const float want = fp8_e4m3_decode(code);
-        if (std::isnan(want) && fix_nan) {
-          ASSERT_TRUE(std::isnan(got)) << "code " << int(code);
-          ASSERT_EQ(std::signbit(got), (code & 0x80) != 0) << "code " << int(code);
-        } else if (std::isnan(want)) {
-          ASSERT_EQ(got, (code & 0x80) ? -480.0f : 480.0f) << "code " << int(code);
-        } else {
-          ASSERT_EQ(got, want) << "code " << int(code) << " in byte " << pos << (fix_nan ? " (fixed up)" : "");
-          ASSERT_EQ(std::signbit(got), std::signbit(want)) << "code " << int(code);
-        }
+  DeviceBuffer d_in(words);
+  DeviceBuffer d_out(words.size() * sizeof(uint2));
+  decode_words_f16_kernel<<<static_cast<unsigned>((words.size() + 255) / 256), 256>>>(
+      d_in.get<std::uint32_t>(), d_out.get<uint2>(), static_cast<int>(words.size()));
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+  const auto out = d_out.to_host<std::uint32_t>();  // codes 0-1, codes 2-3 per word
+  for (std::size_t i = 0; i < words.size(); ++i) {
+    for (int pos = 0; pos < 4; ++pos) {
+      const auto code = static_cast<std::uint8_t>(words[i] >> (8 * pos));
+      const auto bits = static_cast<std::uint16_t>(out[2 * i + pos / 2] >> (16 * (pos % 2)));
+      const float got = __half2float(__ushort_as_half(bits));
+      const float want = fp8_e4m3_decode(code);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got)) << "code " << int(code) << " in byte " << pos;
+      } else {
+        ASSERT_EQ(got, want) << "code " << int(code) << " in byte " << pos;
+        ASSERT_EQ(std::signbit(got), std::signbit(want)) << "code " << int(code) << " in byte " << pos;
       }
     }
   }

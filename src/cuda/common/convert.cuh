@@ -83,36 +83,6 @@ __device__ __forceinline__ std::uint32_t fp8x2_hi_to_f16x2(std::uint32_t codes) 
   return r;
 }
 
-// Four fp8 e4m3 codes (low byte first) to four bf16 values (lo: codes 0, 1; hi: codes 2, 3) with
-// integer and bf16x2 operations only, no conversion instructions: each code's bits move into the
-// bf16 fields (sign; exponent and mantissa shifted by 4), then one multiply by 2^120 rebiases the
-// exponent (7 -> 127) and turns fp8 subnormals into bf16 normals. Exact for every finite code.
-// The NaN codes 0x7F / 0xFF would come out as +-480; fp8_nan_bytes() finds them (cheaply, for a
-// rare fix-up) and fp8x4_nan_fixup() turns those values back into NaN.
-__device__ __forceinline__ std::uint32_t spaced_fp8x2_to_bf16x2(std::uint32_t spaced) {  // bytes [0, c0, 0, c1]
-  const std::uint32_t bits = ((spaced & 0x7F007F00u) >> 4) | (spaced & 0x80008000u);
-  const __nv_bfloat162 two_pow_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
-  const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), two_pow_120);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
-__device__ __forceinline__ void fp8x4_to_bf16x4_exact(std::uint32_t codes, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = spaced_fp8x2_to_bf16x2(__byte_perm(codes, 0u, 0x1404u));
-  hi = spaced_fp8x2_to_bf16x2(__byte_perm(codes, 0u, 0x3424u));
-}
-// Bit 7 of each byte set where that code is a NaN code (its low 7 bits all ones): 0x7F + 1 carries
-// into bit 7, no other value does, and no carry crosses a byte.
-__device__ __forceinline__ std::uint32_t fp8_nan_bytes(std::uint32_t codes) {
-  return ((codes & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-}
-// Sets the exponent bits (0x7F80) of the bf16 halves whose code fp8_nan_bytes() flagged: +-480
-// becomes a NaN of the same sign.
-__device__ __forceinline__ void fp8x4_nan_fixup(std::uint32_t nan_bytes, std::uint32_t& lo, std::uint32_t& hi) {
-  const std::uint32_t flag_lo = __byte_perm(nan_bytes, 0u, 0x1404u);  // bit 15 / 31: codes 0 / 1
-  const std::uint32_t flag_hi = __byte_perm(nan_bytes, 0u, 0x3424u);
-  lo |= flag_lo - (flag_lo >> 8);  // 0x8000 - 0x80 = 0x7F80 per flagged half, no borrow across halves
-  hi |= flag_hi - (flag_hi >> 8);
-}
-
 // x = hi + lo with hi, lo f16.
 __device__ __forceinline__ void split_f16x2(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);

@@ -1,11 +1,11 @@
 // src/cuda/common/wgmma.cuh - warpgroup tensor-core helpers (wgmma, sm_90a only): shared-memory
 // matrix descriptors, the two instruction shapes the MLA kernels use, and their fences.
 //
-// Shared-memory operands use the 128-byte swizzle: a matrix is stored as column blocks of 64 bf16
-// (128 bytes per row), each block's rows contiguous, and the 16-byte chunk c of row r stored at chunk
-// c ^ (r % 8). Every block starts on a 1024-byte boundary. K-major operands (A and B of S = Q K^T)
-// step through k by moving the start address 32 bytes inside a row; the N-major B of O = P V (the
-// same K tile read token by token) steps 16 tokens (2048 bytes) at a time.
+// Shared-memory operands use the 128-byte swizzle: a matrix is stored as column blocks of 64 16-bit
+// elements, bf16 or f16 (128 bytes per row), each block's rows contiguous, and the 16-byte chunk c of
+// row r stored at chunk c ^ (r % 8). Every block starts on a 1024-byte boundary. K-major operands
+// (A and B of S = Q K^T) step through k by moving the start address 32 bytes inside a row; the
+// N-major B of O = P V (the same K tile read token by token) steps 16 tokens (2048 bytes) at a time.
 //
 // On targets other than sm_90a the two instructions compile to a trap and the fences to nothing:
 // a launcher must know that the library holds sm_90a code and that the device is sm_90 before it
@@ -77,19 +77,30 @@ __device__ __forceinline__ void fence_registers(float (&d)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Element types of the two instruction shapes: bf16 or f16 (both operands the same), f32 accumulate.
+enum class Type { kBf16, kF16 };
+
 // D (+)= A B for one m64n32k16 step, A and B from shared memory (both K-major, 128-byte swizzle);
 // scale_d = 0 starts D from zero. D: warp w of the warpgroup holds rows 16w + lane/4 (+8), columns
 // 8i + 2 (lane % 4) (+1) in d[4i .. 4i + 3], as mma.m16n8 accumulators side by side.
+template <Type kType = Type::kBf16>
 __device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], std::uint64_t a_desc, std::uint64_t b_desc,
                                                  int scale_d) {
 #if LKV_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+#define LKV_WGMMA_M64N32K16(TYPE)                                                                              \
+  asm volatile(                                                                                               \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                           \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"                                          \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"  \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])   \
+      : "l"(a_desc), "l"(b_desc), "r"(scale_d))
+  if constexpr (kType == Type::kBf16) {
+    LKV_WGMMA_M64N32K16("bf16");
+  } else {
+    LKV_WGMMA_M64N32K16("f16");
+  }
+#undef LKV_WGMMA_M64N32K16
 #else
   (void)d, (void)a_desc, (void)b_desc, (void)scale_d;
   __trap();
@@ -99,24 +110,32 @@ __device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], std::uint64_t a
 // D += A B for one m64n128k16 step: A (64 x 16) from registers in the mma.m16n8k16 fragment layout
 // (warp w of the warpgroup holds rows 16w .. 16w + 15), B from shared memory N-major (128-byte
 // swizzle, imm-trans-b = 1). D as in mma_m64n32k16_ss, 16 column groups of 8.
+template <Type kType = Type::kBf16>
 __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc) {
 #if LKV_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#define LKV_WGMMA_M64N128K16(TYPE)                                                                                 \
+  asm volatile(                                                                                                   \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                                             \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                          \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                           \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),     \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),   \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),   \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),   \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),   \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),   \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc))
+  if constexpr (kType == Type::kBf16) {
+    LKV_WGMMA_M64N128K16("bf16");
+  } else {
+    LKV_WGMMA_M64N128K16("f16");
+  }
+#undef LKV_WGMMA_M64N128K16
 #else
   (void)d, (void)a, (void)b_desc;
   __trap();

@@ -6,15 +6,20 @@
 // One CTA: 64 query rows of one request (rows = (q position, head) pairs; sparse: the heads of one
 // query token) over one split of its tokens, 64 tokens per tile, two warpgroups (256 threads).
 //   * Loads: the next tile's 656-byte entries are copied raw by cp.async while this tile computes;
-//     at the top of a tile they become bf16 codes (exact, unscaled) in the 128-byte-swizzled K
-//     layout of wgmma.cuh, the four per-block scales kept aside.
+//     at the top of a tile the codes become f16 (exact, unscaled; one cvt per two codes, NaN codes
+//     staying NaN) in the 128-byte-swizzled K layout of wgmma.cuh, the rope stays bf16 as stored,
+//     and the four per-block scales are kept aside.
+//   * Queries: the latent part as f16, each row scaled by a power of two so that its largest value
+//     lies in [2^12, 2^13) (as in decode_narrow.cu), the rope part as bf16.
 //   * S = Q K^T: warpgroup g scores tokens [32g, 32g + 32) of the tile for all 64 rows (m64n32k16,
-//     Q and K from shared memory), one accumulator per 128-dim fp8 block plus rope, each weighted by
-//     its token's block scale: the scores stay within SPEC's lse bound, as in decode.cu.
+//     Q and K from shared memory, f16 for the latent blocks, bf16 for the rope), one accumulator per
+//     128-dim fp8 block plus rope, each weighted by its token's block scale and the row's query
+//     scale: the scores stay within SPEC's lse bound, as in decode.cu.
 //   * Softmax: the warpgroups exchange row maxima and P (f32) through shared memory.
 //   * O += P' V: warpgroup g owns output dims [256g, 256g + 256) = fp8 blocks 2g and 2g + 1. P' = P x
-//     the token's scale of that block enters as A from registers in two bf16 parts (hi + lo, as in
-//     decode.cu); V is the same K tile read N-major (m64n128k16).
+//     the token's scale of that block / the block's unit (the largest scale seen so far, so P' <= 1)
+//     enters as A from registers in two f16 parts (hi + lo, as in decode.cu); V is the same K tile
+//     read N-major (m64n128k16). O is rescaled when a unit grows and multiplied by it at the end.
 // Shared memory: 211,472 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and
 // sm_120, and bf16 caches.
 #include <cuda_runtime.h>
@@ -53,7 +58,8 @@ struct WgmmaSmem {
   static constexpr int kScale = kP + 4 * kRows * kWgPStride;             // f32 [4 blocks][64 tokens]
   static constexpr int kRedMax = kScale + 4 * kTile * 4;               // f32 [2 warpgroups][64 rows]
   static constexpr int kRedSum = kRedMax + 4 * 2 * kRows;              // f32 [2][64]
-  static constexpr int kSlots = kRedSum + 4 * 2 * kRows;               // i32 [2][64 tokens]
+  static constexpr int kQScale = kRedSum + 4 * 2 * kRows;              // f32 [64 rows], 2^-e of the f16 queries
+  static constexpr int kSlots = kQScale + 4 * kRows;                   // i32 [2][64 tokens]
   static constexpr int kAllRead = kSlots + 4 * 2 * kTile;             // i32 [2 tiles][2 warps]: every slot >= 0
   static constexpr int kBytes = kAllRead + 4 * 2 * 2;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
@@ -73,6 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   auto* scale_s = reinterpret_cast<float*>(smem + Smem::kScale);
   auto* red_max = reinterpret_cast<float*>(smem + Smem::kRedMax);
   auto* red_sum = reinterpret_cast<float*>(smem + Smem::kRedSum);
+  auto* q_scale_s = reinterpret_cast<float*>(smem + Smem::kQScale);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
 
@@ -91,15 +98,39 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const SplitRange range = split_range(a, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
 
-  // Queries into the swizzled layout (rows past the last are zero).
-  for (int c = tid; c < kRows * 72; c += kThreads) {
-    const int r = c / 72, piece = c % 72;
+  // Queries into the swizzled layout (rows past the last are zero): warp w takes rows 8w .. 8w + 7,
+  // lane l the latent pieces 2l, 2l + 1 (16 dims) of each, lanes 0-7 the rope pieces.
+  for (int i = 0; i < kRows / 8; ++i) {
+    const int r = 8 * (tid / 32) + i;
     const int row = row_base + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
+    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
     if (row < a.rows) {
-      v = __ldg(reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk) + piece);
+      const uint4* src = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk);
+      w0 = __ldg(src + 2 * lane);
+      w1 = __ldg(src + 2 * lane + 1);
+      if (lane < 8) rope = __ldg(src + 64 + lane);
     }
-    *reinterpret_cast<uint4*>(q_s + (piece / 8) * kBlockBytes + wgmma::swizzled_chunk_offset(r, piece % 8)) = v;
+    float v[16];
+    float amax = unpack_bf16x16(w0, w1, v);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int e = 0;
+    if (amax > 0.0f) frexpf(amax, &e);
+    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
+    std::uint32_t h[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const __half2 two = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
+      h[k] = *reinterpret_cast<const std::uint32_t*>(&two);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int piece = 2 * lane + half;
+      *reinterpret_cast<uint4*>(q_s + (piece / 8) * kBlockBytes + wgmma::swizzled_chunk_offset(r, piece % 8)) =
+          make_uint4(h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3]);
+    }
+    if (lane < 8) *reinterpret_cast<uint4*>(q_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(r, lane)) = rope;
+    if (lane == 0) q_scale_s[r] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
   }
   // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
   std::int32_t ahead_entry = -1;
@@ -137,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     }
     cp_async_commit();
   };
-  // The raw tile into bf16 codes (K layout) and scales. For the codes, lane l converts chunk l of
+  // The raw tile into f16 codes (K layout) and scales. For the codes, lane l converts chunk l of
   // token 8 warp + (i + l / 4) % 8 at step i: the 8 lanes writing one 16-byte column of the swizzled
   // blocks then hold 8 different tokens (rows), so neither the reads nor the writes share banks.
   auto convert_tile = [&]() {
@@ -148,18 +179,12 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       const int sub = (i + blk) % 8;           // token % 8: the row's swizzle
       const int token = 8 * warp + sub;
       const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + lane * 16);
+      const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
       std::uint32_t out[8];
-      fp8x4_to_bf16x4_exact(v.x, out[0], out[1]);
-      fp8x4_to_bf16x4_exact(v.y, out[2], out[3]);
-      fp8x4_to_bf16x4_exact(v.z, out[4], out[5]);
-      fp8x4_to_bf16x4_exact(v.w, out[6], out[7]);
-      const std::uint32_t nan_x = fp8_nan_bytes(v.x), nan_y = fp8_nan_bytes(v.y);
-      const std::uint32_t nan_z = fp8_nan_bytes(v.z), nan_w = fp8_nan_bytes(v.w);
-      if ((nan_x | nan_y | nan_z | nan_w) != 0) {  // a NaN in the cache stays a NaN, as in the reference
-        fp8x4_nan_fixup(nan_x, out[0], out[1]);
-        fp8x4_nan_fixup(nan_y, out[2], out[3]);
-        fp8x4_nan_fixup(nan_z, out[4], out[5]);
-        fp8x4_nan_fixup(nan_w, out[6], out[7]);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        out[2 * k] = fp8x2_to_f16x2(words[k]);
+        out[2 * k + 1] = fp8x2_hi_to_f16x2(words[k]);
       }
       unsigned char* row = k_s + blk * kBlockBytes + token * wgmma::kSwizzleRowBytes;
       *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
@@ -188,8 +213,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     const int row = row_base + r_of[h];
     visible[h] = visible_tokens(a, len, row);
   }
+  const float q_scale[2] = {q_scale_s[r_of[0]], q_scale_s[r_of[1]]};
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
   float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed at the end
+  float unit[2] = {0.0f, 0.0f};               // largest scale seen of blocks 2 wg, 2 wg + 1 (equal in the warpgroup)
   float o[2][64];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -225,22 +252,29 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     float s[16];
     {
       float acc[2][16];
-      auto issue_block = [&](int blk, float(&d)[16]) {  // blk 0-3: latent dims [128 blk, +128); 4: rope
+      auto issue_block = [&](int blk, float(&d)[16]) {  // blk 0-3: latent dims [128 blk, +128), f16; 4: rope, bf16
         const int steps = blk < 4 ? 8 : 4;
 #pragma unroll
         for (int kk = 0; kk < steps; ++kk) {
           const std::uint32_t off = (2 * blk + kk / 4) * kBlockBytes + (kk % 4) * 32;
-          wgmma::mma_m64n32k16_ss(d, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off), kk > 0);
+          const std::uint64_t qd = wgmma::desc_advance(q_desc, off), kd = wgmma::desc_advance(k_desc, off);
+          if (blk < 4) wgmma::mma_m64n32k16_ss<wgmma::Type::kF16>(d, qd, kd, kk > 0);
+          else wgmma::mma_m64n32k16_ss<wgmma::Type::kBf16>(d, qd, kd, kk > 0);
         }
         wgmma::commit();
       };
-      auto fold = [&](int blk, float(&d)[16]) {  // s (+)= d x the token's scale of block blk
+      // s (+)= d x the token's scale of block blk; the latent sum then x the row's query scale, plus rope.
+      auto fold = [&](int blk, float(&d)[16]) {
         wgmma::fence_registers(d);
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
           const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
-          const float v = blk < 4 ? d[e] * scale_s[blk * kTile + token] : d[e];
-          s[e] = blk == 0 ? v : s[e] + v;
+          if (blk < 4) {
+            const float v = d[e] * scale_s[blk * kTile + token];
+            s[e] = blk == 0 ? v : s[e] + v;
+          } else {
+            s[e] = s[e] * q_scale[(e / 2) % 2] + d[e];
+          }
         }
       };
       wgmma::fence();
@@ -325,6 +359,30 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     __syncthreads();  // (D) P of the whole tile
 
     // ---- O += P' V for blocks 2 wg and 2 wg + 1 ----
+    // First each block's unit: the scales this thread's fragments take (k = 16 kk + 2 quad + 8 half,
+    // + 1) cover the tile's 64 between the quad's four lanes, so two shuffles give the tile's largest.
+    // When a unit grows, O is rescaled here, before any P V group is in flight (the same in the
+    // whole warpgroup).
+    float inv_unit[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float* sc = scale_s + (2 * wg + j) * kTile + 2 * quad;
+      float mx = unit[j];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 v = *reinterpret_cast<const float2*>(sc + 8 * i);
+        mx = fmaxf(mx, fmaxf(v.x, v.y));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      inv_unit[j] = mx > 0.0f ? fast_rcp(mx) : 0.0f;
+      if (mx != unit[j]) {
+        const float gamma = mx > 0.0f ? unit[j] * inv_unit[j] : 1.0f;
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[j][i] *= gamma;
+        unit[j] = mx;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int blk = 2 * wg + j;
@@ -337,15 +395,15 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
           const int k = 16 * kk + 2 * quad + 8 * (part / 2);
           const float2 p = *reinterpret_cast<const float2*>(p_s + r * kWgPStride + k);
           const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + k);
-          split_bf16x2(p.x * sc.x, p.y * sc.y, a_hi[kk][part], a_lo[kk][part]);
+          split_f16x2(p.x * (sc.x * inv_unit[j]), p.y * (sc.y * inv_unit[j]), a_hi[kk][part], a_lo[kk][part]);
         }
       }
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const std::uint64_t desc = wgmma::desc_advance(v_desc, 2 * blk * kBlockBytes + 16 * kk * wgmma::kSwizzleRowBytes);
-        wgmma::mma_m64n128k16_rs(o[j], a_hi[kk], desc);
-        wgmma::mma_m64n128k16_rs(o[j], a_lo[kk], desc);
+        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_hi[kk], desc);
+        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_lo[kk], desc);
       }
       wgmma::commit();
     }
@@ -375,18 +433,19 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int dim0 = (2 * wg + j) * 128 + 2 * quad;
+      const float f = inv * unit[j];
       if (a.num_splits == 1) {
         std::uint16_t* out = a.o + out_row * kDimV + dim0;  // bf16 [16 groups of 8 dims], 2 per thread
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          *reinterpret_cast<std::uint32_t*>(out + 8 * i) = pack_bf16x2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
+          *reinterpret_cast<std::uint32_t*>(out + 8 * i) = pack_bf16x2(o[j][4 * i + 2 * h] * f, o[j][4 * i + 2 * h + 1] * f);
         }
       } else {
         const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
         float* out = a.o_part + part_row * kDimV + dim0;  // f32 [16 groups of 8 dims], 2 per thread
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          *reinterpret_cast<float2*>(out + 8 * i) = make_float2(o[j][4 * i + 2 * h] * inv, o[j][4 * i + 2 * h + 1] * inv);
+          *reinterpret_cast<float2*>(out + 8 * i) = make_float2(o[j][4 * i + 2 * h] * f, o[j][4 * i + 2 * h + 1] * f);
         }
       }
     }
