@@ -20,8 +20,8 @@
 //     the token's scale of that block / the block's unit (the largest scale seen so far, so P' <= 1)
 //     enters as A from registers in two f16 parts (hi + lo, as in decode.cu); V is the same K tile
 //     read N-major (m64n128k16). O is rescaled when a unit grows and multiplied by it at the end.
-// Shared memory: 211,472 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and
-// sm_120, and bf16 caches.
+// Shared memory: 211,728 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of
+// decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
 #include <cmath>
