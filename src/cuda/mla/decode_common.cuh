@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/convert.cuh"
+
 namespace latentkv::cuda::mla {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
@@ -32,6 +34,26 @@ __device__ __forceinline__ float fast_rcp(float x) {
 // row saw no token (sum 0), NaN when a NaN reached its scores (sum NaN), as in the reference.
 __device__ __forceinline__ float row_lse(float max_log2, float sum) {
   return sum == 0.0f ? -INFINITY : (max_log2 + log2f(sum)) * kLn2;
+}
+
+// One query row's 512 latent dims held 16 per lane across a warp (w0, w1: 16 bf16) as f16 in
+// `packed`, the whole row scaled by a power of two so that its largest magnitude lies in [2^12,
+// 2^13); returns the factor that undoes the scaling (0 for an all-zero row). The kernels that take
+// f16 queries (decode_narrow.cu, decode_wgmma.cu) multiply their latent scores by it.
+__device__ __forceinline__ float latent_row_to_f16(const uint4& w0, const uint4& w1, std::uint32_t (&packed)[8]) {
+  float v[16];
+  float amax = unpack_bf16x16(w0, w1, v);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  int e = 0;
+  if (amax > 0.0f) frexpf(amax, &e);
+  const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const __half2 h = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
+    packed[k] = *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+  return amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
 }
 
 struct DecodeArgs {

@@ -152,24 +152,13 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = warp + 4 * i;
-    float v[16];
-    float amax = unpack_bf16x16(q_latent[i][0], q_latent[i][1], v);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    int e = 0;
-    if (amax > 0.0f) frexpf(amax, &e);
-    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
     std::uint32_t packed[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const __half2 h = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
-      packed[k] = *reinterpret_cast<const std::uint32_t*>(&h);
-    }
+    const float undo = latent_row_to_f16(q_latent[i][0], q_latent[i][1], packed);
     unsigned char* dst = q_s + row * kQStride + lane * 32;
     *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     *reinterpret_cast<uint4*>(dst + 16) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     if (lane < 8) *reinterpret_cast<uint4*>(q_rope_s + row * kRopeStride + lane * 16) = q_rope[i];
-    if (lane == 0) row_qscale[row] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
+    if (lane == 0) row_qscale[row] = undo;
   }
   __syncthreads();  // the queries are staged
 

@@ -110,19 +110,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       w1 = __ldg(src + 2 * lane + 1);
       if (lane < 8) rope = __ldg(src + 64 + lane);
     }
-    float v[16];
-    float amax = unpack_bf16x16(w0, w1, v);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    int e = 0;
-    if (amax > 0.0f) frexpf(amax, &e);
-    const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
     std::uint32_t h[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const __half2 two = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
-      h[k] = *reinterpret_cast<const std::uint32_t*>(&two);
-    }
+    const float undo = latent_row_to_f16(w0, w1, h);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int piece = 2 * lane + half;
@@ -130,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
           make_uint4(h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3]);
     }
     if (lane < 8) *reinterpret_cast<uint4*>(q_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(r, lane)) = rope;
-    if (lane == 0) q_scale_s[r] = amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
+    if (lane == 0) q_scale_s[r] = undo;
   }
   // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
   std::int32_t ahead_entry = -1;
