@@ -5,7 +5,9 @@
 #   scripts/gpu_run.sh [build] [test] [sanitize] [step] [profile] [sass] [bench] [bench-full]   (default: build test bench)
 #
 # BENCH_FILTER (an extended regex) runs only the benchmarks whose names match; SANITIZE_FILTER (a
-# gtest filter) narrows the sanitizer runs; GTEST_FILTER narrows the GPU tests.
+# gtest filter) narrows the sanitizer runs; GTEST_FILTER narrows the GPU tests. LOG_TAG names this
+# invocation's logs (logs$LOG_TAG.tgz), so that two in one device call (say one with
+# LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come back.
 # Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
@@ -13,7 +15,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 # Everything lands in $OUT/logs/, packed into $OUT/logs.tgz at the end (the device tool brings back
 # at most 8 files); $OUT/summary.txt stays readable as is.
-L="$OUT/logs"
+TAG=${LOG_TAG:-}
+L="$OUT/logs$TAG"
 mkdir -p "$L"
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
@@ -21,7 +24,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test bench)
 status=0
 
-log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+log() { echo "== $(date -u +%H:%M:%S)$TAG $*" | tee -a "$OUT/summary.txt"; }
 
 for step in "${steps[@]}"; do
   case "$step" in
@@ -141,5 +144,5 @@ for step in "${steps[@]}"; do
   esac
 done
 log "done (status $status)"
-tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
+tar czf "$OUT/logs$TAG.tgz" -C "$OUT" "logs$TAG" && rm -rf "$L"
 exit $status
