@@ -37,8 +37,9 @@ std::string repro_line(const BenchOptions& o) {
 
 void print_report(const BenchOptions& o, const BenchReport& r) {
   std::printf("device: %s\n", r.device.c_str());
-  std::printf("ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write)\n", r.read_gbps,
-              r.copy_gbps);
+  std::printf("ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write), 656-byte "
+              "entries at random slots %.0f GB/s\n",
+              r.read_gbps, r.copy_gbps, r.gather_gbps);
   const bool prefill = o.op.ends_with("prefill");
   const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
   const std::string queries = prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
@@ -81,6 +82,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
   j["device"] = r.device;
   j["read_gbps"] = r.read_gbps;
   j["copy_gbps"] = r.copy_gbps;
+  j["gather_gbps"] = r.gather_gbps;
   j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
                 {"batch", o.batch},   {"context", o.context},   {"q_len", o.q_len},
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},

@@ -33,6 +33,7 @@ struct BenchContext {
     const Ceilings c = measure_ceilings(std::size_t{4} << 30, device.multiprocessors, stream);
     report.read_gbps = c.read_gbps;
     report.copy_gbps = c.copy_gbps;
+    report.gather_gbps = c.gather_gbps;
   }
   BenchContext(const BenchContext&) = delete;
   BenchContext& operator=(const BenchContext&) = delete;

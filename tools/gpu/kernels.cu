@@ -32,6 +32,38 @@ __device__ __forceinline__ std::uint64_t mix(std::uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// A pseudo-random slot in [0, pool_tokens), pool_tokens < 2^32: the high half of a 32-bit hash times it.
+__device__ __forceinline__ std::uint32_t slot_of(std::uint64_t key, std::int64_t pool_tokens) {
+  return __umulhi(static_cast<std::uint32_t>(mix(key)), static_cast<std::uint32_t>(pool_tokens));
+}
+
+// Warp w of the grid reads entries w, w + warps, ...: entry i at slot slot_of(seed + i), its
+// 16-byte chunks spread over the lanes (a 656-byte entry: 41 chunks, lanes 0-8 take two).
+__global__ void gather_read_kernel(const uint4* pool, std::int64_t pool_tokens, int chunks, std::int64_t tokens,
+                                   std::uint64_t seed, unsigned long long* sink) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * blockDim.x / 32;
+  std::uint32_t acc = 0;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < tokens;
+       i += 2 * warps) {
+    // Two entries per warp and turn, all their loads in flight before any is used.
+    const std::int64_t j = i + warps;
+    const uint4* a = pool + static_cast<std::int64_t>(slot_of(seed + static_cast<std::uint64_t>(i), pool_tokens)) * chunks;
+    const uint4* b = pool + static_cast<std::int64_t>(slot_of(seed + static_cast<std::uint64_t>(j), pool_tokens)) * chunks;
+    const bool has_b = j < tokens;
+    uint4 x[2] = {}, y[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      const int c = lane + 32 * k;
+      if (c < chunks) {
+        x[k] = __ldg(a + c);
+        if (has_b) y[k] = __ldg(b + c);
+      }
+    }
+    for (int k = 0; k < 2; ++k) acc ^= x[k].x ^ x[k].y ^ x[k].z ^ x[k].w ^ y[k].x ^ y[k].y ^ y[k].z ^ y[k].w;
+  }
+  if (acc == 0x9E3779B9u) atomicAdd(sink, 1ull);  // keeps the loads alive; practically never taken
+}
+
 // Approximately normal values (sum of four uniforms, variance-matched), as bf16.
 __global__ void random_bf16_kernel(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev) {
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -63,6 +95,12 @@ int grid_for(std::size_t n, int threads) {
 void launch_read_only(const void* data, std::size_t bytes, unsigned long long* sink, int multiprocessors,
                       cudaStream_t stream) {
   read_only_kernel<<<multiprocessors * 8, 256, 0, stream>>>(static_cast<const uint4*>(data), bytes / 16, sink);
+}
+
+void launch_gather_read(const void* pool, std::int64_t pool_tokens, int token_bytes, std::int64_t tokens,
+                        std::uint64_t seed, unsigned long long* sink, int multiprocessors, cudaStream_t stream) {
+  gather_read_kernel<<<multiprocessors * 8, 256, 0, stream>>>(static_cast<const uint4*>(pool), pool_tokens,
+                                                              token_bytes / 16, tokens, seed, sink);
 }
 
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream) {

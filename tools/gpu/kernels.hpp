@@ -11,6 +11,11 @@ namespace latentkv::tools::gpu {
 // Streams `bytes` (a multiple of 16) through 16-byte loads: the read-only bandwidth ceiling.
 void launch_read_only(const void* data, std::size_t bytes, unsigned long long* sink, int multiprocessors,
                       cudaStream_t stream);
+// Reads `tokens` entries of `token_bytes` (a multiple of 16) each at pseudo-random slots of a pool of
+// `pool_tokens` entries, one warp per entry and 16-byte loads: the gather ceiling of the sparse ops,
+// which read their selected tokens' entries at scattered slots.
+void launch_gather_read(const void* pool, std::int64_t pool_tokens, int token_bytes, std::int64_t tokens,
+                        std::uint64_t seed, unsigned long long* sink, int multiprocessors, cudaStream_t stream);
 // n bf16 values, roughly N(0, stddev^2), from a counter-based generator.
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream);
 // n random e4m3 codes, every one a finite value.

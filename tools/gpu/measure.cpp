@@ -80,8 +80,20 @@ Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t s
                 "copy");
       },
       2, 7, stream);
+  // The gather: 4M entries of 656 bytes (2.6 GB) per call over the buffer as a pool, other slots each call.
+  constexpr int kEntryBytes = 656;
+  constexpr std::int64_t kEntries = std::int64_t{1} << 22;
+  const auto pool_tokens = static_cast<std::int64_t>(2 * bytes / kEntryBytes);
+  const Timing gather = time_calls(
+      [&](int i) {
+        launch_gather_read(buffer.get(), pool_tokens, kEntryBytes, kEntries, static_cast<std::uint64_t>(i) * kEntries,
+                           sink.get<unsigned long long>(), multiprocessors, stream);
+      },
+      2, 7, stream);
+  cuda_ok(cudaGetLastError(), "gather kernel");
   c.read_gbps = static_cast<double>(bytes) / (read.median_us * 1e3);
   c.copy_gbps = 2.0 * static_cast<double>(bytes) / (copy.median_us * 1e3);
+  c.gather_gbps = static_cast<double>(kEntries * kEntryBytes) / (gather.median_us * 1e3);
   return c;
 }
 

@@ -33,6 +33,7 @@ Timing time_graphs(const std::function<void(int)>& call, int variants, int warmu
 struct Ceilings {
   double read_gbps = 0;   // read-only streaming kernel, 16-byte loads
   double copy_gbps = 0;   // device-to-device copy, bytes read plus written
+  double gather_gbps = 0; // 656-byte entries read at random slots (the sparse ops' access), one warp each
   std::size_t bytes = 0;  // bytes streamed per measurement
 };
 Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream);
