@@ -48,6 +48,7 @@ constexpr int kShallowFromBatch = 32;
 constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
 constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
 constexpr int kSStride = 40;       // floats per row of score partials (conflict-free 8-byte reads)
+constexpr int kOutStride = 516;    // floats per output row staged at the end (512 + 4)
 
 template <int kNt, int kStages>
 struct NarrowSmem {
@@ -60,6 +61,7 @@ struct NarrowSmem {
   static constexpr int kSlots = kRowQScale + 4 * kRows;              // i32 [kStages][kTile]
   static constexpr int kBytes = kSlots + 4 * kStages * kTile;
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
+  static_assert(kRows * kOutStride * 4 <= kStages * kStageBytes, "the output rows are staged over the tiles");
 };
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -122,8 +124,10 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 
   // cp.async of tile `tile` into stage tile % kStages, as one commit group; past the last tile an
   // empty group, so that "all but the newest kStages - 2 groups have landed" always means "this tile".
-  // Eight threads per token, each the 16-byte pieces p, p + 8, ... of tokens tid / 8 and tid / 8 + 16:
-  // one slot read per token and fixed offsets, so a tile costs each thread about a dozen instructions.
+  // Eight threads per token (tokens tid / 8 and tid / 8 + 16), one slot read each. An entry starts
+  // anywhere inside a 128-byte line (656 = 5 x 128 + 16), so thread p takes the entry's 16-byte
+  // pieces that sit at position p of their line: each copy instruction of the eight then reads one
+  // whole line of the entry, and an entry costs its 6 or 7 lines, not two per instruction.
   const int copy_token = tid / kCopyLanes, copy_piece = tid % kCopyLanes;
   auto issue_tile = [&](int tile) {
     if (tile < num_tiles) {
@@ -133,15 +137,16 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       for (int pass = 0; pass < kTile / kCopyTokens; ++pass) {
         const int token = copy_token + kCopyTokens * pass;
         const std::int32_t slot = slots[token];
-        const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + 16 * copy_piece;
-        std::uint8_t* dst = stage + token * kTokenBytes + 16 * copy_piece;
+        const std::uint8_t* entry = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
+        const int first = copy_piece - static_cast<int>((reinterpret_cast<std::uintptr_t>(entry) / 16) % kCopyLanes);
+        const std::uint8_t* src = entry + 16 * first;  // piece `first` (from -7 to 7) of the entry, then + 8 ...
+        std::uint8_t* dst = stage + token * kTokenBytes + 16 * first;
         const int bytes = slot >= 0 ? 16 : 0;  // zero-filled: an unread token's V meets P = 0, never NaN
+        if (first >= 0) cp_async_16(dst, src, bytes);
 #pragma unroll
-        for (int i = 0; i < kTokenChunks / kCopyLanes; ++i) cp_async_16(dst + 16 * kCopyLanes * i, src + 16 * kCopyLanes * i, bytes);
-        if (copy_piece < kTokenChunks % kCopyLanes) {
-          constexpr int kLast = kTokenChunks / kCopyLanes * kCopyLanes * 16;
-          cp_async_16(dst + kLast, src + kLast, bytes);
-        }
+        for (int i = 1; i < kTokenChunks / kCopyLanes; ++i) cp_async_16(dst + 16 * kCopyLanes * i, src + 16 * kCopyLanes * i, bytes);
+        constexpr int kLast = kTokenChunks / kCopyLanes * kCopyLanes * 16;  // piece first + 40 <= 40
+        if (first <= 0) cp_async_16(dst + kLast, src + kLast, bytes);
       }
     }
     cp_async_commit();
@@ -376,8 +381,11 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
     }
   }
 
-  // ---- epilogue: o = unit x O / sum, back in natural dim order ----
+  // ---- epilogue: o = unit x O / sum, back in natural dim order, staged in shared memory so that
+  // the rows go out as whole 16-byte pieces (o, or the split's partial) ----
   allow_next_kernel();
+  __syncthreads();  // every warp is done with the last tile: its stage is free
+  float* out_s = reinterpret_cast<float*>(stages);  // f32 [kRows][kOutStride]
 #pragma unroll
   for (int n = 0; n < kNt; ++n) {
 #pragma unroll
@@ -385,27 +393,31 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       const int row = n * 8 + 2 * c + e;  // its state is held by lanes 4 (2c + e) + any
       const float l = __shfl_sync(0xffffffffu, row_sum[n], 4 * (2 * c + e));
       const float mx = __shfl_sync(0xffffffffu, row_max[n], 4 * (2 * c + e));
-      if (row >= a.rows) continue;
       const float inv = l > 0.0f ? unit / l : 0.0f;
-      const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
-      const float lse = row_lse(mx, l);
-      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         const int dim = 64 * (2 * warp + m / 4) + 4 * r + m % 4;
-        const float lo = acc_o[m][n][e] * inv, hi = acc_o[m][n][e + 2] * inv;
-        if (a.num_splits == 1) {
-          a.o[out_row * 512 + dim] = static_cast<std::uint16_t>(pack_bf16x2(lo, 0.0f) & 0xFFFFu);
-          a.o[out_row * 512 + dim + 32] = static_cast<std::uint16_t>(pack_bf16x2(hi, 0.0f) & 0xFFFFu);
-        } else {
-          a.o_part[part_row * 512 + dim] = lo;
-          a.o_part[part_row * 512 + dim + 32] = hi;
-        }
+        out_s[row * kOutStride + dim] = acc_o[m][n][e] * inv;
+        out_s[row * kOutStride + dim + 32] = acc_o[m][n][e + 2] * inv;
       }
-      if (warp == 0 && r == 0) {
+      if (warp == 0 && r == 0 && row < a.rows) {
+        const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+        const float lse = row_lse(mx, l);
         if (a.num_splits == 1) a.lse[out_row] = lse;
-        else a.lse_part[part_row] = lse;
+        else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + out_row] = lse;
       }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < a.rows * (512 / 4); idx += kThreads) {
+    const int row = idx / (512 / 4), piece = idx % (512 / 4);
+    const float4 v = *reinterpret_cast<const float4*>(out_s + row * kOutStride + 4 * piece);
+    const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+    if (a.num_splits == 1) {
+      reinterpret_cast<uint2*>(a.o + out_row * 512)[piece] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    } else {
+      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
+      reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
     }
   }
 }
