@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   constexpr int kBatch = 8;  // loads per lane issued up front
   __shared__ float weights[kMaxSplits];
   __shared__ float warp_max[kWarps], warp_sum[kWarps];
-  __shared__ float4 partial[kGroups][kLanesPerSplit];
+  __shared__ float4 partial[kWarps][kLanesPerSplit];
   const std::int64_t out_row = blockIdx.x;  // b * rows + row
   const int dim0 = blockIdx.y * kDims;
   const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;
@@ -372,11 +372,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   }
 #pragma unroll 8
   for (int s = group + kBatch * kGroups; s < n; s += kGroups) add(weights[s], part(s));
-  partial[group][col] = o;
+  // The warp's splits summed by shuffles (lanes kLanesPerSplit apart hold the same dims), then the
+  // warps' sums in shared memory: a chain of kWarps adds, not one of kGroups.
+#pragma unroll
+  for (int off = kLanesPerSplit; off < 32; off *= 2) {
+    o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
+    o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
+    o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
+    o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+  }
+  if (lane < kLanesPerSplit) partial[warp][col] = o;
   __syncthreads();
   if (threadIdx.x < kLanesPerSplit) {
     float4 sum = partial[0][col];
-    for (int x = 1; x < kGroups; ++x) {
+    for (int x = 1; x < kWarps; ++x) {
       sum.x += partial[x][col].x;
       sum.y += partial[x][col].y;
       sum.z += partial[x][col].z;
