@@ -1,6 +1,7 @@
 #include "gpu/measure.hpp"
 
 #include "gpu/kernels.hpp"
+#include "latentkv/cache.hpp"
 
 namespace latentkv::tools::gpu {
 
@@ -80,8 +81,8 @@ Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t s
                 "copy");
       },
       2, 7, stream);
-  // The gather: 4M entries of 656 bytes (2.6 GB) per call over the buffer as a pool, other slots each call.
-  constexpr int kEntryBytes = 656;
+  // The gather: 4M fp8 entries (656 bytes, 2.6 GB) per call over the buffer as a pool, other slots each call.
+  constexpr int kEntryBytes = static_cast<int>(kFp8TokenBytes);
   constexpr std::int64_t kEntries = std::int64_t{1} << 22;
   const auto pool_tokens = static_cast<std::int64_t>(2 * bytes / kEntryBytes);
   const Timing gather = time_calls(
