@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -31,6 +32,14 @@ const auto& once_per_key(const Key& key, Compute&& compute) {
   auto it = known.find(key);
   if (it == known.end()) it = known.emplace(key, compute()).first;
   return it->second;
+}
+
+// Throws unless `pointer` is `bytes`-aligned: the kernels read and write such pieces of `arg`.
+inline void check_aligned(const char* op, const char* arg, const void* pointer, std::size_t bytes) {
+  if (reinterpret_cast<std::uintptr_t>(pointer) % bytes != 0) {
+    throw Error(op, arg, "an address not " + std::to_string(bytes) + "-byte aligned",
+                std::to_string(bytes) + "-byte aligned device memory");
+  }
 }
 
 inline int current_device(const char* op) {

@@ -308,9 +308,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     throw Error("indexer_logits", "q", p.q.shape_string(),
                 "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
   }
-  if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
-    throw Error("indexer_logits", "q", "an address not 16-byte aligned", "16-byte aligned device memory");
-  }
+  check_aligned("indexer_logits", "q", a.q, 16);
   const int padded = padded_heads(a.heads);
   const auto smem = static_cast<std::size_t>(a.q_len) * padded * (2 * kDim + sizeof(float));
   if (a.page_size % 4 == 0) {  // 132 x page_size bytes per page: every key 16-byte aligned

@@ -105,9 +105,7 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
   if (t == 0) return;  // nothing to select, no scratch needed
-  if (reinterpret_cast<std::uintptr_t>(p.q.data) % 16 != 0) {  // the indexer reads 16-byte rows
-    throw Error(kOp, "q", "an address not 16-byte aligned", "16-byte aligned device memory");
-  }
+  check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
   const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
   if (p.workspace == nullptr) throw Error(kOp, "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
   if (p.workspace_bytes < need) {
@@ -115,9 +113,7 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
                 ">= " + std::to_string(need) + " for chunks of " + std::to_string(chunk) +
                     " new tokens (Backend::plan for these shapes and chunk_tokens)");
   }
-  if (reinterpret_cast<std::uintptr_t>(p.workspace) % kWorkspaceAlign != 0) {
-    throw Error(kOp, "workspace", "an address not 256-byte aligned", "256-byte aligned device memory");
-  }
+  check_aligned(kOp, "workspace", p.workspace, kWorkspaceAlign);
   PrefillRows requests;
   requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
   requests.seq_lens = p.seq_lens.as<const std::int32_t>();

@@ -509,13 +509,8 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
   }
   if (a.batch == 0) return;
-  // The kernels read q rows as 16-byte pieces and write o as 4- to 8-byte pieces.
-  if (reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0) {
-    throw Error(op, "q", "an address not 16-byte aligned", "16-byte aligned device memory");
-  }
-  if (reinterpret_cast<std::uintptr_t>(a.o) % 8 != 0) {
-    throw Error(op, "o", "an address not 8-byte aligned", "8-byte aligned device memory");
-  }
+  check_aligned(op, "q", a.q, 16);  // read as 16-byte pieces of rows
+  check_aligned(op, "o", a.o, 8);   // written as 4- to 8-byte pieces
   if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
     throw Error(op, "q", std::to_string(a.batch) + " query tokens",
                 "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");

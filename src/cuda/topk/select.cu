@@ -456,9 +456,7 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
     throw Error("topk", "workspace_bytes", std::to_string(p.workspace_bytes),
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
   }
-  if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
-    throw Error("topk", "workspace", "an address not 16-byte aligned", "16-byte aligned device memory");
-  }
+  check_aligned("topk", "workspace", p.workspace, 16);
   const std::int64_t rows = rows_of(p);
   if (rows == 0) return;
   TopkArgs a{};
