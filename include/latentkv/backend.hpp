@@ -75,6 +75,9 @@ struct Plan {
   int num_splits = 1;
   int chunk_tokens = 0;  // new tokens per chunk, for ops that work through them in chunks (indexer_prefill)
   std::size_t workspace_bytes = 0;
+  // Leading bytes of the workspace the op can take already zeroed, saving it a pass (0: it always
+  // clears what it needs itself). See TopkParams::workspace_cleared.
+  std::size_t cleared_bytes = 0;
 };
 
 // The answer of Backend::select: a kernel, or the reason there is none.

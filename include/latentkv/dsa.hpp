@@ -57,6 +57,10 @@ struct DsaPlan {
   std::size_t workspace_bytes = 0;  // all of it: logits, slots, then the two plans' scratch
   Plan topk;                        // the top-k backend's own schedule and scratch
   Plan sparse;                      // the sparse decode's split schedule and scratch
+  // The indexer step clears the top-k's row state (IndexerLogitsParams::clear), so that the top-k
+  // step skips that pass (TopkParams::workspace_cleared): when one backend runs both and its top-k
+  // can take cleared scratch (plan.topk.cleared_bytes > 0).
+  bool topk_cleared_by_indexer = false;
 };
 
 // The schedule and scratch of a call with these shapes (tensor data may still be null). Depends on
@@ -65,7 +69,9 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p,
                         const DeviceInfo& device = detect_device());
 
 // The three ops a call runs, carved out of p.workspace (which must hold plan.workspace_bytes).
-// For timing or inspecting the steps one by one; dsa_decode runs exactly these.
+// For timing or inspecting the steps one by one; dsa_decode runs exactly these, in this order. With
+// plan.topk_cleared_by_indexer the top-k step counts on the indexer step just before it: to run the
+// top-k on its own, set its workspace_cleared to false.
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 
 // Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into

@@ -76,6 +76,11 @@ struct IndexerLogitsParams {
   TensorView block_table;       // [B, max_pages] i32
   TensorView seq_lens;          // [B] i32
   TensorView logits;            // [B, q_len, max_len] f32; column t is logical position t, -inf where not visible
+  // Optional: bytes of another op's scratch that this call sets to zero on the way, for the op that
+  // reads these logits next on the same stream (dsa_decode clears the top-k's row state here, see
+  // TopkParams::workspace_cleared). 16-byte aligned, a multiple of 16 bytes; none by default.
+  void* clear = nullptr;
+  std::size_t clear_bytes = 0;
 };
 
 // Top-k per query row over its visible logits, returned as physical slots.
@@ -89,6 +94,11 @@ struct TopkParams {
   // Device scratch from Backend::plan() (the GPU selection keeps per-row histograms there).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // True when the first plan().cleared_bytes of the workspace are zero on entry, because the call
+  // before it on the stream cleared them (IndexerLogitsParams::clear): the selection then skips
+  // clearing its row state itself (on the GPU, one grid-wide barrier fewer). Only for a call that
+  // follows such a clear: the selection's own calls leave the state dirty.
+  bool workspace_cleared = false;
 };
 
 // Indexer prefill: every new token's causal indexer logits over its request's key cache, then its

@@ -121,6 +121,8 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
   plan.topk = backends.topk->plan(s.topk, device);
   plan.sparse = backends.sparse_decode->plan(s.sparse, device);
   plan.workspace_bytes = layout_of(p, plan).end;
+  // One backend for both: its indexer clears what its top-k would otherwise clear first.
+  plan.topk_cleared_by_indexer = plan.topk.cleared_bytes > 0 && backends.indexer_logits == backends.topk;
   return plan;
 }
 
@@ -132,6 +134,11 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   DsaSteps s = steps_at(p, l, base);
   s.topk.workspace = plan.topk.workspace_bytes ? base + l.topk : nullptr;
   s.topk.workspace_bytes = plan.topk.workspace_bytes;
+  if (plan.topk_cleared_by_indexer) {
+    s.indexer.clear = s.topk.workspace;
+    s.indexer.clear_bytes = plan.topk.cleared_bytes;
+    s.topk.workspace_cleared = true;
+  }
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.sparse : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;

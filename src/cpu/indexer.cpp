@@ -1,6 +1,7 @@
 // Lightning-indexer logits (SPEC section 4.4), and the indexer prefill: logits then top-k of every
 // new token of a prompt.
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -62,6 +63,7 @@ void indexer_logits(const IndexerLogitsParams& p) {
   const auto* weights = p.weights.as<const float>();       // [B, q_len, Hi]
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
   auto* logits = p.logits.as<float>();                     // [B, q_len, max_len]
+  if (p.clear_bytes > 0) std::memset(p.clear, 0, p.clear_bytes);
 
   std::vector<double> q_row, keys, key_scales;
   for (std::int64_t b = 0; b < batch; ++b) {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -340,6 +342,36 @@ TEST(BadInput, IndexerWeightsAndQuery) {
   p.weights = w65.view();
   p.logits = logits.view();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "indexer heads", "65"));
+}
+
+TEST(BadInput, IndexerClearRange) {
+  DecodeCase c;
+  HostTensor q = random_fp8(c.rng, {2, 1, 4, kIndexerDim});
+  HostTensor w = random_f32(c.rng, {2, 1, 4}, -1, 1);
+  HostTensor logits = sentinel_tensor(DType::kF32, {2, 1, 12});
+  IndexerLogitsParams p;
+  p.q = q.view();
+  p.weights = w.view();
+  p.cache = c.f.indexer();
+  p.block_table = c.f.block_table_view();
+  p.seq_lens = c.f.seq_lens_view();
+  p.logits = logits.view();
+  alignas(16) std::uint8_t scratch[80];
+  std::fill(std::begin(scratch), std::end(scratch), std::uint8_t{0xA5});
+  p.clear_bytes = 32;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "clear", "null"));
+  p.clear = scratch;
+  p.clear_bytes = 24;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "clear_bytes", "24"));
+  p.clear = scratch + 8;
+  p.clear_bytes = 32;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "clear", "address"));
+  EXPECT_TRUE(is_sentinel(logits));
+  EXPECT_TRUE(std::all_of(std::begin(scratch), std::end(scratch), [](std::uint8_t x) { return x == 0xA5; }));
+
+  p.clear = scratch + 16;  // a valid range: cleared, and nothing around it
+  cpu::indexer_logits(p);
+  for (int i = 0; i < 80; ++i) EXPECT_EQ(scratch[i], i >= 16 && i < 48 ? 0 : 0xA5) << "byte " << i;
 }
 
 TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {

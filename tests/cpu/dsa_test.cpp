@@ -115,6 +115,8 @@ TEST_P(DsaDecode, EqualsTheStepsByHand) {
   const AttentionOutputs want = reference_sparse_decode(d.f, d.q, slots, kScale, DType::kBF16, DType::kF32);
 
   const DsaSteps steps = dsa_steps(d.params, d.plan);
+  EXPECT_FALSE(d.plan.topk_cleared_by_indexer) << "the reference top-k keeps no state to clear";
+  EXPECT_EQ(steps.indexer.clear_bytes, 0u);
   EXPECT_TRUE(compare("workspace logits", copy_of(steps.indexer.logits), logits, Tolerance::exact()));
   EXPECT_EQ(copy_of(steps.topk.slots).byte_vector(), slots.byte_vector()) << "workspace slots";
   EXPECT_TRUE(compare("o", d.o, want.o, Tolerance::exact()));

@@ -195,6 +195,11 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   DeviceDsa d(f, in, c.topk, max_len);
   const std::int64_t columns = max_len > 0 ? max_len : std::int64_t{f.max_pages} * f.page_size;
   ASSERT_EQ(d.steps().indexer.logits.size(2), columns) << "logits columns of max_len " << max_len;
+  // One backend: the indexer clears the top-k's row state, which is part of the garbage-filled
+  // workspace (fill_sentinels).
+  EXPECT_TRUE(d.steps().topk.workspace_cleared);
+  EXPECT_EQ(d.steps().indexer.clear, d.steps().topk.workspace);
+  EXPECT_GT(d.steps().indexer.clear_bytes, 0u);
   d.fill_sentinels();
   d.run();
   check_cuda(cudaDeviceSynchronize());

@@ -1,6 +1,8 @@
 // GPU indexer logits against the CPU reference: shuffled pages, NaN in every indexer slot that is
 // not cached, sentinel-filled logits (every column up to max_len must be written: -inf past the
-// visible positions), causal rows for q_len > 1.
+// visible positions), causal rows for q_len > 1. Every call also clears a garbage-filled range for
+// the next op (IndexerLogitsParams::clear, larger than one pass of the grid), and must leave the
+// guard after it alone.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,9 +53,20 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
   p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
   p.logits = logits.view_of(d_logits.get(), Device::cuda());
+  constexpr std::size_t kClearBytes = 16 * 100003, kGuardBytes = 4096;
+  constexpr std::uint8_t kGarbage = 0xA5;
+  const std::vector<std::uint8_t> garbage(kClearBytes + kGuardBytes, kGarbage);
+  DeviceBuffer d_clear(garbage);
+  p.clear = d_clear.get();
+  p.clear_bytes = kClearBytes;
   run(*find_backend("cuda"), p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
   d_logits.download(logits.raw(), logits.bytes());
+  const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
+  EXPECT_TRUE(std::all_of(cleared.begin(), cleared.begin() + kClearBytes, [](std::uint8_t x) { return x == 0; }))
+      << "the clear range is not all zero";
+  EXPECT_TRUE(std::all_of(cleared.begin() + kClearBytes, cleared.end(), [](std::uint8_t x) { return x == kGarbage; }))
+      << "the call wrote past the clear range";
   // float32 sums of exact fp8 products in another order than the float64 reference: relative error
   // of a few float32 ulps of the sum of |terms|; -inf positions must match exactly.
   EXPECT_TRUE(compare("logits", logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));

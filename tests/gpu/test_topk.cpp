@@ -2,7 +2,9 @@
 // k largest visible logits in any order, ties broken either way (checked as in topk_check.hpp).
 // Logits past each row's visible positions are NaN (the kernel must never read them), the slots are
 // sentinel-filled with a guard of sentinels after them, the workspace starts as garbage (the kernel
-// must not count on zeroed scratch), page tables are shuffled.
+// must not count on zeroed scratch), page tables are shuffled. Every case runs twice: on that
+// workspace, then with the row state cleared beforehand and TopkParams::workspace_cleared set (as
+// dsa_decode's indexer leaves it), the rest of the workspace still garbage.
 //
 // Cases: a 128K-token row, a batch of 64 x 32K, lengths around k, causal rows (q_len 2-4), page
 // sizes 1, 17 and 64, k 1, 7 and 2048, masses of ties, -inf logits among the visible ones, more
@@ -178,6 +180,7 @@ class DeviceTopk {
     params_.k = k;
     params_.slots = TensorView::contiguous(slots_.get(), DType::kI32, {f.batch(), q_len, k}, Device::cuda());
     const Plan plan = backend_.plan(params_, device_);
+    cleared_bytes_ = plan.cleared_bytes;
     workspace_ = DeviceBuffer(plan.workspace_bytes);
     if (workspace_.bytes() > 0) check(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
     params_.workspace = workspace_.get();
@@ -185,8 +188,14 @@ class DeviceTopk {
   }
 
   // One call on `logits` with `seq_lens`; returns the slots [B, q_len, k]. A write past the slots
-  // output (into the guard) fails the test.
-  HostTensor call(const HostTensor& logits, const std::vector<std::int32_t>& seq_lens) {
+  // output (into the guard) fails the test. `cleared`: the plan's cleared_bytes of the workspace
+  // zeroed before the call, and the call told so.
+  HostTensor call(const HostTensor& logits, const std::vector<std::int32_t>& seq_lens, bool cleared = false) {
+    if (cleared) {
+      EXPECT_GT(cleared_bytes_, 0u) << "the GPU top-k should take its row state cleared";
+      check(cudaMemset(workspace_.get(), 0, cleared_bytes_));
+    }
+    params_.workspace_cleared = cleared;
     logits_.upload(logits.raw(), logits.bytes());
     lens_.upload(seq_lens.data(), seq_lens.size() * sizeof(std::int32_t));
     const std::vector<std::int32_t> sentinels(slots_.bytes() / sizeof(std::int32_t), kSentinelI32);
@@ -214,6 +223,7 @@ class DeviceTopk {
   DeviceBuffer logits_;  // [B, q_len, max_len] f32
   DeviceBuffer slots_;   // [B, q_len, k] i32, then kGuardSlots sentinels
   DeviceBuffer workspace_;
+  std::size_t cleared_bytes_ = 0;
   TopkParams params_;
 };
 
@@ -231,6 +241,8 @@ TEST_P(GpuTopk, MatchesReference) {
   DeviceTopk gpu(f, c.q_len, max_len, c.k);
   const HostTensor got = gpu.call(logits, f.seq_lens);
   EXPECT_TRUE(check_topk_rows(f, logits, got, want)) << c;
+  const HostTensor got_cleared = gpu.call(logits, f.seq_lens, true);
+  EXPECT_TRUE(check_topk_rows(f, logits, got_cleared, want)) << c << ", row state cleared before the call";
 }
 
 // 64 requests of 32K tokens, every other one somewhat shorter (a length not a multiple of anything).

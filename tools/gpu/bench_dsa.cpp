@@ -327,7 +327,8 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
         const Selection ps = cuda->select(problem_of(parts[s].args, device));
         part.kernel = ps ? ps.kernel->name : ps.reason;
         const auto step_call = [&](int i) {
-          const DsaSteps st = dsa_steps(with_workspace(i), plan);
+          DsaSteps st = dsa_steps(with_workspace(i), plan);
+          st.topk.workspace_cleared = false;  // alone: no indexer before it clears its state
           const OpArgs args = s == 0 ? OpArgs(st.indexer) : s == 1 ? OpArgs(st.topk) : OpArgs(st.sparse);
           run(*cuda, args, {stream}, device);
         };

@@ -17,6 +17,8 @@
 //     and odd k-steps apart: two independent mma chains per warp instead of one of eight. The sums are
 //     relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t and written.
 //     Positions a row cannot see get -inf.
+//   * A call may also clear the next op's scratch (IndexerLogitsParams::clear: the top-k's row state
+//     inside dsa_decode), spread over the whole grid while the first keys are loading.
 // f16 holds every e4m3 value exactly, so each product is exact; the sums are float32 in tensor-core
 // order. (mma.sync on raw e4m3 codes was tried first: on sm_90 it converts to f16 inside every
 // instruction, for every 8 heads again, and ran the kernel instruction-bound.)
@@ -51,6 +53,8 @@ struct LogitsArgs {
   const std::int32_t* block_table;   // [B, max_pages]
   const std::int32_t* seq_lens;      // [B]
   float* logits;                     // [B, q_len, max_len]
+  uint4* clear;                      // [clear_pieces] set to zero on the way (another op's scratch)
+  std::int64_t clear_pieces;
   std::int64_t num_pages;
   int page_size;
   int page_shift;                    // log2(page_size) when a power of two, else -1
@@ -216,6 +220,14 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
   Tile t0, t1, t2;
   if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, t0);
   if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, t1);
+  // The next op's scratch, cleared by the whole grid while those loads are out.
+  {
+    const std::int64_t ctas = static_cast<std::int64_t>(gridDim.x) * gridDim.y;
+    for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
+         i < a.clear_pieces; i += ctas * kThreads) {
+      a.clear[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -302,8 +314,13 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.q_len = static_cast<int>(p.q.size(1));
   a.heads = static_cast<int>(p.q.size(2));
   a.max_len = static_cast<int>(p.logits.size(2));
+  a.clear = static_cast<uint4*>(p.clear);
+  a.clear_pieces = static_cast<std::int64_t>(p.clear_bytes / sizeof(uint4));  // validated: a multiple of 16
   const int batch = static_cast<int>(p.q.size(0));
-  if (batch == 0 || a.max_len == 0) return;
+  if (batch == 0 || a.max_len == 0) {  // no kernel: the clear on its own
+    if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_logits", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
+    return;
+  }
   if (batch > kMaxIndexerBatch) {  // one grid row per request
     throw Error("indexer_logits", "q", p.q.shape_string(),
                 "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");

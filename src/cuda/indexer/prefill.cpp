@@ -6,7 +6,8 @@
 // top-k selects from them. Per chunk of C new tokens the workspace holds:
 //   logits      C x capacity floats (capacity = max_pages x page_size, the block table's reach)
 //   row tables  C x max_pages i32, and C lengths
-//   top-k       the selection's per-row scratch for C rows (plan_topk)
+//   top-k       the selection's per-row scratch for C rows (plan_topk); the chunk's indexer launch
+//               clears its row state, so the top-k need not
 // The default C keeps all of it within 256 MiB (about 190 KB per new token for a 32K + 4K-token
 // table, capacity 36,864: 1,407 new tokens per chunk), and at most 65,535. Prompts of any length run in
 // ceil(T / C) chunks on the one stream; nothing waits for the host.
@@ -89,6 +90,11 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
   c.end = align_up(c.topk_scratch + plan_topk(largest).workspace_bytes);
   k.workspace = at(c.topk_scratch);
   k.workspace_bytes = c.end - c.topk_scratch;
+  if (scratch != nullptr) {  // the chunk's indexer clears its top-k's row state
+    l.clear = k.workspace;
+    l.clear_bytes = plan_topk(k).cleared_bytes;
+    k.workspace_cleared = true;
+  }
   return c;
 }
 

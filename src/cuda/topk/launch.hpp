@@ -13,7 +13,8 @@ namespace latentkv::cuda {
 // Scratch for these shapes: per query row, a histogram, counters and a candidate list.
 Plan plan_topk(const TopkParams& p);
 
-// A memset of the row states and two kernels; never synchronizes. Arguments must be validated and
+// One cooperative kernel, or a memset of the row states (left out when p.workspace_cleared) and two
+// kernels; never synchronizes. Arguments must be validated and
 // p.workspace must hold plan_topk(p).workspace_bytes (else Error).
 void launch_topk(const TopkParams& p, cudaStream_t stream);
 

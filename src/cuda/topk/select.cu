@@ -13,7 +13,9 @@
 // When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
 // one cooperative kernel with grid barriers before and after phase 1 and the logits read once; the
 // row's last CTA to finish phase 2 does phase 3. Otherwise a memset of the row states and two
-// kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. Rows
+// kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. When
+// the call before cleared the row states (TopkParams::workspace_cleared: the indexer does it inside
+// dsa_decode), the first barrier, or the memset, is left out. Rows
 // that see k tokens or fewer skip the selection: every visible slot, then -1s. A row with more
 // candidates than the list holds (masses of equal logits) re-reads its logits instead; slower, same
 // answer.
@@ -50,7 +52,8 @@ constexpr int kMidBins = 1 << kMidBits;         // 1024
 constexpr int kLowBins = 1 << kLowBits;         // 1024
 constexpr int kCandidates = 3072;               // listed candidates per row
 
-// A row's state in the workspace (32-bit words); zeroed by a memset before every call.
+// A row's state in the workspace (32-bit words); zero at the start of phase 1 (cleared by this call,
+// or by the call before: TopkArgs::cleared).
 enum StateWord : int {
   kHist = 0,                          // [kTopBins] counts of top digits
   kArrivedHistogram = kTopBins,       // CTAs of the row done with kernel 1
@@ -79,6 +82,7 @@ struct TopkArgs {
   int k;
   int chunks;                       // CTAs per row: ceil(max_len / chunk_len), at least 1
   int chunk_len;                    // logits per CTA: kThreads x kPer
+  bool cleared;                     // the row states are zero on entry
 };
 
 __device__ __forceinline__ std::uint32_t order_key(float x) {
@@ -253,7 +257,7 @@ __device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)
     std::int32_t slot;
     if constexpr (kEarly) slot = early[j];
     else slot = slot_of(a, c.b, c.position(j));
-    if (digit > top) out[at++] = slot;
+    if (digit > top && at < static_cast<std::uint32_t>(a.k)) out[at++] = slot;  // below k unless the state was dirty
     if (digit == top) {
       if (listed_at < kCandidates) listed[listed_at] = make_uint2(static_cast<std::uint32_t>(slot), key);
       ++listed_at;
@@ -323,7 +327,10 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
   if (threadIdx.x == 0) s.taken = s.ties = 0;
   __syncthreads();
   for_each([&](std::uint32_t key, auto slot) {
-    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) out[above + atomicAdd(&s.taken, 1u)] = slot();
+    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) {
+      const std::uint32_t at = above + atomicAdd(&s.taken, 1u);
+      if (at < static_cast<std::uint32_t>(a.k)) out[at] = slot();  // as in select_above
+    }
   });
 }
 
@@ -350,8 +357,9 @@ __global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs
   }
 }
 
+// Three CTAs per SM: without the bound, ptxas gives kPer 16 118 registers (two CTAs).
 template <int kPer>
-__global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   wait_for_previous_kernels();
   allow_next_kernel();  // the next kernel's CTAs may queue behind the row finishers
@@ -370,8 +378,9 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a)
 
 // The same three phases in one cooperative kernel, for grids that fit on the GPU at once: two grid
 // barriers (the row states zeroed; the histograms complete) instead of the memset and the kernel
-// boundary, and the logits read once. Every CTA of a row computes the row's threshold itself from
-// the row's histogram; the last of the row's CTAs to finish selecting finishes the row.
+// boundary, and the logits read once; only the second when the states came zeroed. Every CTA of a
+// row computes the row's threshold itself from the row's histogram; the last of the row's CTAs to
+// finish selecting finishes the row.
 // At 64 registers (kPer 16, sm_90a) four CTAs fit per SM, so that B 64 x 32K (512 CTAs of 4096
 // logits) is one resident grid; a cap by __launch_bounds__ makes ptxas spill, so it is left uncapped.
 template <int kPer>
@@ -383,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
   const bool select = c.n > a.k && c.base < c.n;
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
   uint2* listed = a.candidates + static_cast<std::int64_t>(c.row) * kCandidates;
-  if (c.base == 0) {
+  if (c.base == 0 && !a.cleared) {
     for (int w = threadIdx.x; w < kStateWords; w += kThreads) state[w] = 0;
   }
   float v[kPer];
@@ -391,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
     load_chunk(a, c, v);
     count_top_digits(c, v, s);
   }
-  grid.sync();
+  if (!a.cleared) grid.sync();  // the same answer in every CTA
   if (select) publish_top_digits(s, state);
   grid.sync();
   std::uint32_t top = 0, above = 0;
@@ -436,7 +445,7 @@ void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_
     launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
     return;
   }
-  LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
+  if (!a.cleared) LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
   launch_chained("topk", topk_histogram_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
   launch_chained("topk", topk_select_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
 }
@@ -446,6 +455,7 @@ void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_
 Plan plan_topk(const TopkParams& p) {
   Plan plan;
   plan.workspace_bytes = state_bytes(p) + static_cast<std::size_t>(rows_of(p)) * kCandidates * sizeof(uint2);
+  plan.cleared_bytes = state_bytes(p);  // the row states, at the start
   return plan;
 }
 
@@ -472,6 +482,7 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   a.q_len = static_cast<int>(p.logits.size(1));
   a.k = p.k;
+  a.cleared = p.workspace_cleared;
   const int sms = current_device_limits("topk").multiprocessors;
   const auto ctas_with = [&](int per) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
