@@ -133,7 +133,12 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 32, 2, 17, {2, 16, 18, 300}});
   v.push_back({"cuda", fp8, 8, 1, 1, {0, 1, 2, 97}});
   v.push_back({"cuda", fp8, 8, 2, 3, {2, 3, 4, 101}});
+  // Forced split counts: the narrow kernel merges them itself (its grid is resident at once)...
   for (int s : {1, 3, 7, 40}) v.push_back({"cuda", fp8, 8, 1, 64, {0, 1, 500, 2049}, s});
+  // ... but not 40 requests x 16 splits, more CTAs than the GPU holds at once: the combine kernel.
+  std::vector<std::int64_t> forty;
+  for (int b = 0; b < 40; ++b) forty.push_back(300 + 37 * b);
+  v.push_back({"cuda", fp8, 8, 1, 64, forty, 16});
   v.push_back({"cuda", fp8, 8, 1, 64, {6000}});
   // One or two long requests: more than 128 splits, the combine of 32 dims per CTA.
   v.push_back({"cuda", fp8, 8, 1, 64, {40000, 0}});

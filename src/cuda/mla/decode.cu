@@ -343,12 +343,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   m = warp_max[0];
   for (int x = 1; x < kWarps; ++x) m = fmaxf(m, warp_max[x]);
   // Split weights relative to the largest lse.
-  const auto weight = [m](float l) { return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e); };
   float t = 0.0f;
 #pragma unroll
   for (int e = 0; e < kLsePerThread; ++e) {
     const int s = threadIdx.x + e * kThreads;
-    const float w = weight(l[e]);
+    const float w = split_weight(l[e], m);
     if (s < n) weights[s] = w;
     t += w;
   }
@@ -397,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
     packed.y = pack_bf16x2(sum.z * inv, sum.w * inv);
     reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[col] = packed;
     // No split saw a token: -inf; a split's lse NaN (a NaN reached its scores): NaN, as its o.
-    if (col == 0 && blockIdx.y == 0) a.lse[out_row] = total == 0.0f ? -INFINITY : m + logf(total);
+    if (col == 0 && blockIdx.y == 0) a.lse[out_row] = merged_lse(m, total);
   }
 }
 
@@ -517,13 +516,14 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
   }
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows);
-  if (kernel == DecodeKernel::kNarrow) launch_decode_narrow(a, stream);
+  bool merged = false;  // the splits merged by the kernel itself
+  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, stream);
   else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, stream);
   else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
   else if (fp8) launch_instance<true, 2>(a, stream);
   else if (groups == 1) launch_instance<false, 1>(a, stream);
   else launch_instance<false, 2>(a, stream);
-  if (a.num_splits > 1) {
+  if (a.num_splits > 1 && !merged) {
     if (a.num_splits <= 32) {
       launch_combine<128>(a, op, stream);
     } else {

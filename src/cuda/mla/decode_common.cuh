@@ -36,6 +36,14 @@ __device__ __forceinline__ float row_lse(float max_log2, float sum) {
   return sum == 0.0f ? -INFINITY : (max_log2 + log2f(sum)) * kLn2;
 }
 
+// The split combine's weight of a split with lse `l` (natural log) in a row whose largest split lse
+// is `m`, and the row's merged lse from m and the weights' sum: splits that saw no token weigh 0, a
+// row that saw none gets -inf, and a NaN lse (a NaN reached that split's scores) makes the row NaN.
+__device__ __forceinline__ float split_weight(float l, float m) {
+  return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e);
+}
+__device__ __forceinline__ float merged_lse(float m, float total) { return total == 0.0f ? -INFINITY : m + logf(total); }
+
 // One query row's 512 latent dims held 16 per lane across a warp (w0, w1: 16 bf16) as f16 in
 // `packed`, the whole row scaled by a power of two so that its largest magnitude lies in [2^12,
 // 2^13); returns the factor that undoes the scaling (0 for an all-zero row). The kernels that take
@@ -75,6 +83,7 @@ struct DecodeArgs {
   int heads;
   int rows;
   int num_splits;
+  bool merge_splits;                 // the kernel merges the splits itself (narrow kernel, cooperative launch)
   float scale_log2;                  // softmax_scale * log2(e)
 };
 
@@ -121,9 +130,10 @@ __device__ __forceinline__ std::int32_t token_slot(const DecodeArgs& a, int b, i
 }
 
 // Few query rows over an fp8 cache (rows <= kNarrowMaxRows): the transposed kernel of
-// decode_narrow.cu. Writes o/lse or, with splits, the partials that decode.cu's combine merges.
+// decode_narrow.cu. Writes o/lse or, with splits, the partials, which it merges itself when its grid
+// is resident at once (returns true), else decode.cu's combine merges them (returns false).
 inline constexpr int kNarrowMaxRows = 16;
-void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
+bool launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
 // CTAs of the narrow kernel for `rows` and `batch` (which picks the pipeline depth) that one SM
 // holds at once (the occupancy API's answer).
 int narrow_blocks_per_sm(int rows, int batch);

@@ -16,12 +16,19 @@
 //            sum live in registers (each warp holds the same values)
 //   output:  warp w: the 128 dims of fp8 scale block w
 // Two CTA barriers per tile: the tile is staged, and the score partials are complete.
+// With splits, each CTA writes its split's partial rows and lse. With few splits per request (many
+// requests) and the whole grid resident at once (the plan sizes it to one wave), the kernel is
+// launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
+// outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
+// be zeroed. Otherwise decode.cu's combine kernel merges them.
 // K's dims are read in a permuted order (16 contiguous codes per thread cover four k-steps); Q is
 // laid out to match, so the sum is unchanged. V^T pairs two tokens per register with byte permutes,
 // and the output dims are permuted the same way and put back in place when written.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/common/chained_launch.cuh"
@@ -68,6 +75,113 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 __device__ __forceinline__ std::uint32_t lds32(const void* p) { return *reinterpret_cast<const std::uint32_t*>(p); }
 __device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, int block) {
   return reinterpret_cast<const float*>(kv + token * kTokenBytes + 512)[block];
+}
+
+// The most splits merged in the kernel. With many splits (one long request) a grid barrier over
+// that many CTAs and their small slices cost more than the combine kernel, whose launch overlaps the
+// decode's tail. H200, in-kernel merge against the combine in the same run: H 8 B 64 x 8K (8 splits)
+// 103.9 / 107.4 us, H 16 B 64 (6) 142.8 / 149.5, sparse H 8 B 64 (8) 40.0 / 43.9; but B 1 x 32K (256)
+// 19.8 / 19.0, B 1 x 256K (396) 63.0 / 60.2, sparse B 1 (64) 10.3 / 9.7.
+constexpr int kMergeMostSplits = 16;
+
+// The in-kernel merge (merge_splits) over S splits of a request's R rows. Its outputs are R x 128
+// units of 4 dims (one float4 of a partial row); split s's CTA takes units [s U / S, (s + 1) U / S),
+// U = 128 R, and stages their partials from all S splits in shared memory: at most ceil(U / S) x S
+// float4, plus one reduction float4 per thread and a weight per split for each row it touches.
+struct MergeShape {
+  int units, most_units, most_rows;
+  __host__ __device__ constexpr MergeShape(int splits, int rows)
+      : units(128 * rows), most_units((units + splits - 1) / splits), most_rows((most_units + 127) / 128 + 1) {}
+};
+__host__ __device__ constexpr std::size_t merge_bytes(int splits, int rows) {
+  const MergeShape m(splits, rows);
+  return 16 * (static_cast<std::size_t>(m.most_units) * splits + kThreads) + 4 * static_cast<std::size_t>(m.most_rows) * (splits + 1);
+}
+
+// The split combine inside the kernel, after the grid barrier: the CTA of split `split` of request
+// b merges its units over the S splits (o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse),
+// as decode.cu's combine_kernel), and writes the lse of the rows whose first unit it owns. One round
+// trip to L2: every partial it needs goes out at once by cp.async (which reads past L1, so other
+// SMs' writes are seen) while the warps load the rows' lse; the sums then run from shared memory,
+// `groups` threads per unit sharing the splits when the CTA has few units.
+__device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned char* scratch) {
+  const int splits = a.num_splits, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const MergeShape shape(splits, a.rows);
+  const int q0 = static_cast<int>(static_cast<std::int64_t>(split) * shape.units / splits);
+  const int units = static_cast<int>(static_cast<std::int64_t>(split + 1) * shape.units / splits) - q0;
+  if (units == 0) return;  // more splits than units: nothing left for this CTA
+  const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;  // rows from one split's partials to the next
+  const std::int64_t row0 = static_cast<std::int64_t>(b) * a.rows;
+  const int first_row = q0 / 128, rows = (q0 + units - 1) / 128 - first_row + 1;
+  float4* part_s = reinterpret_cast<float4*>(scratch);  // [splits][units]
+  float4* red_s = part_s + static_cast<std::size_t>(splits) * units;  // [kThreads]
+  float* weight_s = reinterpret_cast<float*>(red_s + kThreads);        // [rows][splits]
+  float* inv_s = weight_s + rows * splits;                              // [rows]
+  for (int i = tid; i < splits * units; i += kThreads) {
+    const int s = i / units, q = q0 + i % units;
+    cp_async_16(part_s + i, a.o_part + (s * stride + row0 + q / 128) * 512 + 4 * (q % 128), 16);
+  }
+  cp_async_commit();
+  for (int t = warp; t < rows; t += kThreads / 32) {
+    const int row = first_row + t;
+    float* w = weight_s + t * splits;
+    float m = -INFINITY;
+    for (int s = lane; s < splits; s += 32) {
+      w[s] = __ldcg(&a.lse_part[s * stride + row0 + row]);
+      m = fmaxf(m, w[s]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float total = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+      w[s] = split_weight(w[s], m);
+      total += w[s];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
+    if (lane == 0) {
+      inv_s[t] = total > 0.0f ? 1.0f / total : 0.0f;
+      if (128 * row >= q0) a.lse[row0 + row] = merged_lse(m, total);  // the row's first unit is this CTA's
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int groups = max(1, kThreads / units);
+  const auto sum_of = [&](int j, int g) {
+    const float* w = weight_s + ((q0 + j) / 128 - first_row) * splits;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = g; s < splits; s += groups) {
+      const float4 v = part_s[s * units + j];
+      acc.x += w[s] * v.x;
+      acc.y += w[s] * v.y;
+      acc.z += w[s] * v.z;
+      acc.w += w[s] * v.w;
+    }
+    return acc;
+  };
+  const auto write = [&](int j, const float4& acc) {
+    const int q = q0 + j;
+    const float inv = inv_s[q / 128 - first_row];
+    reinterpret_cast<uint2*>(a.o + (row0 + q / 128) * 512)[q % 128] =
+        make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+  };
+  if (groups == 1) {
+    for (int j = tid; j < units; j += kThreads) write(j, sum_of(j, 0));
+    return;
+  }
+  if (tid < groups * units) red_s[tid] = sum_of(tid % units, tid / units);
+  __syncthreads();
+  if (tid < units) {
+    float4 acc = red_s[tid];
+    for (int g = 1; g < groups; ++g) {
+      const float4 v = red_s[g * units + tid];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    write(tid, acc);
+  }
 }
 
 // Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
@@ -420,6 +534,10 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
     }
   }
+  if (a.merge_splits) {
+    cooperative_groups::this_grid().sync();  // every split's partials and lse are written
+    merge_splits(a, b, split, stages);       // the stages are free: the rows went out before the barrier
+  }
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
@@ -430,23 +548,32 @@ int configure() {
 }
 
 template <int kNt, int kStages>
-void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
-  const int smem_bytes = configure<kNt, kStages>();
-  const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", narrow_kernel<kNt, kStages>, grid, kThreads, smem_bytes, stream, false, a);
-}
-
-template <int kNt, int kStages>
 int blocks_per_sm() {
   return resident_ctas_per_sm(narrow_kernel<kNt, kStages>, kThreads, configure<kNt, kStages>(), "mla_decode");
 }
 
+// The grid (splits, B); merged in the kernel when there are splits, the device takes cooperative
+// launches, the whole grid is resident at once and the merge's weights fit in the tile stages.
+template <int kNt, int kStages>
+bool launch_instance(DecodeArgs a, cudaStream_t stream) {
+  const int smem_bytes = configure<kNt, kStages>();
+  const DeviceLimits& device = current_device_limits("mla_decode");
+  const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
+  a.merge_splits = a.num_splits > 1 && device.cooperative &&
+                   ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages>()) * device.multiprocessors &&
+                   a.num_splits <= kMergeMostSplits &&
+                   merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
+  const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
+  launch_chained("mla_decode", narrow_kernel<kNt, kStages>, grid, kThreads, smem_bytes, stream, a.merge_splits, a);
+  return a.merge_splits;
+}
+
 }  // namespace
 
-void launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
+bool launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
   const bool shallow = a.batch >= kShallowFromBatch;
-  if (a.rows <= 8) shallow ? launch_instance<1, 2>(a, stream) : launch_instance<1, 3>(a, stream);
-  else shallow ? launch_instance<2, 2>(a, stream) : launch_instance<2, 3>(a, stream);
+  if (a.rows <= 8) return shallow ? launch_instance<1, 2>(a, stream) : launch_instance<1, 3>(a, stream);
+  return shallow ? launch_instance<2, 2>(a, stream) : launch_instance<2, 3>(a, stream);
 }
 int narrow_blocks_per_sm(int rows, int batch) {
   const bool shallow = batch >= kShallowFromBatch;
