@@ -310,52 +310,52 @@ TEST(BadInput, TopkKOutOfRange) {
   EXPECT_TRUE(is_sentinel(slots));
 }
 
-TEST(BadInput, IndexerWeightsAndQuery) {
+// An indexer call over DecodeCase's two requests: 4 heads, 12 logits columns of sentinels.
+struct IndexerCase {
   DecodeCase c;
   HostTensor q = random_fp8(c.rng, {2, 1, 4, kIndexerDim});
   HostTensor w = random_f32(c.rng, {2, 1, 4}, -1, 1);
   HostTensor logits = sentinel_tensor(DType::kF32, {2, 1, 12});
-  IndexerLogitsParams p;
-  p.q = q.view();
-  p.weights = w.view();
-  p.cache = c.f.indexer();
-  p.block_table = c.f.block_table_view();
-  p.seq_lens = c.f.seq_lens_view();
-  p.logits = logits.view();
-  w.data<float>()[6] = std::numeric_limits<float>::infinity();
+  IndexerLogitsParams params() {
+    IndexerLogitsParams p;
+    p.q = q.view();
+    p.weights = w.view();
+    p.cache = c.f.indexer();
+    p.block_table = c.f.block_table_view();
+    p.seq_lens = c.f.seq_lens_view();
+    p.logits = logits.view();
+    return p;
+  }
+};
+
+TEST(BadInput, IndexerWeightsAndQuery) {
+  IndexerCase t;
+  IndexerLogitsParams p = t.params();
+  t.w.data<float>()[6] = std::numeric_limits<float>::infinity();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "weights element 6", "inf"));
-  w.data<float>()[6] = std::numeric_limits<float>::quiet_NaN();
+  t.w.data<float>()[6] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "weights element 6", "nan"));
-  w.data<float>()[6] = 0.5f;
-  q.data<std::uint8_t>()[200] = 0xFF;
+  t.w.data<float>()[6] = 0.5f;
+  t.q.data<std::uint8_t>()[200] = 0xFF;
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "q element 200", "nan"));
-  EXPECT_TRUE(is_sentinel(logits));
-  q.data<std::uint8_t>()[200] = 0;
+  EXPECT_TRUE(is_sentinel(t.logits));
+  t.q.data<std::uint8_t>()[200] = 0;
   HostTensor narrow = sentinel_tensor(DType::kF32, {2, 1, 8});  // request 0 has 9 tokens
   p.logits = narrow.view();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "seq_lens[0]", "9"));
   EXPECT_TRUE(is_sentinel(narrow));
 
-  HostTensor q65 = random_fp8(c.rng, {2, 1, 65, kIndexerDim});
-  HostTensor w65 = random_f32(c.rng, {2, 1, 65}, -1, 1);
+  HostTensor q65 = random_fp8(t.c.rng, {2, 1, 65, kIndexerDim});
+  HostTensor w65 = random_f32(t.c.rng, {2, 1, 65}, -1, 1);
   p.q = q65.view();
   p.weights = w65.view();
-  p.logits = logits.view();
+  p.logits = t.logits.view();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "indexer heads", "65"));
 }
 
 TEST(BadInput, IndexerClearRange) {
-  DecodeCase c;
-  HostTensor q = random_fp8(c.rng, {2, 1, 4, kIndexerDim});
-  HostTensor w = random_f32(c.rng, {2, 1, 4}, -1, 1);
-  HostTensor logits = sentinel_tensor(DType::kF32, {2, 1, 12});
-  IndexerLogitsParams p;
-  p.q = q.view();
-  p.weights = w.view();
-  p.cache = c.f.indexer();
-  p.block_table = c.f.block_table_view();
-  p.seq_lens = c.f.seq_lens_view();
-  p.logits = logits.view();
+  IndexerCase t;
+  IndexerLogitsParams p = t.params();
   alignas(16) std::uint8_t scratch[80];
   std::fill(std::begin(scratch), std::end(scratch), std::uint8_t{0xA5});
   p.clear_bytes = 32;
@@ -366,7 +366,7 @@ TEST(BadInput, IndexerClearRange) {
   p.clear = scratch + 8;
   p.clear_bytes = 32;
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "clear", "address"));
-  EXPECT_TRUE(is_sentinel(logits));
+  EXPECT_TRUE(is_sentinel(t.logits));
   EXPECT_TRUE(std::all_of(std::begin(scratch), std::end(scratch), [](std::uint8_t x) { return x == 0xA5; }));
 
   p.clear = scratch + 16;  // a valid range: cleared, and nothing around it
