@@ -552,8 +552,9 @@ int blocks_per_sm() {
   return resident_ctas_per_sm(narrow_kernel<kNt, kStages>, kThreads, configure<kNt, kStages>(), "mla_decode");
 }
 
-// The grid (splits, B); merged in the kernel when there are splits, the device takes cooperative
-// launches, the whole grid is resident at once and the merge's weights fit in the tile stages.
+// The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
+// takes cooperative launches, the whole grid is resident at once and the merge's staging fits in the
+// tile stages.
 template <int kNt, int kStages>
 bool launch_instance(DecodeArgs a, cudaStream_t stream) {
   const int smem_bytes = configure<kNt, kStages>();
