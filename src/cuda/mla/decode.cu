@@ -358,19 +358,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   for (int x = 0; x < kWarps; ++x) total += warp_sum[x];
 
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  const auto add = [&o](float wgt, const float4& x) {
-    o.x += wgt * x.x;
-    o.y += wgt * x.y;
-    o.z += wgt * x.z;
-    o.w += wgt * x.w;
-  };
 #pragma unroll
   for (int k = 0; k < kBatch; ++k) {
     const int s = group + k * kGroups;
-    if (s < n) add(weights[s], v[k]);
+    if (s < n) add_scaled(o, weights[s], v[k]);
   }
 #pragma unroll 8
-  for (int s = group + kBatch * kGroups; s < n; s += kGroups) add(weights[s], part(s));
+  for (int s = group + kBatch * kGroups; s < n; s += kGroups) add_scaled(o, weights[s], part(s));
   // The warp's splits summed by shuffles (lanes kLanesPerSplit apart hold the same dims), then the
   // warps' sums in shared memory: a chain of kWarps adds, not one of kGroups.
 #pragma unroll
@@ -384,17 +378,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   __syncthreads();
   if (threadIdx.x < kLanesPerSplit) {
     float4 sum = partial[0][col];
-    for (int x = 1; x < kWarps; ++x) {
-      sum.x += partial[x][col].x;
-      sum.y += partial[x][col].y;
-      sum.z += partial[x][col].z;
-      sum.w += partial[x][col].w;
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    uint2 packed;
-    packed.x = pack_bf16x2(sum.x * inv, sum.y * inv);
-    packed.y = pack_bf16x2(sum.z * inv, sum.w * inv);
-    reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[col] = packed;
+    for (int x = 1; x < kWarps; ++x) add(sum, partial[x][col]);
+    reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[col] = merged_bf16x4(sum, total);
     // No split saw a token: -inf; a split's lse NaN (a NaN reached its scores): NaN, as its o.
     if (col == 0 && blockIdx.y == 0) a.lse[out_row] = merged_lse(m, total);
   }

@@ -43,6 +43,24 @@ __device__ __forceinline__ float split_weight(float l, float m) {
   return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e);
 }
 __device__ __forceinline__ float merged_lse(float m, float total) { return total == 0.0f ? -INFINITY : m + logf(total); }
+// The combines' sums over splits: acc += w v, acc += v, per component; and four dims of a merged row
+// as bf16, acc over the weights' sum (0 where no split saw a token).
+__device__ __forceinline__ void add_scaled(float4& acc, float w, const float4& v) {
+  acc.x += w * v.x;
+  acc.y += w * v.y;
+  acc.z += w * v.z;
+  acc.w += w * v.w;
+}
+__device__ __forceinline__ void add(float4& acc, const float4& v) {
+  acc.x += v.x;
+  acc.y += v.y;
+  acc.z += v.z;
+  acc.w += v.w;
+}
+__device__ __forceinline__ uint2 merged_bf16x4(const float4& acc, float total) {
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  return make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+}
 
 // One query row's 512 latent dims held 16 per lane across a warp (w0, w1: 16 bf16) as f16 in
 // `packed`, the whole row scaled by a power of two so that its largest magnitude lies in [2^12,

@@ -116,7 +116,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
   float4* part_s = reinterpret_cast<float4*>(scratch);  // [splits][units]
   float4* red_s = part_s + static_cast<std::size_t>(splits) * units;  // [kThreads]
   float* weight_s = reinterpret_cast<float*>(red_s + kThreads);        // [rows][splits]
-  float* inv_s = weight_s + rows * splits;                              // [rows]
+  float* total_s = weight_s + rows * splits;                            // [rows] sums of the weights
   for (int i = tid; i < splits * units; i += kThreads) {
     const int s = i / units, q = q0 + i % units;
     cp_async_16(part_s + i, a.o_part + (s * stride + row0 + q / 128) * 512 + 4 * (q % 128), 16);
@@ -140,7 +140,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
     if (lane == 0) {
-      inv_s[t] = total > 0.0f ? 1.0f / total : 0.0f;
+      total_s[t] = total;
       if (128 * row >= q0) a.lse[row0 + row] = merged_lse(m, total);  // the row's first unit is this CTA's
     }
   }
@@ -150,20 +150,12 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
   const auto sum_of = [&](int j, int g) {
     const float* w = weight_s + ((q0 + j) / 128 - first_row) * splits;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = g; s < splits; s += groups) {
-      const float4 v = part_s[s * units + j];
-      acc.x += w[s] * v.x;
-      acc.y += w[s] * v.y;
-      acc.z += w[s] * v.z;
-      acc.w += w[s] * v.w;
-    }
+    for (int s = g; s < splits; s += groups) add_scaled(acc, w[s], part_s[s * units + j]);
     return acc;
   };
   const auto write = [&](int j, const float4& acc) {
     const int q = q0 + j;
-    const float inv = inv_s[q / 128 - first_row];
-    reinterpret_cast<uint2*>(a.o + (row0 + q / 128) * 512)[q % 128] =
-        make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+    reinterpret_cast<uint2*>(a.o + (row0 + q / 128) * 512)[q % 128] = merged_bf16x4(acc, total_s[q / 128 - first_row]);
   };
   if (groups == 1) {
     for (int j = tid; j < units; j += kThreads) write(j, sum_of(j, 0));
@@ -173,13 +165,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
   __syncthreads();
   if (tid < units) {
     float4 acc = red_s[tid];
-    for (int g = 1; g < groups; ++g) {
-      const float4 v = red_s[g * units + tid];
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
+    for (int g = 1; g < groups; ++g) add(acc, red_s[g * units + tid]);
     write(tid, acc);
   }
 }
