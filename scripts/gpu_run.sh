@@ -42,9 +42,11 @@ for step in "${steps[@]}"; do
       "$BUILD/tests/latentkv_gpu_tests" --gtest_output=json:"$L/gpu_tests.json" >"$L/gpu_tests.log" 2>&1 \
         || { status=1; log "GPU tests FAILED"; grep -E "^\[  FAILED|Failure|error|Expected|Which is|worst" "$L/gpu_tests.log" | head -60; }
       tail -3 "$L/gpu_tests.log" | tee -a "$OUT/summary.txt"
-      # The mma.sync kernels that serve sm_89, sm_100 and sm_120 where sm_90 runs wgmma: the MLA tests again.
-      log "MLA tests on the mma.sync kernels (LATENTKV_MLA_KERNEL=mma)"
-      LATENTKV_MLA_KERNEL=mma "$BUILD/tests/latentkv_gpu_tests" --gtest_filter='*GpuMla*:*GpuSparse*:*GpuPrefill*' \
+      # The mma.sync kernels that serve sm_89, sm_100 and sm_120 where sm_90 runs wgmma: the MLA and
+      # indexer tests again.
+      log "MLA and indexer tests on the mma.sync kernels (LATENTKV_MLA_KERNEL=mma LATENTKV_INDEXER_KERNEL=mma)"
+      LATENTKV_MLA_KERNEL=mma LATENTKV_INDEXER_KERNEL=mma "$BUILD/tests/latentkv_gpu_tests" \
+        --gtest_filter='*GpuMla*:*GpuSparse*:*GpuPrefill*:*GpuIndexer*:*GpuDsa*' \
         >"$L/gpu_tests_mma.log" 2>&1 \
         || { status=1; log "GPU tests (mma.sync) FAILED"; grep -E "^\[  FAILED|Failure|Expected|worst" "$L/gpu_tests_mma.log" | head -30; }
       tail -3 "$L/gpu_tests_mma.log" | tee -a "$OUT/summary.txt"

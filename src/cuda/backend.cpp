@@ -45,7 +45,7 @@ class CudaBackend final : public Backend {
         if (p.heads > kMaxIndexerHeads) {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
-        return Selection::yes(Kernel{"indexer_logits<f16 mma m16n8k16>", run_indexer_logits},
+        return Selection::yes(Kernel{cuda::indexer_logits_kernel_name(p.page_size), run_indexer_logits},
                               "tensor cores over the fp8 keys converted exactly to f16 on chip, float32 sums");
       case Op::kTopk:
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
@@ -68,7 +68,8 @@ class CudaBackend final : public Backend {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{"indexer_prefill = per-token indexer_logits<f16 mma m16n8k16> + topk<radix select, 12+10+10 bits>",
+        return Selection::yes(Kernel{"indexer_prefill = per-token " + cuda::indexer_logits_kernel_name(p.page_size) +
+                                         " + topk<radix select, 12+10+10 bits>",
                                      run_indexer_prefill},
                               "each new token a one-token request of the decode indexer and top-k, in chunks of "
                               "new tokens whose logits fit the workspace");

@@ -85,7 +85,14 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{8, 1, 64, long_lengths(48, 4000, 97)},
                                            LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
-                                           LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}}),
+                                           LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}},
+                                           // on sm_90 the wgmma kernel (pages of 64 or 128): passes of 16 heads,
+                                           // two of 32 with padded heads in the second, the largest queries
+                                           LogitsCase{12, 3, 64, {5, 200, 1000}},
+                                           LogitsCase{40, 1, 64, long_lengths(20, 2000, 77)},
+                                           LogitsCase{64, 4, 128, {3, 500, 130}},
+                                           // one long request over every CTA of the grid
+                                           LogitsCase{32, 1, 64, {70001}}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"

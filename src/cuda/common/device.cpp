@@ -1,6 +1,11 @@
-// Detecting the CUDA device (host code; linked only into CUDA builds).
+// Detecting the CUDA device and choosing between kernel families (host code; linked only into CUDA
+// builds).
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/common/cuda_check.hpp"
 #include "latentkv/backend.hpp"
 
 namespace latentkv::detail {
@@ -24,3 +29,21 @@ bool cuda_detect_device(DeviceInfo& info) {
 }
 
 }  // namespace latentkv::detail
+
+namespace latentkv::cuda {
+
+bool wgmma_kernels_enabled(const char* op, const char* env) {
+#if defined(LKV_HAVE_SM90A)
+  const char* choice = std::getenv(env);
+  if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
+  if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
+    throw Error(op, env, choice, "unset, \"auto\" or \"mma\"");
+  }
+  return current_device_sm(op) == 90;
+#else
+  (void)op, (void)env;
+  return false;
+#endif
+}
+
+}  // namespace latentkv::cuda

@@ -1,5 +1,5 @@
 // src/cuda/common/wgmma.cuh - warpgroup tensor-core helpers (wgmma, sm_90a only): shared-memory
-// matrix descriptors, the two instruction shapes the MLA kernels use, and their fences.
+// matrix descriptors, the instruction shapes the MLA and indexer kernels use, and their fences.
 //
 // Shared-memory operands use the 128-byte swizzle: a matrix is stored as column blocks of 64 16-bit
 // elements, bf16 or f16 (128 bytes per row), each block's rows contiguous, and the 16-byte chunk c of
@@ -138,6 +138,43 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const std::uin
 #undef LKV_WGMMA_M64N128K16
 #else
   (void)d, (void)a, (void)b_desc;
+  __trap();
+#endif
+}
+
+// D (+)= A B for one m64nNk16 f16 step, N = 8, 16 or 32: A (64 x 16) from registers in the
+// mma.m16n8k16 fragment layout (warp w of the warpgroup holds rows 16w .. 16w + 15), B from shared
+// memory K-major (128-byte swizzle); scale_d = 0 starts D from zero. D as in mma_m64n32k16_ss, N / 8
+// column groups of 8.
+template <int kN>
+__device__ __forceinline__ void mma_m64nNk16_rs_f16(float (&d)[kN / 2], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                                                    int scale_d) {
+  static_assert(kN == 8 || kN == 16 || kN == 32, "instantiated for 8, 16 and 32 columns");
+#if LKV_WGMMA
+  if constexpr (kN == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+  } else if constexpr (kN == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+  }
+#else
+  (void)d, (void)a, (void)b_desc, (void)scale_d;
   __trap();
 #endif
 }

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "latentkv/backend.hpp"
 #include "latentkv/ops.hpp"
 
@@ -14,6 +16,13 @@ inline constexpr int kMaxIndexerBatch = 65535;
 // logits [B, q_len, max_len]: for visible t, sum_h w_h relu(q_h . k_t) kscale_t; -inf elsewhere.
 // Arguments must be validated; lengths and block tables are read on the device.
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
+
+// Whether indexer_logits runs its warpgroup (wgmma) kernel for caches of `page_size` tokens per
+// page on the current device: sm_90 with the library's sm_90a code, pages of a multiple of 64
+// tokens, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the mma.sync kernel.
+bool indexer_uses_wgmma(int page_size);
+// The kernel's name for reports: "indexer_logits<...>".
+std::string indexer_logits_kernel_name(int page_size);
 
 // Indexer prefill (prefill.cpp): logits then top-k of every new token, in chunks of new tokens.
 // The plan gives the chunk and the workspace for it; the launch throws Error when p.workspace is

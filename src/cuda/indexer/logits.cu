@@ -1,38 +1,49 @@
 // Lightning-indexer logits (SPEC 4.4) over the paged fp8 indexer cache (132 B/token, page-major),
-// on the tensor cores: fp8 codes converted exactly to f16 on chip, mma.sync m16n8k16, f32 sums.
+// on the tensor cores: fp8 codes converted exactly to f16 on chip, f32 sums.
 //
 // Per token t and query row: logit_t = kscale_t * sum_h w_h relu(q_h . k_t). The dot products are
 // one small matrix product per query row, S[token, head] = K[token, 0:128] . Q[head, 0:128]:
-//   * A = 16 tokens x 16 dims of keys, B = 16 dims x 8 heads of queries, per k-step. The 128 dims
-//     are visited in a permuted order (the same for keys and queries, so every product still pairs
-//     the right values): lane (g, tig) supplies, over the eight k-steps, dims 16*tig .. 16*tig + 15
-//     and 64 + 16*tig .. 64 + 16*tig + 15 - two 16-byte loads straight from a token's key (each load
-//     instruction of the warp reads whole 64-byte halves of 8 keys), converted to f16 once per tile.
-//   * A CTA owns a span of one request's positions; its 4 warps take 16-token tiles in turn, each
-//     loading its next two tiles' keys into registers while it computes the current one, which serves
-//     every query row. The three tiles rotate through registers by unrolling, not by copies. The
-//     grid is one wave of resident CTAs whatever the batch.
-//   * All query rows and weights of the request sit in shared memory, heads padded to a multiple of
-//     8 with zero queries and weights. Heads are taken 8 at a time, their products summed over even
-//     and odd k-steps apart: two independent mma chains per warp instead of one of eight. The sums are
-//     relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t and written.
-//     Positions a row cannot see get -inf.
+//   * A = 16 tokens x 16 dims of keys per warp and k-step, in the mma.m16n8k16 fragment layout. The
+//     128 dims are visited in a permuted order (the same for keys and queries, so every product still
+//     pairs the right values): lane (g, tig) supplies, over the eight k-steps, dims 16*tig .. 16*tig +
+//     15 and 64 + 16*tig .. 64 + 16*tig + 15 - two 16-byte pieces of a token's key, converted to f16
+//     once per tile.
+//   * All query rows and weights of the request sit in shared memory as f16, heads padded with zero
+//     queries and weights to a multiple of the heads one pass takes. A CTA owns a span of one
+//     request's positions; the grid is one wave of resident CTAs whatever the batch.
+//   * Two kernels:
+//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 64 tokens): the CTA is one warpgroup and
+//         takes 64 tokens (a page's part) a turn. One thread streams the turns through a 3-stage ring
+//         in shared memory with bulk copies (the copy engine, an mbarrier per stage); per query row
+//         and pass of 8, 16 or 32 heads, eight m64nNk16 wgmma with the keys from registers (each warp
+//         its 16 tokens) and the queries from shared memory (K-major, 128-byte swizzle, dims permuted
+//         the same way);
+//       - every other target, page size or LATENTKV_INDEXER_KERNEL=mma (logits_kernel): 4 warps take
+//         16-token tiles in turn, each loading its next two tiles' keys into registers while it
+//         computes the current one (the tiles rotate through registers by unrolling, not by copies);
+//         per 8 heads eight m16n8k16 mma.sync steps, even and odd k-steps in two independent chains.
+//     The sums are relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t
+//     and written. Positions a row cannot see get -inf.
 //   * A call may also clear the next op's scratch (IndexerLogitsParams::clear: the top-k's row state
 //     inside dsa_decode), spread over the whole grid while the first keys are loading.
 // f16 holds every e4m3 value exactly, so each product is exact; the sums are float32 in tensor-core
-// order. (mma.sync on raw e4m3 codes was tried first: on sm_90 it converts to f16 inside every
-// instruction, for every 8 heads again, and ran the kernel instruction-bound.)
+// order. (Tensor-core products of raw e4m3 codes were tried first: mma.sync on sm_90 converts them to
+// f16 inside every instruction, for every 8 heads again, which ran the kernel instruction-bound; and
+// the fp8 wgmma keeps fewer bits than float32 in its sums.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
+#include "cuda/common/wgmma.cuh"
 #include "cuda/indexer/launch.hpp"
 #include "latentkv/error.hpp"
 
@@ -42,9 +53,12 @@ namespace {
 constexpr int kDim = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kHeadGroup = 8;  // heads per pass of the head loop (one mma n-tile)
+constexpr int kHeadGroup = 8;  // heads per pass of the mma.sync head loop (one mma n-tile)
 
-__host__ __device__ constexpr int padded_heads(int heads) { return (heads + kHeadGroup - 1) / kHeadGroup * kHeadGroup; }
+// Heads per pass of the wgmma head loop: the instruction's N, 8, 16 or 32 (more heads: passes of 32).
+constexpr int wgmma_pass_heads(int heads) { return heads <= 8 ? 8 : heads <= 16 ? 16 : 32; }
+// Heads rounded up to whole passes of `pass` heads.
+__host__ __device__ constexpr int padded_heads(int heads, int pass) { return (heads + pass - 1) / pass * pass; }
 
 struct LogitsArgs {
   const std::uint8_t* q;             // [B, q_len, Hi, 128] fp8
@@ -62,8 +76,26 @@ struct LogitsArgs {
   int q_len;
   int heads;
   int max_len;
-  int tiles_per_cta;                 // 16-token tiles of one CTA's span of positions
+  int span;                          // one CTA's positions: 16-token tiles (mma.sync) or 64-token turns (wgmma)
 };
+
+// The request's length, clamped to [0, capacity of its block-table row].
+__device__ __forceinline__ int request_length(const LogitsArgs& a, int b) {
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  return static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+}
+
+// Position t's page index in the block-table row, and its place in the page.
+__device__ __forceinline__ int page_index(const LogitsArgs& a, int t) {
+  return a.page_shift >= 0 ? t >> a.page_shift : t / a.page_size;
+}
+__device__ __forceinline__ int page_offset(const LogitsArgs& a, int t, int index) { return t - index * a.page_size; }
+
+// The base of page `page` of the pool; null when the entry is outside the pool.
+__device__ __forceinline__ const std::uint8_t* page_base(const LogitsArgs& a, std::int32_t page) {
+  if (page < 0 || page >= a.num_pages) return nullptr;
+  return a.cache + static_cast<std::int64_t>(page) * a.page_size * 132;
+}
 
 // One token's 32 key bytes for this lane (dims 16*tig .. and 64 + 16*tig ..) and its scale; false
 // (and zeros) when the position is past the request's length or its page is outside the pool.
@@ -73,18 +105,10 @@ __device__ __forceinline__ bool load_key(const LogitsArgs& a, int b, int t, int 
   k[0] = k[1] = make_uint4(0, 0, 0, 0);
   scale = 0.0f;
   if (t >= len) return false;
-  int index, offset;  // page index in the table, position in the page
-  if (a.page_shift >= 0) {
-    index = t >> a.page_shift;
-    offset = t & (a.page_size - 1);
-  } else {
-    index = t / a.page_size;
-    offset = t - index * a.page_size;
-  }
-  const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + index];
-  if (page < 0 || page >= a.num_pages) return false;
-  const std::uint8_t* page_base = a.cache + static_cast<std::int64_t>(page) * a.page_size * 132;
-  const std::uint8_t* key = page_base + static_cast<std::int64_t>(offset) * kDim + 16 * tig;
+  const int index = page_index(a, t), offset = page_offset(a, t, index);
+  const std::uint8_t* page = page_base(a, a.block_table[static_cast<std::int64_t>(b) * a.max_pages + index]);
+  if (page == nullptr) return false;
+  const std::uint8_t* key = page + static_cast<std::int64_t>(offset) * kDim + 16 * tig;
   if constexpr (kAligned16) {
     k[0] = *reinterpret_cast<const uint4*>(key);
     k[1] = *reinterpret_cast<const uint4*>(key + kDim / 2);
@@ -93,7 +117,7 @@ __device__ __forceinline__ bool load_key(const LogitsArgs& a, int b, int t, int 
     k[0] = make_uint4(w[0], w[1], w[2], w[3]);
     k[1] = make_uint4(w[16], w[17], w[18], w[19]);
   }
-  scale = reinterpret_cast<const float*>(page_base + static_cast<std::int64_t>(a.page_size) * kDim)[offset];
+  scale = reinterpret_cast<const float*>(page + static_cast<std::int64_t>(a.page_size) * kDim)[offset];
   return true;
 }
 
@@ -121,25 +145,22 @@ __device__ __forceinline__ void load_tile(const LogitsArgs& a, int b, int first,
   for (int r = 0; r < 2; ++r) t.cached[r] = load_key<kAligned16>(a, b, first + g + 8 * r, len, tig, t.keys[r], t.scales[r]);
 }
 
-// Shared-memory byte offset of 16-byte piece `piece` (0..3) of quarter `quarter` (0..3: the dims
-// lane tig = quarter supplies) of head `head`'s f16 queries. The XOR swizzle spreads the 8 lanes of a
-// load phase (heads g, g+1 of one 8-head tile, quarters 0..3) over all 8 16-byte bank groups.
-__device__ __forceinline__ int q_offset(int row_head, int head, int quarter, int piece) {
-  return row_head * kDim * 2 + quarter * 64 + ((piece ^ ((quarter >> 1) | ((head & 1) << 1))) * 16);
-}
-
 // What a lane keeps for its whole walk.
 struct Lane {
   int b, len;             // its request and the request's length
   int g, tig;             // its place in the warp (mma row group, thread in group)
-  int padded;             // heads padded to a multiple of kHeadGroup
-  const std::uint8_t* q;  // its f16 queries of head g, row 0 (its quarter tig), in shared memory
-  int sw;                 // q_offset's swizzle of its pieces (the same for heads n + g, n a multiple of 8)
+  int padded;             // heads padded to whole passes
+  const std::uint8_t* q;  // mma.sync: its f16 queries of head g, row 0 (its quarter tig), in shared memory
+  int sw;                 // mma.sync: q_offset's swizzle of its pieces (the same for heads n + g, n a multiple of 8)
   const float* w;         // the weights [q_len, padded] in shared memory
+  std::uint64_t q_desc;   // wgmma: the descriptor of the queries' first column block (row 0, heads 0 ..)
 };
 
-// One tile against every query row: S = K Q^T per 8 heads on the tensor cores, relu, weights, the
-// sum over heads across the quad, kscale; -inf where the row cannot see.
+// One tile against every query row: S = K Q^T per pass of heads on the tensor cores, relu, weights,
+// the sum over heads across the quad, kscale; -inf where the row cannot see. kWgmmaHeads = 0: per
+// warp on mma.sync; else per warpgroup on wgmma, kWgmmaHeads heads a pass (all 4 warps call it
+// together, each with its own tile).
+template <int kWgmmaHeads>
 __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, int first, const Lane& l) {
   // A fragments of the 8 k-steps: step s covers this lane's word s (4 dims) of both rows.
   std::uint32_t frag[8][4];
@@ -154,25 +175,51 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
   }
   for (int i = 0; i < a.q_len; ++i) {
     float logit[2] = {0.0f, 0.0f};
+    if constexpr (kWgmmaHeads == 0) {
 #pragma unroll 1
-    for (int n = 0; n < l.padded; n += kHeadGroup) {
-      // Head n + g's 32 f16 queries of this lane's dims (pieces 0..3), and the weights of the heads
-      // whose sums it holds (n + 2 tig, + 1).
-      const std::uint8_t* q_head = l.q + (i * l.padded + n) * kDim * 2;
-      uint4 q[4];
+      for (int n = 0; n < l.padded; n += kHeadGroup) {
+        // Head n + g's 32 f16 queries of this lane's dims (pieces 0..3), and the weights of the heads
+        // whose sums it holds (n + 2 tig, + 1).
+        const std::uint8_t* q_head = l.q + (i * l.padded + n) * kDim * 2;
+        uint4 q[4];
 #pragma unroll
-      for (int piece = 0; piece < 4; ++piece) q[piece] = *reinterpret_cast<const uint4*>(q_head + ((piece ^ l.sw) * 16));
-      // Two independent chains: even and odd k-steps.
-      float s[2][4] = {};
+        for (int piece = 0; piece < 4; ++piece) q[piece] = *reinterpret_cast<const uint4*>(q_head + ((piece ^ l.sw) * 16));
+        // Two independent chains: even and odd k-steps.
+        float s[2][4] = {};
 #pragma unroll
-      for (int step = 0; step < 8; ++step) {
-        const uint4 (&pair)[2] = *reinterpret_cast<const uint4(*)[2]>(&q[step / 4 * 2]);
-        mma_f16_16816(s[step % 2], frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
-                      word(pair, 2 * (step % 4) + 1));
+        for (int step = 0; step < 8; ++step) {
+          const uint4 (&pair)[2] = *reinterpret_cast<const uint4(*)[2]>(&q[step / 4 * 2]);
+          mma_f16_16816(s[step % 2], frag[step][0], frag[step][1], frag[step][2], frag[step][3], word(pair, 2 * (step % 4)),
+                        word(pair, 2 * (step % 4) + 1));
+        }
+        const float2 w = *reinterpret_cast<const float2*>(l.w + i * l.padded + n + 2 * l.tig);
+        logit[0] = fmaf(w.x, fmaxf(s[0][0] + s[1][0], 0.0f), fmaf(w.y, fmaxf(s[0][1] + s[1][1], 0.0f), logit[0]));
+        logit[1] = fmaf(w.x, fmaxf(s[0][2] + s[1][2], 0.0f), fmaf(w.y, fmaxf(s[0][3] + s[1][3], 0.0f), logit[1]));
       }
-      const float2 w = *reinterpret_cast<const float2*>(l.w + i * l.padded + n + 2 * l.tig);
-      logit[0] = fmaf(w.x, fmaxf(s[0][0] + s[1][0], 0.0f), fmaf(w.y, fmaxf(s[0][1] + s[1][1], 0.0f), logit[0]));
-      logit[1] = fmaf(w.x, fmaxf(s[0][2] + s[1][2], 0.0f), fmaf(w.y, fmaxf(s[0][3] + s[1][3], 0.0f), logit[1]));
+    } else {
+#pragma unroll 1
+      for (int n = 0; n < l.padded; n += kWgmmaHeads) {
+        // Query row i's heads n .. n + kWgmmaHeads - 1: two column blocks of 64 k positions (wgmma_q_offset).
+        const std::uint64_t desc = wgmma::desc_advance(l.q_desc, (i * l.padded + n) * kDim * 2);
+        float d[kWgmmaHeads / 2];
+        wgmma::fence();
+#pragma unroll
+        for (int step = 0; step < 8; ++step) {
+          wgmma::mma_m64nNk16_rs_f16<kWgmmaHeads>(
+              d, frag[step], wgmma::desc_advance(desc, step / 4 * kWgmmaHeads * wgmma::kSwizzleRowBytes + step % 4 * 32),
+              step > 0);
+        }
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_registers(d);
+        // d[4j ..]: heads n + 8j + 2 tig, + 1 of rows g and g + 8.
+#pragma unroll
+        for (int j = 0; j < kWgmmaHeads / 8; ++j) {
+          const float2 w = *reinterpret_cast<const float2*>(l.w + i * l.padded + n + 8 * j + 2 * l.tig);
+          logit[0] = fmaf(w.x, fmaxf(d[4 * j], 0.0f), fmaf(w.y, fmaxf(d[4 * j + 1], 0.0f), logit[0]));
+          logit[1] = fmaf(w.x, fmaxf(d[4 * j + 2], 0.0f), fmaf(w.y, fmaxf(d[4 * j + 3], 0.0f), logit[1]));
+        }
+      }
     }
     const int visible = l.len - a.q_len + i + 1;  // causal among the new tokens
     float* out = a.logits + (static_cast<std::int64_t>(l.b) * a.q_len + i) * a.max_len;
@@ -187,6 +234,42 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
   }
 }
 
+// The next op's scratch, cleared by the whole grid (while a CTA's first keys are loading).
+__device__ __forceinline__ void clear_scratch(const LogitsArgs& a) {
+  const std::int64_t ctas = static_cast<std::int64_t>(gridDim.x) * gridDim.y;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
+       i < a.clear_pieces; i += ctas * kThreads) {
+    a.clear[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Request b's weights [q_len, padded] in shared memory, zeros for padded heads.
+__device__ __forceinline__ void stage_weights(const LogitsArgs& a, int b, int padded, float* w_s) {
+  const float* w = a.weights + static_cast<std::int64_t>(b) * a.q_len * a.heads;
+  for (int j = threadIdx.x; j < a.q_len * padded; j += kThreads) {
+    const int i = j / padded, h = j % padded;
+    w_s[j] = h < a.heads ? w[i * a.heads + h] : 0.0f;
+  }
+}
+
+// -inf at positions [from, to) of every query row of request b (past the length), by the whole CTA.
+__device__ __forceinline__ void write_unseen(const LogitsArgs& a, int b, int from, int to) {
+  to = min(to, a.max_len);
+  for (int i = 0; i < a.q_len; ++i) {
+    float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
+    for (int pos = from + static_cast<int>(threadIdx.x); pos < to; pos += kThreads) out[pos] = -INFINITY;
+  }
+}
+
+// ---- mma.sync: every target --------------------------------------------------------------------
+
+// Shared-memory byte offset of 16-byte piece `piece` (0..3) of quarter `quarter` (0..3: the dims
+// lane tig = quarter supplies) of head `head`'s f16 queries. The XOR swizzle spreads the 8 lanes of a
+// load phase (heads g, g+1 of one 8-head tile, quarters 0..3) over all 8 16-byte bank groups.
+__device__ __forceinline__ int q_offset(int row_head, int head, int quarter, int piece) {
+  return row_head * kDim * 2 + quarter * 64 + ((piece ^ ((quarter >> 1) | ((head & 1) << 1))) * 16);
+}
+
 // One turn of a warp's walk: compute tile `tile` (its keys in `current`) after sending for the keys of
 // the tile two turns ahead into `refill`; false (doing nothing) past the live tiles.
 template <bool kAligned16>
@@ -194,7 +277,7 @@ __device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end
                                      Tile& refill) {
   if (tile >= live_end) return false;
   if (tile + 2 * kWarps < live_end) load_tile<kAligned16>(a, l.b, 16 * (tile + 2 * kWarps), l.len, l.g, l.tig, refill);
-  tile_logits(a, current, 16 * tile, l);
+  tile_logits<0>(a, current, 16 * tile, l);
   return true;
 }
 
@@ -206,28 +289,20 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
   extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] f16, then [q_len, padded] weights
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-  const int padded = padded_heads(a.heads);
+  const int padded = padded_heads(a.heads, kHeadGroup);
   float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
   wait_for_previous_kernels();
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
-  const int len = static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  const int len = request_length(a, b);
   const int tiles = (a.max_len + 15) / 16;
-  const int end = min(tiles, (blockIdx.x + 1) * a.tiles_per_cta);
+  const int end = min(tiles, (blockIdx.x + 1) * a.span);
   const int live_end = min(end, (len + 15) / 16);  // tiles holding positions below the length
   // Two tiles in flight per warp while it computes a third; the first two go out before the queries
   // are staged, so that their loads overlap.
-  int tile = blockIdx.x * a.tiles_per_cta + warp;
+  int tile = blockIdx.x * a.span + warp;
   Tile t0, t1, t2;
   if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, t0);
   if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, t1);
-  // The next op's scratch, cleared by the whole grid while those loads are out.
-  {
-    const std::int64_t ctas = static_cast<std::int64_t>(gridDim.x) * gridDim.y;
-    for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
-         i < a.clear_pieces; i += ctas * kThreads) {
-      a.clear[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  clear_scratch(a);
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -248,15 +323,11 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
       *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece)) = make_uint4(halves[0], halves[1], halves[2], halves[3]);
       *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece + 1)) = make_uint4(halves[4], halves[5], halves[6], halves[7]);
     }
-    const float* w = a.weights + static_cast<std::int64_t>(b) * a.q_len * a.heads;
-    for (int j = threadIdx.x; j < a.q_len * padded; j += kThreads) {
-      const int i = j / padded, h = j % padded;
-      w_s[j] = h < a.heads ? w[i * a.heads + h] : 0.0f;
-    }
   }
+  stage_weights(a, b, padded, w_s);
   __syncthreads();
 
-  const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s};
+  const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s, 0};
   for (;;) {  // unrolled by three so that the tiles rotate through t0, t1, t2 without copies
     if (!walk<kAligned16>(a, tile, live_end, l, t0, t2)) break;
     tile += kWarps;
@@ -267,36 +338,229 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
   }
   allow_next_kernel();
   // Tiles past the length (a block table wider than the request): no keys, no products, -inf.
-  for (; tile < end; tile += kWarps) {
-    for (int j = lane; j < 16 * a.q_len; j += 32) {
-      const int i = j / 16, pos = 16 * tile + j % 16;
-      if (pos < a.max_len) a.logits[(static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len + pos] = -INFINITY;
-    }
+  write_unseen(a, b, 16 * max(live_end, static_cast<int>(blockIdx.x) * a.span), 16 * end);
+}
+
+// ---- wgmma: sm_90a -----------------------------------------------------------------------------
+
+constexpr int kTurnTokens = 64;                  // tokens per warpgroup turn (the instruction's M)
+// Turns in the ring: 2 in flight while one is computed. Deeper rings (4 and 5 stages, fewer CTAs per
+// SM) measured slower at one request and at 16: the turns' latency chains, not the bytes in flight,
+// set the pace, so more CTAs per SM (6) win.
+constexpr int kStages = 3;
+constexpr int kStageKeyBytes = kTurnTokens * kDim;
+constexpr int kStageBytes = kStageKeyBytes + kTurnTokens * 4;  // keys, then scales
+static_assert(kStageBytes % 16 == 0);
+
+// Shared-memory byte offset, in the wgmma layout, of the 8 f16 queries of head `head` of query row
+// `row` at k positions 8 c .. 8 c + 7 of the permuted dims (c = 0..15). A pass of kPass heads is two
+// K-major column blocks of 64 k positions (128-byte swizzle); k-step s is positions 16 s .. 16 s + 15,
+// the keys' dims word_s(tig) + 0, 1 at positions 16 s + 2 tig, + 1 and + 2, + 3 at 16 s + 8 + 2 tig, + 1.
+__device__ __forceinline__ int wgmma_q_offset(int row, int padded, int pass, int head, int c) {
+  return (row * padded + head / pass * pass) * kDim * 2 + (c / 8) * pass * wgmma::kSwizzleRowBytes +
+         wgmma::swizzled_chunk_offset(head % pass, c % 8);
+}
+
+// The block-table entry of turn `turn` (a turn lies inside one page: pages of a multiple of 64
+// tokens). Needs no length: the caller keeps the turn below the row's capacity.
+__device__ __forceinline__ std::int32_t turn_page(const LogitsArgs& a, int b, int turn) {
+  return a.block_table[static_cast<std::int64_t>(b) * a.max_pages + page_index(a, kTurnTokens * turn)];
+}
+
+// Run by one thread: the copies of turn `turn`'s keys (up to the length) and scales from page `page`
+// into `stage`, delivered to `full`; `present` says whether the page is inside the pool (else
+// nothing is copied, and `full` completes at once).
+__device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn, std::int32_t page, std::uint8_t* stage,
+                                          std::uint64_t* full, int* present) {
+  const std::uint8_t* base = page_base(a, page);
+  *present = base != nullptr;
+  if (base == nullptr) {
+    bulk::arrive(full);
+    return;
+  }
+  const int t = kTurnTokens * turn, offset = page_offset(a, t, page_index(a, t));
+  const int tokens = min(kTurnTokens, len - t);  // >= 1: a live turn
+  bulk::arrive_expect(full, static_cast<std::uint32_t>(tokens * kDim + kTurnTokens * 4));
+  bulk::copy(stage, base + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(tokens * kDim), full);
+  bulk::copy(stage + kStageKeyBytes, base + static_cast<std::int64_t>(a.page_size) * kDim + 4 * offset, kTurnTokens * 4,
+             full);
+}
+
+// Warp `warp`'s 16 tokens of a landed stage as this lane's tile (rows past the copied tokens hold
+// stale bytes: positions past the length, written -inf).
+__device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, bool present, int warp, int g, int tig,
+                                                Tile& t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int token = 16 * warp + g + 8 * r;
+    const std::uint8_t* key = stage + token * kDim + 16 * tig;
+    t.keys[r][0] = *reinterpret_cast<const uint4*>(key);
+    t.keys[r][1] = *reinterpret_cast<const uint4*>(key + kDim / 2);
+    t.scales[r] = reinterpret_cast<const float*>(stage + kStageKeyBytes)[token];
+    t.cached[r] = present;
   }
 }
 
-// The grid fills one wave of resident CTAs whatever the batch: a single request spreads over the
-// whole GPU, and large batches give every CTA a long span to stream.
-template <bool kAligned16>
-void launch(LogitsArgs a, int batch, std::size_t smem, cudaStream_t stream) {
-  const auto kernel = logits_kernel<kAligned16>;
-  // The most any call takes (64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows),
-  // allowed once per device the first time a call needs more than the default 48 KB.
-  static_assert(padded_heads(kMaxIndexerHeads) == kMaxIndexerHeads);
-  constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * (2 * kDim + static_cast<int>(sizeof(float)));
-  static_assert(kMaxSmem <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
-  if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
+// Grid (CTAs per request, B), one warpgroup per CTA, pages of a multiple of 64 tokens. Thread 0
+// copies whole turns (a page's 64 keys and scales, two bulk copies) through a ring of kStages
+// stages, each completing on its own mbarrier: the first kStages - 1 turns go out before the queries
+// are staged, and each later one as soon as the turn before has freed its stage (the CTA barrier at
+// the top of every turn), its block-table entry looked up a turn earlier. The 4 warps compute each
+// turn together (tile_logits).
+template <int kPass>
+__global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a) {
+  // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
+  // its barriers and its stages' presence flags.
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  std::uint8_t* q_s = smem + ((1024u - (smem_addr(smem) & 1023u)) & 1023u);
+  const int padded = padded_heads(a.heads, kPass);
+  float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
+  std::uint8_t* ring = reinterpret_cast<std::uint8_t*>(w_s + a.q_len * padded);  // 16-byte aligned: padded % 8 == 0
+  auto* full = reinterpret_cast<std::uint64_t*>(ring + kStages * kStageBytes);
+  auto* present = reinterpret_cast<int*>(full + kStages);
+  const int b = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const bool copier = threadIdx.x == 0;
+  wait_for_previous_kernels();
+  const int len = request_length(a, b);
+  const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
+  const int first = blockIdx.x * a.span;
+  const int end = min(turns, first + a.span);
+  const int live_end = min(end, (len + kTurnTokens - 1) / kTurnTokens);  // turns holding positions below the length
+  std::int32_t next_page = -1;  // the copier's block-table entry of the next turn to send
+  if (copier) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) bulk::init(&full[s], 1);
+    bulk::fence_init();
+    // The first kStages turns' pages looked up alongside the length, then kStages - 1 turns sent.
+    std::int32_t pages[kStages];
+    const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+#pragma unroll
+    for (int k = 0; k < kStages; ++k) {
+      pages[k] = first + k < end && kTurnTokens * (first + k) < capacity ? turn_page(a, b, first + k) : -1;
+    }
+#pragma unroll
+    for (int k = 0; k < kStages - 1; ++k) {
+      if (first + k < live_end) send_turn(a, len, first + k, pages[k], ring + k * kStageBytes, &full[k], &present[k]);
+    }
+    next_page = pages[kStages - 1];
+  }
+  clear_scratch(a);
+  {
+    // Per thread and step, word `step` (4 codes) of each quarter's dims of one head: k positions 16
+    // step .. 16 step + 15 (wgmma_q_offset); zeros for padded heads.
+    const std::uint8_t* q = a.q + static_cast<std::int64_t>(b) * a.q_len * a.heads * kDim;
+    for (int j = threadIdx.x; j < a.q_len * padded * 8; j += kThreads) {
+      const int i = j / (padded * 8), h = j / 8 % padded, step = j % 8;
+      std::uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const int byte = step / 4 * (kDim / 2) + 16 * quarter + 4 * (step % 4);  // word(step) of lane tig = quarter
+        const std::uint32_t codes =
+            h < a.heads ? *reinterpret_cast<const std::uint32_t*>(q + (i * a.heads + h) * kDim + byte) : 0u;
+        lo[quarter] = fp8x2_to_f16x2(codes);
+        hi[quarter] = fp8x2_hi_to_f16x2(codes);
+      }
+      *reinterpret_cast<uint4*>(q_s + wgmma_q_offset(i, padded, kPass, h, 2 * step)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      *reinterpret_cast<uint4*>(q_s + wgmma_q_offset(i, padded, kPass, h, 2 * step + 1)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
+  }
+  stage_weights(a, b, padded, w_s);
+  wgmma::fence_shared_for_async();
+  __syncthreads();  // the queries, weights, barriers and first presence flags published
+
+  const Lane l{b, len, g, tig, padded, nullptr, 0, w_s, wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes)};
+  for (int turn = first; turn < live_end; ++turn) {
+    const int k = turn - first, stage = k % kStages;
+    if (k > 0) __syncthreads();  // every warp is done with the stage the last turn read
+    if (copier) {
+      if (turn + kStages - 1 < live_end) {
+        const int refill = (k + kStages - 1) % kStages;
+        bulk::fence_before_refill();
+        send_turn(a, len, turn + kStages - 1, next_page, ring + refill * kStageBytes, &full[refill], &present[refill]);
+      }
+      if (turn + kStages < live_end) next_page = turn_page(a, b, turn + kStages);
+    }
+    bulk::wait(&full[stage], static_cast<std::uint32_t>(k / kStages) & 1u);
+    Tile t;
+    tile_from_stage(ring + stage * kStageBytes, present[stage] != 0, warp, g, tig, t);
+    tile_logits<kPass>(a, t, kTurnTokens * turn + 16 * warp, l);
+  }
+  allow_next_kernel();
+  write_unseen(a, b, kTurnTokens * max(live_end, first), kTurnTokens * end);
+}
+
+// ---- launchers ---------------------------------------------------------------------------------
+
+// CTAs per request and positions per CTA (`units` of the kernel's span): one wave of resident CTAs
+// whatever the batch, so that a single request spreads over the whole GPU and large batches give
+// every CTA a long span to stream. Returns the CTAs per request; sets a.span.
+template <class Kernel>
+int spread(Kernel* kernel, LogitsArgs& a, int batch, int units, int most_per_request, std::size_t smem) {
   const int sms = current_device_limits("indexer_logits").multiprocessors;
   const int per_sm = resident_ctas_per_sm(kernel, kThreads, smem, "indexer_logits");
+  // Rounded down: one more CTA per request would start a second wave.
+  const int per_request = std::clamp(sms * std::max(per_sm, 1) / batch, 1, most_per_request);
+  a.span = (units + per_request - 1) / per_request;
+  return (units + a.span - 1) / a.span;
+}
+
+constexpr int kBytesPerHead = 2 * kDim + static_cast<int>(sizeof(float));  // f16 queries and the weight
+
+template <bool kAligned16>
+void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
+  const auto kernel = logits_kernel<kAligned16>;
+  const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kHeadGroup) * kBytesPerHead;
+  // The most any call takes (64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows),
+  // allowed once per device the first time a call needs more than the default 48 KB.
+  static_assert(padded_heads(kMaxIndexerHeads, kHeadGroup) == kMaxIndexerHeads);
+  constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * kBytesPerHead;
+  static_assert(kMaxSmem <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
+  if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
   const int tiles = (a.max_len + 15) / 16;
-  const int per_request = std::clamp((sms * std::max(per_sm, 1) + batch - 1) / batch, 1, (tiles + kWarps - 1) / kWarps);
-  a.tiles_per_cta = (tiles + per_request - 1) / per_request;
-  const int ctas = (tiles + a.tiles_per_cta - 1) / a.tiles_per_cta;
+  const int ctas = spread(kernel, a, batch, tiles, (tiles + kWarps - 1) / kWarps, smem);
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
                  stream, false, a);
 }
 
+template <int kPass>
+void launch_wgmma(LogitsArgs a, int batch, cudaStream_t stream) {
+  const auto kernel = logits_wgmma_kernel<kPass>;
+  constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4);  // alignment slack, the ring, its barriers and flags
+  const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
+  static_assert(padded_heads(kMaxIndexerHeads, kPass) == kMaxIndexerHeads);
+  constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * kBytesPerHead + kFixed;  // 90.8 KB
+  static_assert(kMaxSmem <= 227 * 1024, "must fit the 227 KB per block of sm_90");
+  if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
+  const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
+  const int ctas = spread(kernel, a, batch, turns, turns, smem);
+  launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
+                 stream, false, a);
+}
+
+// The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one.
+void launch_for_device(const LogitsArgs& a, int batch, cudaStream_t stream) {
+  if (!indexer_uses_wgmma(a.page_size)) {
+    if (a.page_size % 4 == 0) return launch_mma<true>(a, batch, stream);  // 132 x page_size bytes: keys 16-byte aligned
+    return launch_mma<false>(a, batch, stream);
+  }
+  switch (wgmma_pass_heads(a.heads)) {
+    case 8: return launch_wgmma<8>(a, batch, stream);
+    case 16: return launch_wgmma<16>(a, batch, stream);
+    default: return launch_wgmma<32>(a, batch, stream);
+  }
+}
+
 }  // namespace
+
+bool indexer_uses_wgmma(int page_size) {
+  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL");
+}
+
+std::string indexer_logits_kernel_name(int page_size) {
+  return indexer_uses_wgmma(page_size) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
+                                       : "indexer_logits<f16 mma m16n8k16>";
+}
 
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   LogitsArgs a{};
@@ -326,13 +590,8 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
                 "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
   }
   check_aligned("indexer_logits", "q", a.q, 16);
-  const int padded = padded_heads(a.heads);
-  const auto smem = static_cast<std::size_t>(a.q_len) * padded * (2 * kDim + sizeof(float));
-  if (a.page_size % 4 == 0) {  // 132 x page_size bytes per page: every key 16-byte aligned
-    launch<true>(a, batch, smem, stream);
-  } else {
-    launch<false>(a, batch, smem, stream);
-  }
+  check_aligned("indexer_logits", "cache", a.cache, 16);  // keys read as (or copied in) 16-byte pieces
+  launch_for_device(a, batch, stream);
 }
 
 }  // namespace latentkv::cuda

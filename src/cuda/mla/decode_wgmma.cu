@@ -26,8 +26,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
@@ -453,18 +451,7 @@ int configure() { return allow_dynamic_smem(decode_wgmma_kernel, WgmmaSmem::kAll
 
 }  // namespace
 
-bool wgmma_decode_available() {
-#if defined(LKV_HAVE_SM90A)
-  const char* choice = std::getenv("LATENTKV_MLA_KERNEL");
-  if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
-  if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
-    throw Error("mla_decode", "LATENTKV_MLA_KERNEL", choice, "unset, \"auto\" or \"mma\"");
-  }
-  return current_device_sm("mla_decode") == 90;
-#else
-  return false;
-#endif
-}
+bool wgmma_decode_available() { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL"); }
 
 int wgmma_blocks_per_sm() {
   return resident_ctas_per_sm(decode_wgmma_kernel, kThreads, configure(), "mla_decode");

@@ -1,0 +1,101 @@
+// src/cuda/common/bulk_copy.cuh - one-thread bulk copies from global to shared memory (the copy
+// engine's cp.async.bulk, sm_90 and later), each completing on a shared-memory mbarrier that the
+// consumers wait on.
+//
+// Use: one thread inits the barriers (count 1) and fences them; per copy it announces the bytes
+// (arrive_expect) and issues the copies (or, with nothing to copy, arrives plainly); every consumer
+// waits for the barrier's phase, which alternates 0, 1, 0, ... with each use.
+//
+// On targets before sm_90 these compile to a trap: a launcher picks a kernel that uses them only on
+// sm_90 (the wgmma kernels, which need sm_90a anyway).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/mma.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LKV_BULK_COPY 1
+#else
+#define LKV_BULK_COPY 0
+#endif
+
+namespace latentkv::cuda::bulk {
+
+__device__ __forceinline__ void init(std::uint64_t* bar, int arrivals) {
+#if LKV_BULK_COPY
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+#else
+  (void)bar, (void)arrivals;
+  __trap();
+#endif
+}
+
+// Makes this thread's barrier inits visible to the copy engine and to the other threads (after a
+// CTA barrier).
+__device__ __forceinline__ void fence_init() {
+#if LKV_BULK_COPY
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// Orders this CTA's earlier ordinary shared-memory accesses before the copy engine's next writes
+// (a buffer read by the consumers, then refilled by a bulk copy).
+__device__ __forceinline__ void fence_before_refill() {
+#if LKV_BULK_COPY
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// This thread's arrival on `bar`, announcing `bytes` that copies will still deliver to it.
+__device__ __forceinline__ void arrive_expect(std::uint64_t* bar, std::uint32_t bytes) {
+#if LKV_BULK_COPY
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#else
+  (void)bar, (void)bytes;
+  __trap();
+#endif
+}
+
+// This thread's arrival on `bar` with no bytes to wait for.
+__device__ __forceinline__ void arrive(std::uint64_t* bar) {
+#if LKV_BULK_COPY
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#else
+  (void)bar;
+  __trap();
+#endif
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`,
+// delivered to `bar`.
+__device__ __forceinline__ void copy(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {
+#if LKV_BULK_COPY
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)bar;
+  __trap();
+#endif
+}
+
+// Waits until phase `parity` (0 or 1) of `bar` has completed.
+__device__ __forceinline__ void wait(std::uint64_t* bar, std::uint32_t parity) {
+#if LKV_BULK_COPY
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "retry:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra retry;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar, (void)parity;
+  __trap();
+#endif
+}
+
+}  // namespace latentkv::cuda::bulk
