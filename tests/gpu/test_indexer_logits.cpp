@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,6 +71,46 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   // float32 sums of exact fp8 products in another order than the float64 reference: relative error
   // of a few float32 ulps of the sum of |terms|; -inf positions must match exactly.
   EXPECT_TRUE(compare("logits", logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));
+}
+
+// A block-table entry outside the pool below the length (which the host cannot check: the table lives
+// on the device) reads nothing: its positions get -inf, the rest match the reference. Pages of 64
+// (on sm_90 the wgmma kernel, whose copier then copies nothing) and of 17 (the mma.sync kernel).
+TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
+  LKV_REQUIRE_GPU();
+  for (const int page_size : {64, 17}) {
+    Rng rng = test_rng();
+    PagedFixtureOptions opt;
+    opt.page_size = page_size;
+    opt.lengths = {5 * page_size + 3, 2 * page_size};
+    PagedFixture f = make_paged_fixture(opt, rng);
+    const std::int64_t batch = f.batch(), max_len = f.max_len();
+    HostTensor q = random_fp8(rng, {batch, 1, 32, 128});
+    HostTensor w = random_f32(rng, {batch, 1, 32}, -1.0, 1.0);
+    HostTensor expected = reference_indexer_logits(f, q, w, max_len);
+    // Request 0's pages 1 (past the pool) and 3 (negative) are out; their positions get -inf.
+    f.block_table[static_cast<std::size_t>(1)] = static_cast<std::int32_t>(f.num_pages());
+    f.block_table[static_cast<std::size_t>(3)] = -7;
+    float* want = expected.data<float>();
+    for (const int page : {1, 3}) {
+      std::fill(want + page * page_size, want + (page + 1) * page_size, -std::numeric_limits<float>::infinity());
+    }
+
+    HostTensor logits = sentinel_tensor(DType::kF32, {batch, 1, max_len});
+    DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
+    DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
+    IndexerLogitsParams p;
+    p.q = q.view_of(d_q.get(), Device::cuda());
+    p.weights = w.view_of(d_w.get(), Device::cuda());
+    p.cache = f.indexer(d_cache.get<std::uint8_t>(), Device::cuda());
+    p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
+    p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
+    p.logits = logits.view_of(d_logits.get(), Device::cuda());
+    run(*find_backend("cuda"), p);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    d_logits.download(logits.raw(), logits.bytes());
+    EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));
+  }
 }
 
 // Many long requests: each warp streams more tiles than its ring holds (the steady state of the

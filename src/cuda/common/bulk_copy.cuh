@@ -6,8 +6,9 @@
 // (arrive_expect) and issues the copies (or, with nothing to copy, arrives plainly); every consumer
 // waits for the barrier's phase, which alternates 0, 1, 0, ... with each use.
 //
-// On targets before sm_90 these compile to a trap: a launcher picks a kernel that uses them only on
-// sm_90 (the wgmma kernels, which need sm_90a anyway).
+// On targets before sm_90 the copies, arrivals and waits compile to a trap and the fences to
+// nothing: a launcher picks a kernel that uses them only on sm_90 (the wgmma kernels, which need
+// sm_90a anyway).
 #pragma once
 
 #include <cstdint>

@@ -7,9 +7,9 @@
 // (A and B of S = Q K^T) step through k by moving the start address 32 bytes inside a row; the
 // N-major B of O = P V (the same K tile read token by token) steps 16 tokens (2048 bytes) at a time.
 //
-// On targets other than sm_90a the two instructions compile to a trap and the fences to nothing:
-// a launcher must know that the library holds sm_90a code and that the device is sm_90 before it
-// chooses a kernel that uses them (mla::wgmma_decode_available()).
+// On targets other than sm_90a the instructions compile to a trap and the fences to nothing: a
+// launcher must know that the library holds sm_90a code and that the device is sm_90 before it
+// chooses a kernel that uses them (wgmma_kernels_enabled in cuda_check.hpp).
 #pragma once
 
 #include <cstdint>

@@ -10,7 +10,7 @@
 //     once per tile.
 //   * All query rows and weights of the request sit in shared memory as f16, heads padded with zero
 //     queries and weights to a multiple of the heads one pass takes. A CTA owns a span of one
-//     request's positions; the grid is one wave of resident CTAs whatever the batch.
+//     request's positions; the grid is one wave of resident CTAs (one CTA per request beyond that).
 //   * Two kernels:
 //       - sm_90 (logits_wgmma_kernel, pages of a multiple of 64 tokens): the CTA is one warpgroup and
 //         takes 64 tokens (a page's part) a turn. One thread streams the turns through a 3-stage ring
@@ -493,8 +493,9 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
 // ---- launchers ---------------------------------------------------------------------------------
 
 // CTAs per request and positions per CTA (`units` of the kernel's span): one wave of resident CTAs
-// whatever the batch, so that a single request spreads over the whole GPU and large batches give
-// every CTA a long span to stream. Returns the CTAs per request; sets a.span.
+// up to a batch as large as the GPU's resident CTAs (then one CTA per request), so that a single
+// request spreads over the whole GPU and large batches give every CTA a long span to stream.
+// Returns the CTAs per request; sets a.span.
 template <class Kernel>
 int spread(Kernel* kernel, LogitsArgs& a, int batch, int units, int most_per_request, std::size_t smem) {
   const int sms = current_device_limits("indexer_logits").multiprocessors;
@@ -558,8 +559,12 @@ bool indexer_uses_wgmma(int page_size) {
 }
 
 std::string indexer_logits_kernel_name(int page_size) {
-  return indexer_uses_wgmma(page_size) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
-                                       : "indexer_logits<f16 mma m16n8k16>";
+  if (page_size == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL")) {  // pages not known yet
+    return "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring, for pages of a multiple of 64 tokens; else f16 mma "
+           "m16n8k16>";
+  }
+  return page_size > 0 && indexer_uses_wgmma(page_size) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
+                                                        : "indexer_logits<f16 mma m16n8k16>";
 }
 
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
@@ -590,7 +595,8 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
                 "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
   }
   check_aligned("indexer_logits", "q", a.q, 16);
-  check_aligned("indexer_logits", "cache", a.cache, 16);  // keys read as (or copied in) 16-byte pieces
+  // Keys read as (or copied in) 16-byte pieces, or 4-byte words on pages of a size not a multiple of 4.
+  check_aligned("indexer_logits", "cache", a.cache, a.page_size % 4 == 0 ? 16 : 4);
   launch_for_device(a, batch, stream);
 }
 
