@@ -28,6 +28,31 @@ struct LogitsCase {
   std::vector<std::int64_t> lengths;
 };
 
+// float32 sums of exact fp8 products in another order than the float64 reference: relative error
+// of a few float32 ulps of the sum of |terms|; -inf positions must match exactly.
+const Tolerance kLogitsTolerance{1e-4, 1e-5, 1e-9};
+
+// The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache into `logits`
+// (sentinel-filled before the call); `clear` / `clear_bytes` are passed through.
+void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, HostTensor& logits,
+                void* clear = nullptr, std::size_t clear_bytes = 0) {
+  logits = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
+  DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
+  DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
+  IndexerLogitsParams p;
+  p.q = q.view_of(d_q.get(), Device::cuda());
+  p.weights = w.view_of(d_w.get(), Device::cuda());
+  p.cache = f.indexer(d_cache.get<std::uint8_t>(), Device::cuda());
+  p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
+  p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
+  p.logits = logits.view_of(d_logits.get(), Device::cuda());
+  p.clear = clear;
+  p.clear_bytes = clear_bytes;
+  run(*find_backend("cuda"), p);
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+  d_logits.download(logits.raw(), logits.bytes());
+}
+
 class GpuIndexerLogits : public ::testing::TestWithParam<LogitsCase> {};
 
 TEST_P(GpuIndexerLogits, MatchesReference) {
@@ -44,33 +69,18 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   HostTensor w = random_f32(rng, {batch, c.q_len, c.heads}, -1.0, 1.0);
   const HostTensor expected = reference_indexer_logits(f, q, w, max_len);
 
-  HostTensor logits = sentinel_tensor(DType::kF32, {batch, c.q_len, max_len});
-  DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
-  DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
-  IndexerLogitsParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.weights = w.view_of(d_w.get(), Device::cuda());
-  p.cache = f.indexer(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
-  p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-  p.logits = logits.view_of(d_logits.get(), Device::cuda());
   constexpr std::size_t kClearBytes = 16 * 100003, kGuardBytes = 4096;
   constexpr std::uint8_t kGarbage = 0xA5;
   const std::vector<std::uint8_t> garbage(kClearBytes + kGuardBytes, kGarbage);
   DeviceBuffer d_clear(garbage);
-  p.clear = d_clear.get();
-  p.clear_bytes = kClearBytes;
-  run(*find_backend("cuda"), p);
-  LKV_CUDA_OK(cudaDeviceSynchronize());
-  d_logits.download(logits.raw(), logits.bytes());
+  HostTensor logits;
+  ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes));
   const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
   EXPECT_TRUE(std::all_of(cleared.begin(), cleared.begin() + kClearBytes, [](std::uint8_t x) { return x == 0; }))
       << "the clear range is not all zero";
   EXPECT_TRUE(std::all_of(cleared.begin() + kClearBytes, cleared.end(), [](std::uint8_t x) { return x == kGarbage; }))
       << "the call wrote past the clear range";
-  // float32 sums of exact fp8 products in another order than the float64 reference: relative error
-  // of a few float32 ulps of the sum of |terms|; -inf positions must match exactly.
-  EXPECT_TRUE(compare("logits", logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));
+  EXPECT_TRUE(compare("logits", logits, expected, kLogitsTolerance));
 }
 
 // A block-table entry outside the pool below the length (which the host cannot check: the table lives
@@ -96,20 +106,9 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
       std::fill(want + page * page_size, want + (page + 1) * page_size, -std::numeric_limits<float>::infinity());
     }
 
-    HostTensor logits = sentinel_tensor(DType::kF32, {batch, 1, max_len});
-    DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
-    DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
-    IndexerLogitsParams p;
-    p.q = q.view_of(d_q.get(), Device::cuda());
-    p.weights = w.view_of(d_w.get(), Device::cuda());
-    p.cache = f.indexer(d_cache.get<std::uint8_t>(), Device::cuda());
-    p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
-    p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-    p.logits = logits.view_of(d_logits.get(), Device::cuda());
-    run(*find_backend("cuda"), p);
-    LKV_CUDA_OK(cudaDeviceSynchronize());
-    d_logits.download(logits.raw(), logits.bytes());
-    EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits, expected, Tolerance{1e-4, 1e-5, 1e-9}));
+    HostTensor logits;
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits));
+    EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits, expected, kLogitsTolerance));
   }
 }
 

@@ -4,7 +4,8 @@
 //
 // Use: one thread inits the barriers (count 1) and fences them; per copy it announces the bytes
 // (arrive_expect) and issues the copies (or, with nothing to copy, arrives plainly); every consumer
-// waits for the barrier's phase, which alternates 0, 1, 0, ... with each use.
+// waits for the barrier's phase, which alternates 0, 1, 0, ... with each use. A buffer that ordinary
+// loads read before a copy refills it takes wgmma::fence_shared_for_async first.
 //
 // On targets before sm_90 the copies, arrivals and waits compile to a trap and the fences to
 // nothing: a launcher picks a kernel that uses them only on sm_90 (the wgmma kernels, which need
@@ -37,14 +38,6 @@ __device__ __forceinline__ void init(std::uint64_t* bar, int arrivals) {
 __device__ __forceinline__ void fence_init() {
 #if LKV_BULK_COPY
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-// Orders this CTA's earlier ordinary shared-memory accesses before the copy engine's next writes
-// (a buffer read by the consumers, then refilled by a bulk copy).
-__device__ __forceinline__ void fence_before_refill() {
-#if LKV_BULK_COPY
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 

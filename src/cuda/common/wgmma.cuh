@@ -63,8 +63,9 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
-// Makes this thread's ordinary shared-memory stores visible to the tensor cores' (async proxy)
-// reads; each writing thread runs it before the barrier that publishes the data.
+// Orders this thread's ordinary shared-memory accesses before the async proxy's next ones: stores
+// before the tensor cores read them (each writing thread runs it before the barrier that publishes
+// the data), or reads before a bulk copy (bulk_copy.cuh) overwrites the buffer.
 __device__ __forceinline__ void fence_shared_for_async() {
 #if LKV_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     if (copier) {
       if (turn + kStages - 1 < live_end) {
         const int refill = (k + kStages - 1) % kStages;
-        bulk::fence_before_refill();
+        wgmma::fence_shared_for_async();  // the stage's reads before the copy engine's writes
         send_turn(a, len, turn + kStages - 1, next_page, ring + refill * kStageBytes, &full[refill], &present[refill]);
       }
       if (turn + kStages < live_end) next_page = turn_page(a, b, turn + kStages);
