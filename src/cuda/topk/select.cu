@@ -12,7 +12,8 @@
 //      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
 // When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
 // one cooperative kernel with grid barriers before and after phase 1 and the logits read once; the
-// row's last CTA to finish phase 2 does phase 3. Otherwise a memset of the row states and two
+// row's last CTA to finish phase 2 does phase 3 (its arrival, one 64-bit atomic, also tells it how
+// many candidates the row listed). Otherwise a memset of the row states and two
 // kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. When
 // the call before cleared the row states (TopkParams::workspace_cleared: the indexer does it inside
 // dsa_decode), the first barrier, or the memset, is left out. Rows
@@ -57,9 +58,9 @@ constexpr int kCandidates = 3072;               // listed candidates per row
 enum StateWord : int {
   kHist = 0,                          // [kTopBins] counts of top digits
   kArrivedHistogram = kTopBins,       // CTAs of the row done with kernel 1
-  kArrivedSelect,                     // ... with kernel 2
   kSelected,                          // keys above T written so far
-  kListed,                            // candidates found (may exceed kCandidates)
+  kSelectDone,                        // 64 bits: CTAs done selecting (high word), the candidates they listed (low)
+  kListed = kSelectDone + 2,          // candidates found so far (may exceed kCandidates)
   kDigit,                             // T
   kAbove,                             // keys whose top digit is above T
   kStateWords = kTopBins + 8,
@@ -143,6 +144,25 @@ __device__ bool arrive_last(std::uint32_t* counter, std::uint32_t ctas, bool& fl
   return flag;
 }
 
+// The same for the end of selecting, at the 64-bit kSelectDone word, where each CTA also adds the
+// candidates it listed: the last CTA learns from its own atomic how many the row listed, with no
+// further round trip. Returns that count in the last CTA, else UINT32_MAX.
+__device__ std::uint32_t arrive_last_listing(std::uint32_t* state, std::uint32_t ctas, std::uint32_t listed,
+                                             std::uint32_t& shared) {
+  static_assert(kSelectDone % 2 == 0 && kStateWords % 2 == 0, "a 64-bit word, 8-byte aligned in every row");
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long before =
+        atomicAdd(reinterpret_cast<unsigned long long*>(&state[kSelectDone]), (1ull << 32) | listed);
+    shared = static_cast<std::uint32_t>(before >> 32) == ctas - 1 ? static_cast<std::uint32_t>(before) + listed : UINT32_MAX;
+  }
+  __syncthreads();
+  const std::uint32_t found = shared;
+  if (found != UINT32_MAX) __threadfence();
+  return found;
+}
+
 // Shared memory of every kernel here: the top-digit histogram (the finisher reuses its first 1024
 // bins), the listed candidates, and block-scan scratch.
 struct TopkShared {
@@ -150,7 +170,7 @@ struct TopkShared {
   uint2 cands[kCandidates];
   Scan::TempStorage scan;
   std::uint32_t result[2];
-  std::uint32_t taken, ties;
+  std::uint32_t taken, ties, found;
   bool last;
 };
 
@@ -225,10 +245,11 @@ __device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint3
 // halves) and one atomic per list. With up to 8 keys per thread (few rows: latency counts) the
 // block-table loads of the kept keys go out before the scan, so that their round trip overlaps the
 // scan and the atomics; with 16, their registers would cost the cooperative kernel its fourth CTA
-// per SM (80 registers instead of 64), so the slots are looked up when written.
+// per SM (80 registers instead of 64), so the slots are looked up when written. Returns the number
+// of candidates the CTA listed.
 template <int kPer>
-__device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer], std::uint32_t top,
-                             TopkShared& s, std::uint32_t* state, uint2* listed) {
+__device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer], std::uint32_t top,
+                                      TopkShared& s, std::uint32_t* state, uint2* listed) {
   constexpr bool kEarly = kPer <= 8;
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
   std::uint32_t counts = 0;
@@ -263,15 +284,15 @@ __device__ void select_above(const TopkArgs& a, const Chunk& c, const float (&v)
       ++listed_at;
     }
   }
+  return total >> 16;  // the candidates this CTA listed
 }
 
-// Phase 3, by one CTA of the row: the low 20 bits of K* among the candidates, then the rest of the
-// selection (the candidates above K*, then as many ties as needed).
+// Phase 3, by one CTA of the row: the low 20 bits of K* among the `found` candidates, then the rest
+// of the selection (the candidates above K*, then as many ties as needed).
 __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std::uint32_t top,
-                           std::uint32_t above, const std::uint32_t* state, const uint2* listed) {
+                           std::uint32_t above, std::uint32_t found, const uint2* listed) {
   const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
-  const std::uint32_t found = __ldcg(&state[kListed]);
   const bool cached = found <= kCandidates;
   const int count = static_cast<int>(min(found, static_cast<std::uint32_t>(kCandidates)));
   if (cached) {  // all loads in flight at once, then to shared memory
@@ -371,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, 3) topk_select_kernel(const TopkArgs
   float v[kPer];
   load_chunk(a, c, v);
   const std::uint32_t top = __ldcg(&state[kDigit]);
-  select_above(a, c, v, top, s, state, listed);
-  if (!arrive_last(&state[kArrivedSelect], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
-  finish_row(a, s, c, top, __ldcg(&state[kAbove]), state, listed);
+  const std::uint32_t mine = select_above(a, c, v, top, s, state, listed);
+  const std::uint32_t found = arrive_last_listing(state, (c.n + a.chunk_len - 1) / a.chunk_len, mine, s.found);
+  if (found == UINT32_MAX) return;
+  finish_row(a, s, c, top, __ldcg(&state[kAbove]), found, listed);
 }
 
 // The same three phases in one cooperative kernel, for grids that fit on the GPU at once: two grid
@@ -403,17 +425,18 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
   if (!a.cleared) grid.sync();  // the same answer in every CTA
   if (select) publish_top_digits(s, state);
   grid.sync();
-  std::uint32_t top = 0, above = 0;
+  std::uint32_t top = 0, above = 0, mine = 0;
   if (select) {
     top_threshold(a, s, state, top, above);
-    select_above(a, c, v, top, s, state, listed);
+    mine = select_above(a, c, v, top, s, state, listed);
   } else if (c.n <= a.k) {
     take_all<kPer>(a, c);
   }
   allow_next_kernel();  // what is left: one CTA per row finishing it
   // The row's last CTA to be done selecting finishes it: one atomic round trip, not a grid barrier.
-  if (select && arrive_last(&state[kArrivedSelect], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) {
-    finish_row(a, s, c, top, above, state, listed);
+  if (select) {
+    const std::uint32_t found = arrive_last_listing(state, (c.n + a.chunk_len - 1) / a.chunk_len, mine, s.found);
+    if (found != UINT32_MAX) finish_row(a, s, c, top, above, found, listed);
   }
 }
 
