@@ -12,14 +12,14 @@
 //      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
 // When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
 // one cooperative kernel with grid barriers before and after phase 1 and the logits read once; the
-// row's last CTA to finish phase 2 does phase 3 (its arrival, one 64-bit atomic, also tells it how
-// many candidates the row listed). Otherwise a memset of the row states and two
-// kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. When
-// the call before cleared the row states (TopkParams::workspace_cleared: the indexer does it inside
-// dsa_decode), the first barrier, or the memset, is left out. Rows
-// that see k tokens or fewer skip the selection: every visible slot, then -1s. A row with more
-// candidates than the list holds (masses of equal logits) re-reads its logits instead; slower, same
-// answer.
+// row's last CTA to finish phase 2 does phase 3. Otherwise a memset of the row states and two
+// kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. On both
+// paths the arrival after phase 2 is one 64-bit atomic that also tells the last CTA how many
+// candidates the row listed. When the call before cleared the row states
+// (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier, or the
+// memset, is left out. Rows that see k tokens or fewer skip the selection: every visible slot, then
+// -1s. A row with more candidates than the list holds (masses of equal logits) re-reads its logits
+// instead; slower, same answer.
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
