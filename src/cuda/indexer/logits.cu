@@ -344,9 +344,9 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
 // ---- wgmma: sm_90a -----------------------------------------------------------------------------
 
 constexpr int kTurnTokens = 64;                  // tokens per warpgroup turn (the instruction's M)
-// Turns in the ring: all 3 sent at the start, then 2 in flight while one is computed. Deeper rings (4 and 5 stages, fewer CTAs per
-// SM) measured slower at one request and at 16: the turns' latency chains, not the bytes in flight,
-// set the pace, so more CTAs per SM (6) win.
+// Turns in the ring: all 3 sent at the start, then 2 in flight while one is computed. Deeper rings
+// (4 and 5 stages, fewer CTAs per SM) measured slower at one request and at 16: the turns' latency
+// chains, not the bytes in flight, set the pace, so more CTAs per SM (6) win.
 constexpr int kStages = 3;
 constexpr int kStageKeyBytes = kTurnTokens * kDim;
 constexpr int kStageBytes = kStageKeyBytes + kTurnTokens * 4;  // keys, then scales
