@@ -4,10 +4,11 @@
 #
 #   scripts/gpu_run.sh [build] [test] [sanitize] [step] [profile] [sass] [bench] [bench-full]   (default: build test bench)
 #
-# BENCH_FILTER (an extended regex) runs only the benchmarks whose names match; SANITIZE_FILTER (a
-# gtest filter) narrows the sanitizer runs; GTEST_FILTER narrows the GPU tests. LOG_TAG names this
-# invocation's logs (logs$LOG_TAG.tgz), so that two in one device call (say one with
-# LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come back.
+# BENCH_FILTER (an extended regex) runs only the benchmarks whose names match, and BENCH_ARGS adds
+# options to each (say --launch paced); SANITIZE_FILTER (a gtest filter) narrows the sanitizer runs;
+# GTEST_FILTER narrows the GPU tests. LOG_TAG names this invocation's logs (logs$LOG_TAG.tgz), so
+# that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come
+# back.
 # Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
@@ -66,10 +67,12 @@ for step in "${steps[@]}"; do
     profile)
       # PROFILE_OP (default mla_decode) and PROFILE_KERNELS (an ncu kernel regex, default decode_kernel):
       # one of each matching kernel at glm5 tp 8, B=1 32K and B=64 8K.
-      # PROFILE_ARGS replaces the two shapes with one bench command line (its own --op and shape).
+      # PROFILE_ARGS replaces the two shapes with bench command lines (each its own --op and shape),
+      # separated by ';'.
+      # PROFILE_SOURCE=1 also samples every SASS instruction's stalls (logs/source_N.csv per shape).
       op=${PROFILE_OP:-mla_decode}
       log "ncu on $op kernels matching ${PROFILE_KERNELS:-decode_kernel} (${PROFILE_ARGS:-glm5 tp 8, B=1 and B=64})"
-      if [ -n "${PROFILE_ARGS:-}" ]; then shapes=("$PROFILE_ARGS"); else
+      if [ -n "${PROFILE_ARGS:-}" ]; then IFS=';' read -ra shapes <<<"$PROFILE_ARGS"; else
         shapes=("--op $op --batch 1 --context 32768 --topk 2048 --pool 600000"
                 "--op $op --batch 64 --context 8192 --topk 2048 --pool 600000"); fi
       for shape in "${shapes[@]}"; do
@@ -79,6 +82,17 @@ for step in "${steps[@]}"; do
           "$BUILD/tools/latentkv" bench $shape --backends cuda --iters 1 --warmup 0 \
           --check-requests 0 >>"$L/ncu.log" 2>&1 || { status=1; log "ncu FAILED"; }
       done
+      if [ -n "${PROFILE_SOURCE:-}" ]; then  # per-SASS-instruction stall samples, one CSV per shape
+        i=0
+        for shape in "${shapes[@]}"; do
+          i=$((i + 1))
+          ncu --clock-control none --set full --import-source yes -k "regex:${PROFILE_KERNELS:-decode_kernel}" -c 1 \
+            -o "$L/source_$i" "$BUILD/tools/latentkv" bench $shape --backends cuda --iters 1 --warmup 0 \
+            --check-requests 0 >>"$L/ncu_source.log" 2>&1 || { status=1; log "ncu (source) FAILED"; }
+          ncu -i "$L/source_$i.ncu-rep" --page source --csv --print-source sass >"$L/source_$i.csv" 2>>"$L/ncu_source.log"
+          rm -f "$L/source_$i.ncu-rep"
+        done
+      fi
       grep -E "^  [a-z_:<>0-9, ]+\(|Duration|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Theoretical Occ|Block Limit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Pipe|Executed Ipc|Issue Slots|Shared|stalled|Est. Speedup" "$L/ncu.log" | head -80
       ;;
     sass)
@@ -99,7 +113,7 @@ for step in "${steps[@]}"; do
         local name=$1; shift
         [[ "$name" =~ ${BENCH_FILTER:-.} ]] || return 0
         log "bench $name: $*"
-        "$cli" bench "$@" --json "$L/bench_$name.json" >"$L/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
+        "$cli" bench "$@" ${BENCH_ARGS:-} --json "$L/bench_$name.json" >"$L/bench_$name.log" 2>&1 || { status=1; log "bench $name FAILED"; }
         cat "$L/bench_$name.log" >>"$OUT/summary.txt"
         grep -E "^(cuda|cast_full|gather_cast|ceilings|  )" "$L/bench_$name.log"
       }

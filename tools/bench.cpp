@@ -31,7 +31,7 @@ std::string repro_line(const BenchOptions& o) {
      << " --page-size " << o.page_size
      << (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill" ? " --topk " + std::to_string(o.topk) : "")
      << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends)
-     << " --iters " << o.iters << " --warmup " << o.warmup << " --seed " << o.seed;
+     << " --iters " << o.iters << " --warmup " << o.warmup << " --launch " << o.launch << " --seed " << o.seed;
   return os.str();
 }
 
@@ -48,7 +48,9 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
               sparse ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
               o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
   if (r.matrix_tflops > 0) std::printf("matrix rate (this run): %.0f TFLOP/s, %s\n", r.matrix_tflops, r.matrix_how.c_str());
-  std::printf("timing: %s\n", r.timing.c_str());
+  std::printf("timing: %s, %s\n", r.timing.c_str(),
+              o.launch == "paced" ? "launched by the host as it goes"
+                                  : "queued behind a held GPU, then run back to back (no host launch latency)");
   std::printf("\n%-12s %10s %17s %9s %7s %9s %9s  %-s\n", "backend", "median us", "p10..p90 us", "GB/s", "% read",
               "TFLOP/s", "vs cast", "check / kernel");
   for (const BenchRow& row : r.rows) {
@@ -89,6 +91,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
                 {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
   j["timing"] = r.timing;
+  j["launch"] = o.launch;
   if (r.matrix_tflops > 0) {
     j["matrix_tflops"] = r.matrix_tflops;
     j["matrix_how"] = r.matrix_how;
@@ -132,6 +135,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--backends", opt->backends, "Backends to time, comma separated")->delimiter(',');
   cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(CLI::NonNegativeNumber);
   cmd->add_option("--iters", opt->iters, "Timed calls")->check(CLI::Range(1, 100000));
+  cmd->add_option("--launch", opt->launch,
+                  "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
+                  "GPU time); paced: the host launches each as it goes (its launch latency included)")
+      ->check(CLI::IsMember({"queued", "paced"}));
   cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the reference (0: none)");
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");

@@ -23,6 +23,7 @@ struct BenchOptions {
   std::vector<std::string> backends = {"cuda", "gather_cast", "cast_full"};
   int warmup = 5;
   int iters = 50;
+  std::string launch = "queued";  // or "paced": how the timed calls reach the GPU (gpu/measure.hpp)
   int check_requests = 2;  // requests checked against the float64 reference per backend
   std::uint64_t seed = 1;
   std::string json;

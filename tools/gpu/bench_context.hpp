@@ -67,6 +67,16 @@ inline BackendRow start_row(BenchReport& report, const std::string& name, const 
   return r;
 }
 
+// The launch mode the options ask for.
+inline Launch launch_of(const BenchOptions& opt) { return opt.launch == "paced" ? Launch::kPaced : Launch::kQueued; }
+
+// Fills a row's timing columns from `t`; notes in its status when queued calls ran before all of a
+// batch were queued (the hold timed out: those calls were paced by the host).
+inline void take_timing(BenchRow& row, const Timing& t, const BenchReport& report, const BenchOptions& opt) {
+  set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+  if (launch_of(opt) == Launch::kQueued && !t.queued) row.status += " (partly paced by the host: the hold timed out)";
+}
+
 // Ends a row and adds it to the report: with a failed check (`failure` not empty) it says so and is
 // not timed; otherwise `status` becomes its status and it is timed (opt.warmup calls, then opt.iters).
 template <typename Call>
@@ -76,8 +86,7 @@ void finish_row(BenchReport& report, BenchRow row, const std::string& failure, c
     row.status = "FAIL: " + failure;
   } else {
     row.status = status;
-    const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+    take_timing(row, time_calls(call, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
   }
   report.rows.push_back(row);
 }

@@ -213,8 +213,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       row.status = "unchecked";
     }
 
-    const Timing t = time_calls(call, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+    take_timing(row, time_calls(call, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
     report.rows.push_back(row);
   }
   for (BenchRow& row : report.rows) {

@@ -142,8 +142,7 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
       continue;
     }
     row.status = checked > 0 ? "pass (" + std::to_string(checked) + " requests, exact sets)" : "unchecked";
-    const Timing t = time_graphs(call, sets, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+    take_timing(row, time_graphs(call, sets, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
     report.rows.push_back(row);
   }
   return report;
@@ -300,8 +299,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     } else {
       row.status = "unchecked";
     }
-    const Timing t = time_graphs(call, sets.sets, opt.warmup, opt.iters, stream);
-    set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
+    take_timing(row, time_graphs(call, sets.sets, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
     report.rows.push_back(row);
 
     if (name == "cuda") {  // each step of the layer on its own
@@ -332,8 +330,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
           const OpArgs args = s == 0 ? OpArgs(st.indexer) : s == 1 ? OpArgs(st.topk) : OpArgs(st.sparse);
           run(*cuda, args, {stream}, device);
         };
-        const Timing ts = time_graphs(step_call, sets.sets, opt.warmup, opt.iters, stream);
-        set_timing(part, ts.median_us, ts.p10_us, ts.p90_us, report.read_gbps);
+        take_timing(part, time_graphs(step_call, sets.sets, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
         report.rows.push_back(part);
       }
     }

@@ -64,6 +64,17 @@ __global__ void gather_read_kernel(const uint4* pool, std::int64_t pool_tokens, 
   if (acc == 0x9E3779B9u) atomicAdd(sink, 1ull);  // keeps the loads alive; practically never taken
 }
 
+__global__ void hold_kernel(const volatile int* release, int* timed_out, unsigned long long timeout_ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    if (*release != 0) return;
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < timeout_ns);
+  *timed_out = 1;
+}
+
 // Approximately normal values (sum of four uniforms, variance-matched), as bf16.
 __global__ void random_bf16_kernel(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev) {
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -101,6 +112,10 @@ void launch_gather_read(const void* pool, std::int64_t pool_tokens, int token_by
                         std::uint64_t seed, unsigned long long* sink, int multiprocessors, cudaStream_t stream) {
   gather_read_kernel<<<multiprocessors * 8, 256, 0, stream>>>(static_cast<const uint4*>(pool), pool_tokens,
                                                               token_bytes / 16, tokens, seed, sink);
+}
+
+void launch_hold(const volatile int* release, int* timed_out, unsigned long long timeout_ns, cudaStream_t stream) {
+  hold_kernel<<<1, 1, 0, stream>>>(release, timed_out, timeout_ns);
 }
 
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream) {

@@ -1,31 +1,86 @@
 #include "gpu/measure.hpp"
 
+#include <memory>
+
 #include "gpu/kernels.hpp"
 #include "latentkv/cache.hpp"
 
 namespace latentkv::tools::gpu {
 
-Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream) {
+namespace {
+
+// The host-mapped flags of the hold kernel (kernels.hpp): [0] release, [1] timed out.
+class Hold {
+ public:
+  Hold() {
+    void* host = nullptr;
+    void* device = nullptr;
+    cuda_ok(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc");
+    flags_ = static_cast<volatile int*>(host);
+    cuda_ok(cudaHostGetDevicePointer(&device, host, 0), "cudaHostGetDevicePointer");
+    device_ = static_cast<int*>(device);
+  }
+  Hold(const Hold&) = delete;
+  Hold& operator=(const Hold&) = delete;
+  ~Hold() { cudaFreeHost(const_cast<int*>(flags_)); }
+
+  void hold(cudaStream_t stream) {  // the stream must be idle
+    flags_[0] = 0;
+    flags_[1] = 0;
+    launch_hold(device_, device_ + 1, kTimeoutNs, stream);
+    cuda_ok(cudaGetLastError(), "hold kernel");
+  }
+  void release() { flags_[0] = 1; }
+  bool timed_out() const { return flags_[1] != 0; }  // after the stream has synchronized
+
+ private:
+  // Far longer than queuing a batch takes; only a host stalled for that long lets the GPU go early.
+  static constexpr unsigned long long kTimeoutNs = 2'000'000'000ull;
+  volatile int* flags_ = nullptr;
+  int* device_ = nullptr;
+};
+
+// Calls queued behind one hold: few enough that the stream's queue of pending work never fills
+// (which would block the host while the GPU waits for it).
+constexpr int kQueuedBatch = 64;
+
+}  // namespace
+
+Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream, Launch launch) {
   for (int i = 0; i < warmup; ++i) call(i);
   cuda_ok(cudaStreamSynchronize(stream), "warm-up");
   std::vector<cudaEvent_t> events(static_cast<std::size_t>(2 * iters));
   for (auto& e : events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < iters; ++i) {
-    cuda_ok(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
-    call(warmup + i);
-    cuda_ok(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+  struct Destroy {
+    std::vector<cudaEvent_t>& events;
+    ~Destroy() {
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+    }
+  } destroy{events};
+  std::unique_ptr<Hold> hold;
+  if (launch == Launch::kQueued) hold = std::make_unique<Hold>();
+  bool queued = launch == Launch::kQueued;
+  for (int first = 0; first < iters; first += kQueuedBatch) {
+    if (hold) hold->hold(stream);
+    for (int i = first; i < std::min(iters, first + kQueuedBatch); ++i) {
+      cuda_ok(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+      call(warmup + i);
+      cuda_ok(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
+    }
+    if (hold) hold->release();
+    cuda_ok(cudaStreamSynchronize(stream), "timed calls");
+    if (hold && hold->timed_out()) queued = false;
   }
-  cuda_ok(cudaStreamSynchronize(stream), "timed calls");
   std::vector<double> us;
   for (int i = 0; i < iters; ++i) {
     float ms = 0;
     cuda_ok(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
     us.push_back(ms * 1000.0);
   }
-  for (auto& e : events) cudaEventDestroy(e);
   std::sort(us.begin(), us.end());
   Timing t;
   t.samples = iters;
+  t.queued = queued;
   if (us.empty()) return t;
   auto at = [&](double q) { return us[static_cast<std::size_t>(q * static_cast<double>(us.size() - 1) + 0.5)]; };
   t.median_us = at(0.5);
@@ -35,7 +90,8 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   return t;
 }
 
-Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream) {
+Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream,
+                   Launch launch) {
   std::vector<cudaGraphExec_t> execs;
   struct Release {
     std::vector<cudaGraphExec_t>& execs;
@@ -62,7 +118,7 @@ Timing time_graphs(const std::function<void(int)>& call, int variants, int warmu
   }
   return time_calls(
       [&](int i) { cuda_ok(cudaGraphLaunch(execs[static_cast<std::size_t>(i % variants)], stream), "graph launch"); },
-      warmup, iters, stream);
+      warmup, iters, stream, launch);
 }
 
 Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream) {

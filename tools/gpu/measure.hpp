@@ -20,15 +20,26 @@ inline void cuda_ok(cudaError_t status, const char* what) {
 struct Timing {
   double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0;
   int samples = 0;
+  bool queued = false;  // every timed call was queued before the GPU ran it (Launch::kQueued held)
 };
 
+// How the timed calls reach the GPU.
+//   kQueued: the calls are queued, a batch at a time, behind a one-thread kernel that holds the stream
+//     until the host has enqueued the whole batch, then run back to back: each call's two events
+//     time its work on the GPU, as it runs inside a captured decode step, and none of the host's launch
+//     latency (a few microseconds per launch, which a call shorter than that would otherwise include).
+//   kPaced: the host launches each call as it goes, the GPU idle whenever the host is behind.
+enum class Launch { kQueued, kPaced };
+
 // Times `call(i)` for i = 0 .. iters-1 after `warmup` untimed calls, each call between two events.
-Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream);
+Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream,
+                  Launch launch = Launch::kQueued);
 
 // Captures `call(v)` for v = 0 .. variants-1 into one CUDA graph each, then times graph launches
 // (variant i % variants for call i) as time_calls does: what a decode step captured once and
 // replayed costs, without per-kernel launch overhead.
-Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream);
+Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream,
+                   Launch launch = Launch::kQueued);
 
 struct Ceilings {
   double read_gbps = 0;   // read-only streaming kernel, 16-byte loads
