@@ -54,7 +54,8 @@ struct DsaSteps {
 };
 
 struct DsaPlan {
-  std::size_t workspace_bytes = 0;  // all of it: logits, slots, then the two plans' scratch
+  std::size_t workspace_bytes = 0;  // all of it: logits, slots, then the three plans' scratch
+  Plan indexer;                     // the indexer backend's scratch (its claim counters on the GPU)
   Plan topk;                        // the top-k backend's own schedule and scratch
   Plan sparse;                      // the sparse decode's split schedule and scratch
   // The indexer step clears the top-k's row state (IndexerLogitsParams::clear), so that the top-k

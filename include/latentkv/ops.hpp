@@ -81,6 +81,12 @@ struct IndexerLogitsParams {
   // TopkParams::workspace_cleared). 16-byte aligned, a multiple of 16 bytes; none by default.
   void* clear = nullptr;
   std::size_t clear_bytes = 0;
+  // Optional device scratch from Backend::plan(), any content on entry. With it, the GPU kernel on
+  // sm_90 balances long spans over its CTAs: each CTA streams a fixed share of its request's
+  // positions, then claims the rest a 64-token turn at a time from a per-request counter here, so that
+  // CTAs on faster SMs take more. Without it every CTA streams a fixed span.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // Top-k per query row over its visible logits, returned as physical slots.

@@ -23,7 +23,7 @@ void check_backends(const DsaBackends& b) {
 
 // Where each intermediate lives in the workspace.
 struct Layout {
-  std::size_t logits = 0, slots = 0, topk = 0, sparse = 0, end = 0;
+  std::size_t logits = 0, slots = 0, indexer = 0, topk = 0, sparse = 0, end = 0;
 };
 
 std::int64_t logits_columns(const DsaDecodeParams& p) {
@@ -73,7 +73,8 @@ Layout layout_of(const DsaDecodeParams& p, const DsaPlan& plan) {
   Layout l;
   l.logits = 0;
   l.slots = align_up(l.logits + rows * static_cast<std::size_t>(logits_columns(p)) * sizeof(float));
-  l.topk = align_up(l.slots + rows * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
+  l.indexer = align_up(l.slots + rows * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
+  l.topk = align_up(l.indexer + plan.indexer.workspace_bytes);
   l.sparse = align_up(l.topk + plan.topk.workspace_bytes);
   l.end = align_up(l.sparse + plan.sparse.workspace_bytes);
   return l;
@@ -118,6 +119,7 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
   check_shapes(p);
   DsaPlan plan;
   DsaSteps s = steps_at(p, layout_of(p, plan), nullptr);
+  plan.indexer = backends.indexer_logits->plan(s.indexer, device);
   plan.topk = backends.topk->plan(s.topk, device);
   plan.sparse = backends.sparse_decode->plan(s.sparse, device);
   plan.workspace_bytes = layout_of(p, plan).end;
@@ -132,6 +134,8 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaSteps s = steps_at(p, l, base);
+  s.indexer.workspace = plan.indexer.workspace_bytes ? base + l.indexer : nullptr;
+  s.indexer.workspace_bytes = plan.indexer.workspace_bytes;
   s.topk.workspace = plan.topk.workspace_bytes ? base + l.topk : nullptr;
   s.topk.workspace_bytes = plan.topk.workspace_bytes;
   if (plan.topk_cleared_by_indexer) {

@@ -266,6 +266,9 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
   expect_indexer_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
   expect_view(op, "logits", p.logits, {DType::kF32}, {b, q_len, kAny}, {"B", "q_len", "max_len"}, device);
+  if (p.workspace_bytes > 0 && p.workspace == nullptr) {
+    fail(op, "workspace", "null", std::to_string(p.workspace_bytes) + " bytes (workspace_bytes)");
+  }
   if (p.clear_bytes > 0) {
     if (p.clear == nullptr) fail(op, "clear", "null", std::to_string(p.clear_bytes) + " bytes to zero (clear_bytes)");
     if (p.clear_bytes % 16 != 0) fail(op, "clear_bytes", std::to_string(p.clear_bytes), "a multiple of 16");

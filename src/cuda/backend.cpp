@@ -89,6 +89,7 @@ class CudaBackend final : public Backend {
       return cuda::plan_sparse_mla_decode(std::get<SparseMlaDecodeParams>(args), device.multiprocessors);
     }
     if (op_of(args) == Op::kTopk) return cuda::plan_topk(std::get<TopkParams>(args));
+    if (op_of(args) == Op::kIndexerLogits) return cuda::plan_indexer_logits(std::get<IndexerLogitsParams>(args));
     if (op_of(args) == Op::kMlaPrefill) {
       return cuda::plan_mla_prefill(std::get<MlaPrefillParams>(args), device.multiprocessors);
     }

@@ -374,6 +374,20 @@ TEST(BadInput, IndexerClearRange) {
   for (int i = 0; i < 80; ++i) EXPECT_EQ(scratch[i], i >= 16 && i < 48 ? 0 : 0xA5) << "byte " << i;
 }
 
+// The indexer's optional workspace: bytes without a buffer are refused before anything is written;
+// a workspace the CPU reference does not use changes nothing.
+TEST(BadInput, IndexerWorkspace) {
+  IndexerCase t;
+  IndexerLogitsParams p = t.params();
+  p.workspace_bytes = 64;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "workspace", "null"));
+  EXPECT_TRUE(is_sentinel(t.logits));
+  alignas(16) std::uint8_t scratch[64] = {};
+  p.workspace = scratch;
+  cpu::indexer_logits(p);
+  EXPECT_FALSE(is_sentinel(t.logits));
+}
+
 TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {
   const ModelPreset& glm5 = model_preset("glm5");
   EXPECT_EQ(shard_model(glm5, 8).heads_per_gpu, 8);

@@ -2,7 +2,9 @@
 // not cached, sentinel-filled logits (every column up to max_len must be written: -inf past the
 // visible positions), causal rows for q_len > 1. Every call also clears a garbage-filled range for
 // the next op (IndexerLogitsParams::clear, larger than one pass of the grid), and must leave the
-// guard after it alone.
+// guard after it alone. Calls run with the plan's workspace, garbage-filled (so that on sm_90 long
+// spans claim turns: the B 16 cases of 70K tokens and more), twice in a row on the same workspace,
+// and once without a workspace (every CTA its static span); all three must match.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,9 +35,10 @@ struct LogitsCase {
 const Tolerance kLogitsTolerance{1e-4, 1e-5, 1e-9};
 
 // The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache into `logits`
-// (sentinel-filled before the call); `clear` / `clear_bytes` are passed through.
+// (sentinel-filled before the call); `clear` / `clear_bytes` are passed through. `calls` calls in a
+// row with the plan's workspace (filled with garbage before the first), or one without any (0).
 void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, HostTensor& logits,
-                void* clear = nullptr, std::size_t clear_bytes = 0) {
+                void* clear = nullptr, std::size_t clear_bytes = 0, int calls = 1) {
   logits = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
   DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
   DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
@@ -48,7 +51,15 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
   p.logits = logits.view_of(d_logits.get(), Device::cuda());
   p.clear = clear;
   p.clear_bytes = clear_bytes;
-  run(*find_backend("cuda"), p);
+  const Backend& cuda = *find_backend("cuda");
+  DeviceBuffer d_workspace;
+  if (calls > 0) {
+    const Plan plan = cuda.plan(p, detect_device());
+    d_workspace = DeviceBuffer(std::vector<std::uint8_t>(plan.workspace_bytes, 0xA5));
+    p.workspace = d_workspace.get();
+    p.workspace_bytes = plan.workspace_bytes;
+  }
+  for (int i = 0; i < std::max(calls, 1); ++i) run(cuda, p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
   d_logits.download(logits.raw(), logits.bytes());
 }
@@ -72,15 +83,19 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   constexpr std::size_t kClearBytes = 16 * 100003, kGuardBytes = 4096;
   constexpr std::uint8_t kGarbage = 0xA5;
   const std::vector<std::uint8_t> garbage(kClearBytes + kGuardBytes, kGarbage);
-  DeviceBuffer d_clear(garbage);
-  HostTensor logits;
-  ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes));
-  const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
-  EXPECT_TRUE(std::all_of(cleared.begin(), cleared.begin() + kClearBytes, [](std::uint8_t x) { return x == 0; }))
-      << "the clear range is not all zero";
-  EXPECT_TRUE(std::all_of(cleared.begin() + kClearBytes, cleared.end(), [](std::uint8_t x) { return x == kGarbage; }))
-      << "the call wrote past the clear range";
-  EXPECT_TRUE(compare("logits", logits, expected, kLogitsTolerance));
+  for (const int calls : {1, 2, 0}) {
+    DeviceBuffer d_clear(garbage);
+    HostTensor logits;
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes, calls));
+    const std::string what = calls > 0 ? "logits, " + std::to_string(calls) + " call(s) on one workspace"
+                                       : "logits, no workspace";
+    const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
+    EXPECT_TRUE(std::all_of(cleared.begin(), cleared.begin() + kClearBytes, [](std::uint8_t x) { return x == 0; }))
+        << what << ": the clear range is not all zero";
+    EXPECT_TRUE(std::all_of(cleared.begin() + kClearBytes, cleared.end(), [](std::uint8_t x) { return x == kGarbage; }))
+        << what << ": the call wrote past the clear range";
+    EXPECT_TRUE(compare(what, logits, expected, kLogitsTolerance));
+  }
 }
 
 // A block-table entry outside the pool below the length (which the host cannot check: the table lives
@@ -132,7 +147,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{40, 1, 64, long_lengths(20, 2000, 77)},
                                            LogitsCase{64, 4, 128, {3, 500, 130}},
                                            // one long request over every CTA of the grid
-                                           LogitsCase{32, 1, 64, {70001}}),
+                                           LogitsCase{32, 1, 64, {70001}},
+                                           // on sm_90, spans of 24 turns and more claim their last quarter
+                                           // (the shorter requests end inside their static spans)
+                                           LogitsCase{8, 1, 64, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{8, 2, 64, long_lengths(16, 75000, 1601)}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"

@@ -72,7 +72,13 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
     if (!started.selection) continue;
     const Selection& sel = started.selection;
     BenchRow& row = started.row;
-    auto call = [&](int i) { sel.kernel->launch(params_for(i % sets.sets), {stream}); };
+    const Plan plan = started.backend->plan(params_for(0), device);
+    DeviceMemory workspace(plan.workspace_bytes);  // the backend's scratch (the GPU's claim counters)
+    auto call = [&](int i) {
+      OpArgs args = params_for(i % sets.sets);
+      attach_plan(args, plan, workspace);
+      sel.kernel->launch(args, {stream});
+    };
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     const int checked = std::min(opt.check_requests, opt.batch);

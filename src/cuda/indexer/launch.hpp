@@ -14,7 +14,10 @@ namespace latentkv::cuda {
 inline constexpr int kMaxIndexerBatch = 65535;
 
 // logits [B, q_len, max_len]: for visible t, sum_h w_h relu(q_h . k_t) kscale_t; -inf elsewhere.
-// Arguments must be validated; lengths and block tables are read on the device.
+// Arguments must be validated; lengths and block tables are read on the device. The plan's
+// workspace (one claim counter per request) is optional: the launch throws Error when a workspace
+// is given but smaller.
+Plan plan_indexer_logits(const IndexerLogitsParams& p);
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 
 // Whether indexer_logits runs its warpgroup (wgmma) kernel for caches of `page_size` tokens per

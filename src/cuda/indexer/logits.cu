@@ -69,6 +69,8 @@ struct LogitsArgs {
   float* logits;                     // [B, q_len, max_len]
   uint4* clear;                      // [clear_pieces] set to zero on the way (another op's scratch)
   std::int64_t clear_pieces;
+  unsigned* claimed;                 // wgmma: [B] turns claimed past the static spans (zero on entry), or null
+  int claim_from;                    // wgmma: the first claimed turn (past every CTA's span; turns when none)
   std::int64_t num_pages;
   int page_size;
   int page_shift;                    // log2(page_size) when a power of two, else -1
@@ -77,6 +79,7 @@ struct LogitsArgs {
   int heads;
   int max_len;
   int span;                          // one CTA's positions: 16-token tiles (mma.sync) or 64-token turns (wgmma)
+  int ctas;                          // CTAs per request (gridDim.x)
 };
 
 // The request's length, clamped to [0, capacity of its block-table row].
@@ -252,12 +255,16 @@ __device__ __forceinline__ void stage_weights(const LogitsArgs& a, int b, int pa
   }
 }
 
-// -inf at positions [from, to) of every query row of request b (past the length), by the whole CTA.
-__device__ __forceinline__ void write_unseen(const LogitsArgs& a, int b, int from, int to) {
+// -inf at positions [from, to) of every query row of request b (past the length), by the whole CTA;
+// with `share` of `shares`, only its share of them (every CTA of the request writing one).
+__device__ __forceinline__ void write_unseen(const LogitsArgs& a, int b, int from, int to, int share = 0,
+                                             int shares = 1) {
   to = min(to, a.max_len);
   for (int i = 0; i < a.q_len; ++i) {
     float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
-    for (int pos = from + static_cast<int>(threadIdx.x); pos < to; pos += kThreads) out[pos] = -INFINITY;
+    for (int pos = from + share * kThreads + static_cast<int>(threadIdx.x); pos < to; pos += shares * kThreads) {
+      out[pos] = -INFINITY;
+    }
   }
 }
 
@@ -452,10 +459,15 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // before read; its block-table entry was looked up a turn earlier. The 4 warps compute each turn
 // together (tile_logits). (Per-stage "empty" mbarriers in place of that CTA barrier, one arrival
 // per thread, measured slower: B 16 x 128K 83.9 us against 80.9.)
+// With claims (a.claimed), a CTA's static span is only part of its share: once it is done, the
+// copier claims turns past every static span ([claim_from, the length)) one at a time from the
+// request's counter, two turns before it sends them (and looks up their page one turn before), so
+// that CTAs on SMs that stream faster take more turns and all finish together. Each stage carries
+// its turn (turn_s); -1 ends the CTA's walk.
 template <int kPass>
 __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a) {
   // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
-  // its barriers and its stages' presence flags.
+  // its barriers, its stages' presence flags and turns.
   extern __shared__ __align__(16) std::uint8_t smem[];
   std::uint8_t* q_s = smem + ((1024u - (smem_addr(smem) & 1023u)) & 1023u);
   const int padded = padded_heads(a.heads, kPass);
@@ -463,6 +475,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   std::uint8_t* ring = reinterpret_cast<std::uint8_t*>(w_s + a.q_len * padded);  // 16-byte aligned: padded % 8 == 0
   auto* full = reinterpret_cast<std::uint64_t*>(ring + kStages * kStageBytes);
   auto* present = reinterpret_cast<int*>(full + kStages);
+  int* turn_s = present + kStages;
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const bool copier = threadIdx.x == 0;
@@ -471,7 +484,8 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
   const int first = blockIdx.x * a.span;
   const int end = min(turns, first + a.span);
-  const int live_end = min(end, (len + kTurnTokens - 1) / kTurnTokens);  // turns holding positions below the length
+  const int live = (len + kTurnTokens - 1) / kTurnTokens;  // turns holding positions below the length
+  const int live_end = min(end, live);                     // this CTA's static turns: [first, live_end)
   // The copier's block-table entries of the first kStages + 1 turns (the last: the first refill's).
   std::int32_t pages[kStages + 1];
   if (copier) {
@@ -498,11 +512,47 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     const int j = e * kThreads + static_cast<int>(threadIdx.x), i = j / padded, h = j - i * padded;
     weight[e] = j < weight_count && h < a.heads ? a.weights[(static_cast<std::int64_t>(b) * a.q_len + i) * a.heads + h] : 0.0f;
   }
-  if (copier) {
+  // The copier's walk: its static turns, then (claims) turns claimed past every static span, then -1
+  // for good. The host gives claims only to spans of at least kStages + 3 turns, so that the turns
+  // the prologue takes (sent, looked up, claimed ahead) are all static ones.
+  int next_static = first;
+  const bool claims = a.claimed != nullptr && live > a.claim_from;  // only CTAs with a whole live span get there
+  bool exhausted = false;
+  const auto next_turn = [&]() -> int {
+    if (next_static < live_end) return next_static++;
+    if (claims && !exhausted) {
+      const int t = a.claim_from + static_cast<int>(atomicAdd(&a.claimed[b], 1u));
+      if (t < live) return t;
+    }
+    exhausted = true;
+    return -1;
+  };
+  // Stage `stage` gets turn `turn` (page `page`), or with -1 the end of the walk.
+  const auto fill = [&](int stage, int turn, std::int32_t page) {
+    turn_s[stage] = turn;
+    if (turn >= 0) {
+      send_turn(a, len, turn, page, ring + stage * kStageBytes, &full[stage], &present[stage]);
+    } else {
+      bulk::arrive(&full[stage]);
+    }
+  };
+  // The walk's three turns after those in the ring: the next to send (its page known), the next
+  // whose page is looked up, the next claimed.
+  int send_next = -1, look_next = -1, claim_next = -1;
+  std::int32_t send_page = -1;
+  bool ended = false;  // the copier has filled a stage with -1
+  if (copier && first < live_end) {
 #pragma unroll
     for (int k = 0; k < kStages; ++k) {
-      if (first + k < live_end) send_turn(a, len, first + k, pages[k], ring + k * kStageBytes, &full[k], &present[k]);
+      if (ended) break;
+      const int turn = next_turn();
+      fill(k, turn, pages[k]);
+      ended = turn < 0;
     }
+    send_next = next_turn();
+    send_page = send_next >= 0 ? pages[kStages] : -1;
+    look_next = next_turn();
+    claim_next = next_turn();
   }
   clear_scratch(a);
   const int chunks = a.q_len * padded * (kDim / 16);
@@ -517,24 +567,29 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     if (j < weight_count) w_s[j] = weight[e];
   }
   wgmma::fence_shared_for_async();
-  __syncthreads();  // the queries, weights, barriers and first presence flags published
+  __syncthreads();  // the queries, weights, barriers and first stages' turns and presence flags published
 
   const Lane l{b, len, g, tig, padded, nullptr, 0, w_s, wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes)};
-  std::int32_t next_page = pages[kStages];  // the copier's entry of the next turn to send
   int stage = 0;
   std::uint32_t phase = 0;  // of the stage's current use
-  for (int turn = first; turn < live_end; ++turn) {
-    if (turn > first) {
+  for (int k = 0; first < live_end; ++k) {
+    if (k > 0) {
       __syncthreads();  // every warp is done with the stage the turn before read
-      // Turn turn + kStages - 1 into that stage.
-      if (copier && turn + kStages - 1 < live_end) {
+      // The walk's turn k + kStages - 1 into that stage.
+      if (copier && !ended) {
         const int refill = stage == 0 ? kStages - 1 : stage - 1;
         wgmma::fence_shared_for_async();  // the stage's reads before the copy engine's writes
-        send_turn(a, len, turn + kStages - 1, next_page, ring + refill * kStageBytes, &full[refill], &present[refill]);
-        if (turn + kStages < live_end) next_page = turn_page(a, b, turn + kStages);
+        fill(refill, send_next, send_page);
+        ended = send_next < 0;
+        send_next = look_next;
+        send_page = look_next >= 0 ? turn_page(a, b, look_next) : -1;
+        look_next = claim_next;
+        claim_next = next_turn();
       }
     }
     bulk::wait(&full[stage], phase);
+    const int turn = turn_s[stage];
+    if (turn < 0) break;
     Tile t;
     tile_from_stage(ring + stage * kStageBytes, present[stage] != 0, warp, g, tig, t);
     tile_logits<kPass>(a, t, kTurnTokens * turn + 16 * warp, l);
@@ -545,6 +600,8 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   }
   allow_next_kernel();
   write_unseen(a, b, kTurnTokens * max(live_end, first), kTurnTokens * end);
+  // The claimable turns past the length: every CTA of the request writes its share.
+  write_unseen(a, b, kTurnTokens * max(live, a.claim_from), kTurnTokens * turns, blockIdx.x, a.ctas);
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
@@ -581,10 +638,18 @@ void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
                  stream, false, a);
 }
 
+// Claims (logits_wgmma_kernel) from spans of this many turns: each CTA streams 3/4 of its span, then
+// claims; shorter spans keep their static spans, since the counters' memset and the claims cost more
+// than the balance wins there. H200, glm5 Hi 32, with claims from 8 turns and without: B 16 x 128K
+// (spans of 42 turns) 79.7 / 79.7 us against 82.1 / 80.7; B 64 x 8K (11) 27.9 / 28.0 against 27.0 / 27.0.
+constexpr int kClaimFromSpan = 24;
+static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
+
 template <int kPass>
-void launch_wgmma(LogitsArgs a, int batch, cudaStream_t stream) {
+void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, cudaStream_t stream) {
   const auto kernel = logits_wgmma_kernel<kPass>;
-  constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4);  // alignment slack, the ring, its barriers and flags
+  // Alignment slack, the ring, its barriers, presence flags and turns.
+  constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
   static_assert(padded_heads(kMaxIndexerHeads, kPass) == kMaxIndexerHeads);
   constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * kBytesPerHead + kFixed;  // 90.8 KB
@@ -592,20 +657,31 @@ void launch_wgmma(LogitsArgs a, int batch, cudaStream_t stream) {
   if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
   const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
   const int ctas = spread(kernel, a, batch, turns, turns, smem);
+  a.ctas = ctas;
+  a.claimed = nullptr;
+  a.claim_from = turns;
+  if (claimed != nullptr && ctas > 1 && a.span >= kClaimFromSpan) {
+    a.span = a.span * 3 / 4;
+    a.claim_from = ctas * a.span;
+    a.claimed = claimed;
+    LKV_CUDA_CHECK("indexer_logits",
+                   cudaMemsetAsync(claimed, 0, static_cast<std::size_t>(batch) * sizeof(unsigned), stream));
+  }
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
                  stream, false, a);
 }
 
-// The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one.
-void launch_for_device(const LogitsArgs& a, int batch, cudaStream_t stream) {
+// The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one; `claimed` (a counter
+// per request, or null) lets the wgmma kernel balance long spans.
+void launch_for_device(const LogitsArgs& a, int batch, unsigned* claimed, cudaStream_t stream) {
   if (!indexer_uses_wgmma(a.page_size)) {
     if (a.page_size % 4 == 0) return launch_mma<true>(a, batch, stream);  // 132 x page_size bytes: keys 16-byte aligned
     return launch_mma<false>(a, batch, stream);
   }
   switch (wgmma_pass_heads(a.heads)) {
-    case 8: return launch_wgmma<8>(a, batch, stream);
-    case 16: return launch_wgmma<16>(a, batch, stream);
-    default: return launch_wgmma<32>(a, batch, stream);
+    case 8: return launch_wgmma<8>(a, batch, claimed, stream);
+    case 16: return launch_wgmma<16>(a, batch, claimed, stream);
+    default: return launch_wgmma<32>(a, batch, claimed, stream);
   }
 }
 
@@ -622,6 +698,13 @@ std::string indexer_logits_kernel_name(int page_size) {
   }
   return page_size > 0 && indexer_uses_wgmma(page_size) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
                                                         : "indexer_logits<f16 mma m16n8k16>";
+}
+
+Plan plan_indexer_logits(const IndexerLogitsParams& p) {
+  Plan plan;
+  const auto counters = static_cast<std::size_t>(std::max<std::int64_t>(p.q.size(0), 0));  // one per request
+  plan.workspace_bytes = (counters * sizeof(unsigned) + 15) / 16 * 16;
+  return plan;
 }
 
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
@@ -654,7 +737,17 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   check_aligned("indexer_logits", "q", a.q, 16);
   // Keys read as (or copied in) 16-byte pieces, or 4-byte words on pages of a size not a multiple of 4.
   check_aligned("indexer_logits", "cache", a.cache, a.page_size % 4 == 0 ? 16 : 4);
-  launch_for_device(a, batch, stream);
+  unsigned* claimed = nullptr;
+  if (p.workspace != nullptr) {
+    const std::size_t need = plan_indexer_logits(p).workspace_bytes;
+    if (p.workspace_bytes < need) {
+      throw Error("indexer_logits", "workspace_bytes", std::to_string(p.workspace_bytes),
+                  ">= " + std::to_string(need) + " (Backend::plan for these shapes), or no workspace");
+    }
+    check_aligned("indexer_logits", "workspace", p.workspace, 4);
+    claimed = static_cast<unsigned*>(p.workspace);
+  }
+  launch_for_device(a, batch, claimed, stream);
 }
 
 }  // namespace latentkv::cuda
