@@ -22,7 +22,11 @@ class Hold {
   }
   Hold(const Hold&) = delete;
   Hold& operator=(const Hold&) = delete;
-  ~Hold() { cudaFreeHost(const_cast<int*>(flags_)); }
+  ~Hold() {  // a hold left by an exception is released and drained before its flags are freed
+    release();
+    cudaDeviceSynchronize();
+    cudaFreeHost(const_cast<int*>(flags_));
+  }
 
   void hold(cudaStream_t stream) {  // the stream must be idle
     flags_[0] = 0;
