@@ -84,7 +84,8 @@ struct IndexerLogitsParams {
   // Optional device scratch from Backend::plan(), any content on entry. With it, the GPU kernel on
   // sm_90 balances long spans over its CTAs: each CTA streams a fixed share of its request's
   // positions, then claims the rest a 64-token turn at a time from a per-request counter here, so that
-  // CTAs on faster SMs take more. Without it every CTA streams a fixed span.
+  // CTAs on faster SMs take more. Without it every CTA streams a fixed span. Calls that may run at
+  // the same time (on different streams) need their own workspaces.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };

@@ -16,8 +16,10 @@ class Hold {
     void* host = nullptr;
     void* device = nullptr;
     cuda_ok(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc");
+    const cudaError_t mapped = cudaHostGetDevicePointer(&device, host, 0);
+    if (mapped != cudaSuccess) cudaFreeHost(host);
+    cuda_ok(mapped, "cudaHostGetDevicePointer");
     flags_ = static_cast<volatile int*>(host);
-    cuda_ok(cudaHostGetDevicePointer(&device, host, 0), "cudaHostGetDevicePointer");
     device_ = static_cast<int*>(device);
   }
   Hold(const Hold&) = delete;
@@ -53,14 +55,16 @@ constexpr int kQueuedBatch = 64;
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream, Launch launch) {
   for (int i = 0; i < warmup; ++i) call(i);
   cuda_ok(cudaStreamSynchronize(stream), "warm-up");
-  std::vector<cudaEvent_t> events(static_cast<std::size_t>(2 * iters));
-  for (auto& e : events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(2 * iters), nullptr);
   struct Destroy {
     std::vector<cudaEvent_t>& events;
     ~Destroy() {
-      for (cudaEvent_t e : events) cudaEventDestroy(e);
+      for (cudaEvent_t e : events) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
     }
   } destroy{events};
+  for (auto& e : events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
   std::unique_ptr<Hold> hold;
   if (launch == Launch::kQueued) hold = std::make_unique<Hold>();
   bool queued = launch == Launch::kQueued;

@@ -462,8 +462,10 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // With claims (a.claimed), a CTA's static span is only part of its share: once it is done, the
 // copier claims turns past every static span ([claim_from, the length)) one at a time from the
 // request's counter, two turns before it sends them (and looks up their page one turn before), so
-// that CTAs on SMs that stream faster take more turns and all finish together. Each stage carries
-// its turn (turn_s); -1 ends the CTA's walk.
+// that CTAs on SMs that stream faster take more turns. Each stage carries its turn (turn_s); -1 ends
+// the CTA's walk. (The claim is compared with the length as soon as it returns, so the copier, a
+// thread of warp 0, waits for its round trip there; comparing it only when the turn is sent would
+// hide that wait too.)
 template <int kPass>
 __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a) {
   // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
