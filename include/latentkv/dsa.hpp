@@ -32,6 +32,10 @@ struct DsaDecodeParams {
   int max_len = 0;         // logits columns, >= every L_b; 0 = the block table's capacity
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
+  // True when the workspace was zeroed once after it was allocated and has been used since only by
+  // dsa_decode calls with the same plan: every call leaves the indexer's counters in it at zero, so
+  // the indexer step takes them cleared (IndexerLogitsParams::workspace_cleared). False: any content.
+  bool workspace_cleared = false;
 };
 
 // The backend of each step, normally from the resolved configuration (indexer, topk, sparse_decode;

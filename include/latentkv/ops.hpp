@@ -81,13 +81,18 @@ struct IndexerLogitsParams {
   // TopkParams::workspace_cleared). 16-byte aligned, a multiple of 16 bytes; none by default.
   void* clear = nullptr;
   std::size_t clear_bytes = 0;
-  // Optional device scratch from Backend::plan(), any content on entry. With it, the GPU kernel on
-  // sm_90 balances long spans over its CTAs: each CTA streams a fixed share of its request's
-  // positions, then claims the rest a 64-token turn at a time from a per-request counter here, so that
-  // CTAs on faster SMs take more. Without it every CTA streams a fixed span. Calls that may run at
-  // the same time (on different streams) need their own workspaces.
+  // Optional device scratch from Backend::plan(). With it, the GPU kernel on sm_90 balances long
+  // spans over its CTAs: each CTA streams a fixed share of its request's positions, then claims the
+  // rest a 64-token turn at a time from a per-request counter here, so that CTAs on faster SMs take
+  // more. Without it every CTA streams a fixed span. Calls that may run at the same time (on
+  // different streams) need their own workspaces.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // True when the first plan().cleared_bytes of the workspace are zero on entry. Every GPU call
+  // leaves its counters at zero, so a workspace zeroed once when it was allocated, and used since by
+  // these calls only, stays so. The call then skips the memset that otherwise zeroes the counters
+  // before the kernel (and breaks the chained launch after the op before it). False: any content.
+  bool workspace_cleared = false;
 };
 
 // Top-k per query row over its visible logits, returned as physical slots.

@@ -136,6 +136,7 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   DsaSteps s = steps_at(p, l, base);
   s.indexer.workspace = plan.indexer.workspace_bytes ? base + l.indexer : nullptr;
   s.indexer.workspace_bytes = plan.indexer.workspace_bytes;
+  s.indexer.workspace_cleared = p.workspace_cleared && plan.indexer.cleared_bytes > 0;
   s.topk.workspace = plan.topk.workspace_bytes ? base + l.topk : nullptr;
   s.topk.workspace_bytes = plan.topk.workspace_bytes;
   if (plan.topk_cleared_by_indexer) {

@@ -10,9 +10,11 @@
 //      reference top-k of the downloaded logits);
 //  (c) o and lse match the reference sparse decode over the GPU's selected slots.
 // Also: with topk >= every length, o and lse equal dense decode; and one call captured in a CUDA
-// graph and replayed as the lengths on the device grow.
+// graph and replayed as the lengths on the device grow; and long requests (the indexer claims turns)
+// on a workspace taken cleared, call after call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <ostream>
 #include <sstream>
@@ -104,11 +106,25 @@ class DeviceDsa {
     lens_.upload(lengths.data(), lengths.size() * sizeof(std::int32_t));
   }
 
-  // Sentinels in o, lse and the workspace's logits and slots; garbage in the rest of the workspace.
+  // The workspace zeroed, as when it was allocated, and taken cleared from now on
+  // (DsaDecodeParams::workspace_cleared).
+  void clear_workspace() {
+    check_cuda(cudaMemset(workspace_.get(), 0, workspace_.bytes()));
+    params_.workspace_cleared = true;
+    steps_ = dsa_steps(params_, plan_);
+  }
+  std::vector<std::uint8_t> workspace_bytes(const void* from, std::size_t bytes) const {
+    std::vector<std::uint8_t> host(bytes);
+    check_cuda(cudaMemcpy(host.data(), from, bytes, cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+  // Sentinels in o, lse and the workspace's logits and slots; garbage in the rest of the workspace,
+  // unless it is taken cleared.
   void fill_sentinels() {
     o_.upload(o_host_.raw(), o_host_.bytes());
     lse_.upload(lse_host_.raw(), lse_host_.bytes());
-    check_cuda(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
+    if (!params_.workspace_cleared) check_cuda(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
     const HostTensor logits = sentinel_tensor(DType::kF32, shape_of(steps_.indexer.logits));
     const HostTensor slots = sentinel_tensor(DType::kI32, shape_of(steps_.topk.slots));
     check_cuda(cudaMemcpy(steps_.indexer.logits.data, logits.raw(), logits.bytes(), cudaMemcpyHostToDevice));
@@ -204,6 +220,32 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   d.run();
   check_cuda(cudaDeviceSynchronize());
   check_stages(f, in, d.download(), c.topk);
+}
+
+// Requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the
+// counters in the workspace. Zeroed once and taken cleared, the workspace serves call after call: the
+// second counts on the first to leave the counters zero, and it must too.
+TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  std::vector<std::int64_t> lengths;
+  for (int b = 0; b < 16; ++b) lengths.push_back(70000 + 2001 * b);
+  PagedFixture f = make_fixture(64, lengths, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 8);
+  DeviceDsa d(f, in, kMaxTopk, 0);
+  d.clear_workspace();
+  ASSERT_TRUE(d.steps().indexer.workspace_cleared);
+  for (int call = 1; call <= 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call) + " on the cleared workspace");
+    d.fill_sentinels();
+    d.run();
+    check_cuda(cudaDeviceSynchronize());
+    check_stages(f, in, d.download(), kMaxTopk);
+    const std::vector<std::uint8_t> counters =
+        d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
+        << "the indexer's counters were left nonzero";
+  }
 }
 
 std::vector<DsaCase> dsa_cases() {

@@ -2,9 +2,11 @@
 // not cached, sentinel-filled logits (every column up to max_len must be written: -inf past the
 // visible positions), causal rows for q_len > 1. Every call also clears a garbage-filled range for
 // the next op (IndexerLogitsParams::clear, larger than one pass of the grid), and must leave the
-// guard after it alone. Calls run with the plan's workspace, garbage-filled (so that on sm_90 long
-// spans claim turns: the B 16 cases of 70K tokens and more), twice in a row on the same workspace,
-// and once without a workspace (every CTA its static span); all three must match.
+// guard after it alone. Calls run with the plan's workspace (on sm_90 long spans claim turns from its
+// counters: the B 16 cases of 70K tokens and more), once garbage-filled, then three times in a row on
+// one zeroed once and taken cleared (IndexerLogitsParams::workspace_cleared: each call counts on the
+// one before to leave the counters zero, and the last must too), and once without a workspace
+// (every CTA its static span); all must match.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,11 +36,24 @@ struct LogitsCase {
 // of a few float32 ulps of the sum of |terms|; -inf positions must match exactly.
 const Tolerance kLogitsTolerance{1e-4, 1e-5, 1e-9};
 
+enum class Workspace {
+  kGarbage,  // the plan's, garbage-filled: one call
+  kCleared,  // the plan's, zeroed once and taken cleared: three calls in a row, then it must be zero
+  kNone,     // none: one call
+};
+std::string to_string(Workspace w) {
+  switch (w) {
+    case Workspace::kGarbage: return "garbage-filled workspace";
+    case Workspace::kCleared: return "3 calls on one cleared workspace";
+    case Workspace::kNone: break;
+  }
+  return "no workspace";
+}
+
 // The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache into `logits`
-// (sentinel-filled before the call); `clear` / `clear_bytes` are passed through. `calls` calls in a
-// row with the plan's workspace (filled with garbage before the first), or one without any (0).
+// (sentinel-filled before the calls); `clear` / `clear_bytes` are passed through.
 void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, HostTensor& logits,
-                void* clear = nullptr, std::size_t clear_bytes = 0, int calls = 1) {
+                void* clear = nullptr, std::size_t clear_bytes = 0, Workspace workspace = Workspace::kGarbage) {
   logits = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
   DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
   DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
@@ -53,15 +68,23 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
   p.clear_bytes = clear_bytes;
   const Backend& cuda = *find_backend("cuda");
   DeviceBuffer d_workspace;
-  if (calls > 0) {
-    const Plan plan = cuda.plan(p, detect_device());
-    d_workspace = DeviceBuffer(std::vector<std::uint8_t>(plan.workspace_bytes, 0xA5));
+  const Plan plan = cuda.plan(p, detect_device());
+  if (workspace != Workspace::kNone) {
+    const bool cleared = workspace == Workspace::kCleared;
+    if (cleared) EXPECT_EQ(plan.cleared_bytes, plan.workspace_bytes) << "the GPU indexer takes its counters cleared";
+    d_workspace = DeviceBuffer(std::vector<std::uint8_t>(plan.workspace_bytes, cleared ? 0x00 : 0xA5));
     p.workspace = d_workspace.get();
     p.workspace_bytes = plan.workspace_bytes;
+    p.workspace_cleared = cleared;
   }
-  for (int i = 0; i < std::max(calls, 1); ++i) run(cuda, p);
+  for (int i = 0; i < (workspace == Workspace::kCleared ? 3 : 1); ++i) run(cuda, p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
   d_logits.download(logits.raw(), logits.bytes());
+  if (workspace == Workspace::kCleared) {
+    const std::vector<std::uint8_t> left = d_workspace.to_host<std::uint8_t>();
+    EXPECT_TRUE(std::all_of(left.begin(), left.end(), [](std::uint8_t x) { return x == 0; }))
+        << "the calls left the workspace's counters nonzero";
+  }
 }
 
 class GpuIndexerLogits : public ::testing::TestWithParam<LogitsCase> {};
@@ -83,12 +106,11 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   constexpr std::size_t kClearBytes = 16 * 100003, kGuardBytes = 4096;
   constexpr std::uint8_t kGarbage = 0xA5;
   const std::vector<std::uint8_t> garbage(kClearBytes + kGuardBytes, kGarbage);
-  for (const int calls : {1, 2, 0}) {
+  for (const Workspace workspace : {Workspace::kGarbage, Workspace::kCleared, Workspace::kNone}) {
     DeviceBuffer d_clear(garbage);
     HostTensor logits;
-    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes, calls));
-    const std::string what = calls > 0 ? "logits, " + std::to_string(calls) + " call(s) on one workspace"
-                                       : "logits, no workspace";
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes, workspace));
+    const std::string what = "logits, " + to_string(workspace);
     const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
     EXPECT_TRUE(std::all_of(cleared.begin(), cleared.begin() + kClearBytes, [](std::uint8_t x) { return x == 0; }))
         << what << ": the clear range is not all zero";

@@ -74,7 +74,7 @@ inline Launch launch_of(const BenchOptions& opt) { return opt.launch == "paced" 
 // batch were queued (the hold timed out: those calls were paced by the host).
 inline void take_timing(BenchRow& row, const Timing& t, const BenchReport& report, const BenchOptions& opt) {
   set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps);
-  if (launch_of(opt) == Launch::kQueued && !t.queued) row.status += " (partly paced by the host: the hold timed out)";
+  row.status += pacing_note(t, launch_of(opt));
 }
 
 // Ends a row and adds it to the report: with a failed check (`failure` not empty) it says so and is

@@ -241,10 +241,13 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     row.kernel = "indexer + topk + " + sel.kernel->name;
     row.num_splits = plan.sparse.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
+    // Zeroed once, as an engine would at allocation: every call leaves the indexer's counters zero.
+    if (workspace.bytes() > 0) cuda_ok(cudaMemset(workspace.get(), 0, workspace.bytes()), "workspace");
     auto with_workspace = [&](int set) {
       DsaDecodeParams p = params_for(set % sets.sets);
       p.workspace = workspace.get();
       p.workspace_bytes = workspace.bytes();
+      p.workspace_cleared = true;
       return p;
     };
     auto call = [&](int i) { dsa_decode(backends, with_workspace(i), plan, {stream}, device); };

@@ -90,7 +90,7 @@ MatrixRate measure_fp8_matrix_rate(int n, cudaStream_t stream) {
   MatrixRate rate;
   rate.tflops = 2.0 * n * static_cast<double>(n) * n / (t.median_us * 1e6);
   rate.how = "cuBLASLt fp8 e4m3 GEMM " + std::to_string(n) + "^3, fp32 accumulate, bf16 out, median of " +
-             std::to_string(kIters);
+             std::to_string(kIters) + pacing_note(t);
   return rate;
 }
 
@@ -113,7 +113,8 @@ MatrixRate measure_bf16_matrix_rate(int n, cudaStream_t stream) {
   const Timing t = time_calls(gemm, kWarmup, kIters, stream);
   MatrixRate rate;
   rate.tflops = 2.0 * n * static_cast<double>(n) * n / (t.median_us * 1e6);
-  rate.how = "cuBLAS bf16 GEMM " + std::to_string(n) + "^3, fp32 accumulate, median of " + std::to_string(kIters);
+  rate.how = "cuBLAS bf16 GEMM " + std::to_string(n) + "^3, fp32 accumulate, median of " + std::to_string(kIters) +
+             pacing_note(t);
   return rate;
 }
 

@@ -31,6 +31,12 @@ struct Timing {
 //   kPaced: the host launches each call as it goes, the GPU idle whenever the host is behind.
 enum class Launch { kQueued, kPaced };
 
+// What a status says of a queued timing whose hold timed out (some calls ran as the host launched
+// them); empty when every call was queued, or when `launch` was kPaced.
+inline std::string pacing_note(const Timing& t, Launch launch = Launch::kQueued) {
+  return launch == Launch::kQueued && !t.queued ? " (partly paced by the host: the hold timed out)" : "";
+}
+
 // Times `call(i)` for i = 0 .. iters-1 after `warmup` untimed calls, each call between two events.
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream,
                   Launch launch = Launch::kQueued);

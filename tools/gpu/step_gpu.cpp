@@ -204,6 +204,8 @@ class StrategyOps {
   // Binds every layer's ops to its caches and the buffers, with a workspace of workspace_bytes().
   void bind(const StepBuffers& buffers, const std::vector<std::unique_ptr<DevicePool>>& pools) {
     workspace_ = DeviceMemory(workspace_bytes_);
+    // Zeroed once, as an engine would at allocation: every call leaves the indexer's counters zero.
+    if (workspace_.bytes() > 0) cuda_ok(cudaMemset(workspace_.get(), 0, workspace_.bytes()), "workspace");
     for (int l = 0; l < s_.layers; ++l) {
       const DevicePool& pool = *pools[static_cast<std::size_t>(l)];
       AppendParams a;
@@ -278,6 +280,7 @@ class StrategyOps {
     p.topk = s_.topk;
     p.workspace = workspace;
     p.workspace_bytes = workspace_bytes;
+    p.workspace_cleared = true;  // zeroed in bind()
     return p;
   }
   MlaDecodeParams dense_args(const StepBuffers& b, int l, const LatentCache& cache) const {
@@ -544,6 +547,8 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
   result.step_us = whole.median_us;
   result.step_p10_us = whole.p10_us;
   result.step_p90_us = whole.p90_us;
+  std::string paced;  // which timings' holds timed out
+  if (!whole.queued) paced = "the step";
   for (std::size_t i = 0; i < result.ops.size(); ++i) {
     setup.progress.update(what + "timing each op alone", static_cast<int>(i + 1), static_cast<int>(result.ops.size()));
     const StepOp op = result.ops[i].op;
@@ -555,8 +560,10 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
     result.ops[i].us = t.median_us;
     result.ops[i].p10_us = t.p10_us;
     result.ops[i].p90_us = t.p90_us;
+    if (!t.queued) paced += (paced.empty() ? "" : ", ") + std::string(step_op_name(op));
   }
   result.status += "; " + std::to_string(ops.num_splits()) + " decode splits";
+  if (!paced.empty()) result.status += "; partly paced by the host (the hold timed out): " + paced;
 }
 
 std::string gigabytes(double bytes) {

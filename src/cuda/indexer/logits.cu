@@ -69,7 +69,7 @@ struct LogitsArgs {
   float* logits;                     // [B, q_len, max_len]
   uint4* clear;                      // [clear_pieces] set to zero on the way (another op's scratch)
   std::int64_t clear_pieces;
-  unsigned* claimed;                 // wgmma: [B] turns claimed past the static spans (zero on entry), or null
+  unsigned* claimed;                 // wgmma: [B] turns claimed past the static spans (zero on entry and exit), or null
   int claim_from;                    // wgmma: the first claimed turn (past every CTA's span; turns when none)
   std::int64_t num_pages;
   int page_size;
@@ -79,7 +79,6 @@ struct LogitsArgs {
   int heads;
   int max_len;
   int span;                          // one CTA's positions: 16-token tiles (mma.sync) or 64-token turns (wgmma)
-  int ctas;                          // CTAs per request (gridDim.x)
 };
 
 // The request's length, clamped to [0, capacity of its block-table row].
@@ -460,12 +459,13 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // together (tile_logits). (Per-stage "empty" mbarriers in place of that CTA barrier, one arrival
 // per thread, measured slower: B 16 x 128K 83.9 us against 80.9.)
 // With claims (a.claimed), a CTA's static span is only part of its share: once it is done, the
-// copier claims turns past every static span ([claim_from, the length)) one at a time from the
-// request's counter, two turns before it sends them (and looks up their page one turn before), so
-// that CTAs on SMs that stream faster take more turns. Each stage carries its turn (turn_s); -1 ends
-// the CTA's walk. (The claim is compared with the length as soon as it returns, so the copier, a
-// thread of warp 0, waits for its round trip there; comparing it only when the turn is sent would
-// hide that wait too.)
+// copier claims turns past every static span ([claim_from, min(the length, max_len))) one at a time
+// from the request's counter, three turns before it sends them, so that CTAs on SMs that stream
+// faster take more turns. A claim's answer is first read a turn after the claim (checked), so the
+// copier, a thread of warp 0, never waits for the atomic's round trip. Each stage carries its turn
+// (turn_s); -1 ends the CTA's walk. Every CTA of the request ends its claims with exactly one claim
+// past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
+// so that every call leaves the counters as it needs them.
 template <int kPass>
 __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a) {
   // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
@@ -518,15 +518,24 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   // for good. The host gives claims only to spans of at least kStages + 3 turns, so that the turns
   // the prologue takes (sent, looked up, claimed ahead) are all static ones.
   int next_static = first;
-  const bool claims = a.claimed != nullptr && live > a.claim_from;  // only CTAs with a whole live span get there
+  const int claim_end = min(live, turns);  // past it, turns hold no position below the length or no column
+  // With claims every CTA's static span is live (claim_from is past them all), so all of them claim.
+  const bool claims = a.claimed != nullptr && claim_end > a.claim_from;
   bool exhausted = false;
+  // The walk's next turn, unchecked: a claim's answer is only read by `checked`, a turn later.
   const auto next_turn = [&]() -> int {
     if (next_static < live_end) return next_static++;
-    if (claims && !exhausted) {
-      const int t = a.claim_from + static_cast<int>(atomicAdd(&a.claimed[b], 1u));
-      if (t < live) return t;
-    }
+    if (claims && !exhausted) return a.claim_from + static_cast<int>(atomicAdd(&a.claimed[b], 1u));
     exhausted = true;
+    return -1;
+  };
+  // A turn from next_turn, or -1 once the claims are past the claimable turns. The request's CTAs
+  // make gridDim.x claims past them in all, one each: the last (claim_end + gridDim.x - 1) is the
+  // counter's last change in this call, and its CTA sets the counter back to zero.
+  const auto checked = [&](int turn) -> int {
+    if (turn < claim_end) return turn;  // static turns and -1 too
+    exhausted = true;
+    if (turn == claim_end + static_cast<int>(gridDim.x) - 1) a.claimed[b] = 0u;
     return -1;
   };
   // Stage `stage` gets turn `turn` (page `page`), or with -1 the end of the walk.
@@ -539,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     }
   };
   // The walk's three turns after those in the ring: the next to send (its page known), the next
-  // whose page is looked up, the next claimed.
+  // whose page is looked up, and the next claimed (unchecked).
   int send_next = -1, look_next = -1, claim_next = -1;
   std::int32_t send_page = -1;
   bool ended = false;  // the copier has filled a stage with -1
@@ -547,13 +556,13 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
 #pragma unroll
     for (int k = 0; k < kStages; ++k) {
       if (ended) break;
-      const int turn = next_turn();
+      const int turn = checked(next_turn());
       fill(k, turn, pages[k]);
       ended = turn < 0;
     }
-    send_next = next_turn();
+    send_next = checked(next_turn());
     send_page = send_next >= 0 ? pages[kStages] : -1;
-    look_next = next_turn();
+    look_next = checked(next_turn());
     claim_next = next_turn();
   }
   clear_scratch(a);
@@ -585,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
         ended = send_next < 0;
         send_next = look_next;
         send_page = look_next >= 0 ? turn_page(a, b, look_next) : -1;
-        look_next = claim_next;
+        look_next = checked(claim_next);  // the claim made a turn ago has long come back
         claim_next = next_turn();
       }
     }
@@ -603,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   allow_next_kernel();
   write_unseen(a, b, kTurnTokens * max(live_end, first), kTurnTokens * end);
   // The claimable turns past the length: every CTA of the request writes its share.
-  write_unseen(a, b, kTurnTokens * max(live, a.claim_from), kTurnTokens * turns, blockIdx.x, a.ctas);
+  write_unseen(a, b, kTurnTokens * max(live, a.claim_from), kTurnTokens * turns, blockIdx.x, gridDim.x);
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
@@ -647,8 +656,10 @@ void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
 constexpr int kClaimFromSpan = 24;
 static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
 
+// `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a memset zeroes
+// them first (the kernel leaves them zero either way).
 template <int kPass>
-void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, cudaStream_t stream) {
+void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, bool cleared, cudaStream_t stream) {
   const auto kernel = logits_wgmma_kernel<kPass>;
   // Alignment slack, the ring, its barriers, presence flags and turns.
   constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
@@ -659,31 +670,32 @@ void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, cudaStream_t strea
   if (smem > 48 * 1024) allow_dynamic_smem(kernel, kMaxSmem, "indexer_logits");
   const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
   const int ctas = spread(kernel, a, batch, turns, turns, smem);
-  a.ctas = ctas;
   a.claimed = nullptr;
   a.claim_from = turns;
   if (claimed != nullptr && ctas > 1 && a.span >= kClaimFromSpan) {
     a.span = a.span * 3 / 4;
     a.claim_from = ctas * a.span;
     a.claimed = claimed;
-    LKV_CUDA_CHECK("indexer_logits",
-                   cudaMemsetAsync(claimed, 0, static_cast<std::size_t>(batch) * sizeof(unsigned), stream));
+    if (!cleared) {
+      LKV_CUDA_CHECK("indexer_logits",
+                     cudaMemsetAsync(claimed, 0, static_cast<std::size_t>(batch) * sizeof(unsigned), stream));
+    }
   }
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
                  stream, false, a);
 }
 
 // The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one; `claimed` (a counter
-// per request, or null) lets the wgmma kernel balance long spans.
-void launch_for_device(const LogitsArgs& a, int batch, unsigned* claimed, cudaStream_t stream) {
+// per request, or null; zero on entry when `cleared`) lets the wgmma kernel balance long spans.
+void launch_for_device(const LogitsArgs& a, int batch, unsigned* claimed, bool cleared, cudaStream_t stream) {
   if (!indexer_uses_wgmma(a.page_size)) {
     if (a.page_size % 4 == 0) return launch_mma<true>(a, batch, stream);  // 132 x page_size bytes: keys 16-byte aligned
     return launch_mma<false>(a, batch, stream);
   }
   switch (wgmma_pass_heads(a.heads)) {
-    case 8: return launch_wgmma<8>(a, batch, claimed, stream);
-    case 16: return launch_wgmma<16>(a, batch, claimed, stream);
-    default: return launch_wgmma<32>(a, batch, claimed, stream);
+    case 8: return launch_wgmma<8>(a, batch, claimed, cleared, stream);
+    case 16: return launch_wgmma<16>(a, batch, claimed, cleared, stream);
+    default: return launch_wgmma<32>(a, batch, claimed, cleared, stream);
   }
 }
 
@@ -706,6 +718,7 @@ Plan plan_indexer_logits(const IndexerLogitsParams& p) {
   Plan plan;
   const auto counters = static_cast<std::size_t>(std::max<std::int64_t>(p.q.size(0), 0));  // one per request
   plan.workspace_bytes = (counters * sizeof(unsigned) + 15) / 16 * 16;
+  plan.cleared_bytes = plan.workspace_bytes;  // see IndexerLogitsParams::workspace_cleared
   return plan;
 }
 
@@ -749,7 +762,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     check_aligned("indexer_logits", "workspace", p.workspace, 4);
     claimed = static_cast<unsigned*>(p.workspace);
   }
-  launch_for_device(a, batch, claimed, stream);
+  launch_for_device(a, batch, claimed, p.workspace_cleared, stream);
 }
 
 }  // namespace latentkv::cuda
