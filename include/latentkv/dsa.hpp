@@ -33,8 +33,9 @@ struct DsaDecodeParams {
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
   // True when the workspace was zeroed once after it was allocated and has been used since only by
-  // dsa_decode calls with the same plan: every call leaves the indexer's counters in it at zero, so
-  // the indexer step takes them cleared (IndexerLogitsParams::workspace_cleared). False: any content.
+  // dsa_decode calls of the same shapes (and plan): the indexer's counters in it then stay zero
+  // from call to call, and the indexer step takes them cleared (IndexerLogitsParams::
+  // workspace_cleared). False: any content.
   bool workspace_cleared = false;
 };
 

@@ -88,10 +88,12 @@ struct IndexerLogitsParams {
   // different streams) need their own workspaces.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
-  // True when the first plan().cleared_bytes of the workspace are zero on entry. Every GPU call
-  // leaves its counters at zero, so a workspace zeroed once when it was allocated, and used since by
-  // these calls only, stays so. The call then skips the memset that otherwise zeroes the counters
-  // before the kernel (and breaks the chained launch after the op before it). False: any content.
+  // True when the first plan().cleared_bytes of the workspace are zero on entry. A GPU call that
+  // claims sets the counters back to zero at its end, and one that does not leaves them alone, so a
+  // workspace zeroed once when it was allocated, and used since by these calls only, stays zero.
+  // The call then skips the memset that otherwise zeroes the counters before a kernel that claims
+  // (and breaks the chained launch after the op before it). False: any content. (Counters that are
+  // not zero when this says they are give wrong logits, never reads or writes outside the tensors.)
   bool workspace_cleared = false;
 };
 

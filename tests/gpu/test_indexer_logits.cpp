@@ -5,8 +5,8 @@
 // guard after it alone. Calls run with the plan's workspace (on sm_90 long spans claim turns from its
 // counters: the B 16 cases of 70K tokens and more), once garbage-filled, then three times in a row on
 // one zeroed once and taken cleared (IndexerLogitsParams::workspace_cleared: each call counts on the
-// one before to leave the counters zero, and the last must too), and once without a workspace
-// (every CTA its static span); all must match.
+// one before to leave the counters zero, and the last must too; each writes its own logits, and all
+// are checked), and once without a workspace (every CTA its static span); all must match.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -50,20 +50,25 @@ std::string to_string(Workspace w) {
   return "no workspace";
 }
 
-// The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache into `logits`
-// (sentinel-filled before the calls); `clear` / `clear_bytes` are passed through.
-void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, HostTensor& logits,
+// The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache, one tensor per call
+// in `logits`: each call writes its own sentinel-filled buffer, and the calls run back to back on
+// one stream, so that a call that counts on the one before (its counters) is checked on its own
+// output. `clear` / `clear_bytes` are passed through.
+void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, std::vector<HostTensor>& logits,
                 void* clear = nullptr, std::size_t clear_bytes = 0, Workspace workspace = Workspace::kGarbage) {
-  logits = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
+  const int calls = workspace == Workspace::kCleared ? 3 : 1;
+  const HostTensor sentinel = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
   DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
-  DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes()), d_logits(logits.raw(), logits.bytes());
+  DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes());
+  std::vector<DeviceBuffer> d_logits;
+  for (int i = 0; i < calls; ++i) d_logits.emplace_back(sentinel.raw(), sentinel.bytes());
   IndexerLogitsParams p;
   p.q = q.view_of(d_q.get(), Device::cuda());
   p.weights = w.view_of(d_w.get(), Device::cuda());
   p.cache = f.indexer(d_cache.get<std::uint8_t>(), Device::cuda());
   p.block_table = f.block_table_view(d_table.get<std::int32_t>(), Device::cuda());
   p.seq_lens = f.seq_lens_view(d_lens.get<std::int32_t>(), Device::cuda());
-  p.logits = logits.view_of(d_logits.get(), Device::cuda());
+  p.logits = sentinel.view_of(d_logits[0].get(), Device::cuda());
   p.clear = clear;
   p.clear_bytes = clear_bytes;
   const Backend& cuda = *find_backend("cuda");
@@ -77,9 +82,16 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
     p.workspace_bytes = plan.workspace_bytes;
     p.workspace_cleared = cleared;
   }
-  for (int i = 0; i < (workspace == Workspace::kCleared ? 3 : 1); ++i) run(cuda, p);
+  for (int i = 0; i < calls; ++i) {
+    p.logits = sentinel.view_of(d_logits[static_cast<std::size_t>(i)].get(), Device::cuda());
+    run(cuda, p);
+  }
   LKV_CUDA_OK(cudaDeviceSynchronize());
-  d_logits.download(logits.raw(), logits.bytes());
+  logits.assign(static_cast<std::size_t>(calls), sentinel);
+  for (int i = 0; i < calls; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    d_logits[k].download(logits[k].raw(), logits[k].bytes());
+  }
   if (workspace == Workspace::kCleared) {
     const std::vector<std::uint8_t> left = d_workspace.to_host<std::uint8_t>();
     EXPECT_TRUE(std::all_of(left.begin(), left.end(), [](std::uint8_t x) { return x == 0; }))
@@ -108,7 +120,7 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   const std::vector<std::uint8_t> garbage(kClearBytes + kGuardBytes, kGarbage);
   for (const Workspace workspace : {Workspace::kGarbage, Workspace::kCleared, Workspace::kNone}) {
     DeviceBuffer d_clear(garbage);
-    HostTensor logits;
+    std::vector<HostTensor> logits;
     ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, d_clear.get(), kClearBytes, workspace));
     const std::string what = "logits, " + to_string(workspace);
     const std::vector<std::uint8_t> cleared = d_clear.to_host<std::uint8_t>();
@@ -116,7 +128,9 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
         << what << ": the clear range is not all zero";
     EXPECT_TRUE(std::all_of(cleared.begin() + kClearBytes, cleared.end(), [](std::uint8_t x) { return x == kGarbage; }))
         << what << ": the call wrote past the clear range";
-    EXPECT_TRUE(compare(what, logits, expected, kLogitsTolerance));
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      EXPECT_TRUE(compare(what + ", call " + std::to_string(i + 1), logits[i], expected, kLogitsTolerance));
+    }
   }
 }
 
@@ -143,9 +157,9 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
       std::fill(want + page * page_size, want + (page + 1) * page_size, -std::numeric_limits<float>::infinity());
     }
 
-    HostTensor logits;
+    std::vector<HostTensor> logits;
     ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits));
-    EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits, expected, kLogitsTolerance));
+    EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits.at(0), expected, kLogitsTolerance));
   }
 }
 

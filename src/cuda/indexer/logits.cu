@@ -462,7 +462,8 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // copier claims turns past every static span ([claim_from, min(the length, max_len))) one at a time
 // from the request's counter, three turns before it sends them, so that CTAs on SMs that stream
 // faster take more turns. A claim's answer is first read a turn after the claim (checked), so the
-// copier, a thread of warp 0, never waits for the atomic's round trip. Each stage carries its turn
+// copier, a thread of warp 0, does not wait for the atomic's round trip (unless it takes longer
+// than a turn's compute). Each stage carries its turn
 // (turn_s); -1 ends the CTA's walk. Every CTA of the request ends its claims with exactly one claim
 // past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
 // so that every call leaves the counters as it needs them.
@@ -522,10 +523,14 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   // With claims every CTA's static span is live (claim_from is past them all), so all of them claim.
   const bool claims = a.claimed != nullptr && claim_end > a.claim_from;
   bool exhausted = false;
-  // The walk's next turn, unchecked: a claim's answer is only read by `checked`, a turn later.
+  // The claims a request's CTAs make in all: one per claimable turn, then one each past them.
+  const unsigned claims_made = claims ? static_cast<unsigned>(claim_end - a.claim_from) + gridDim.x : 0u;
+  // The walk's next turn, unchecked: a claim's answer is only read by `checked`, a turn later. A
+  // counter that was not zero on entry (a workspace said to be cleared that was not) can only end
+  // the claims early (wrong logits), never give a turn outside [claim_from, claim_end].
   const auto next_turn = [&]() -> int {
     if (next_static < live_end) return next_static++;
-    if (claims && !exhausted) return a.claim_from + static_cast<int>(atomicAdd(&a.claimed[b], 1u));
+    if (claims && !exhausted) return a.claim_from + static_cast<int>(min(atomicAdd(&a.claimed[b], 1u), claims_made));
     exhausted = true;
     return -1;
   };
@@ -535,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   const auto checked = [&](int turn) -> int {
     if (turn < claim_end) return turn;  // static turns and -1 too
     exhausted = true;
-    if (turn == claim_end + static_cast<int>(gridDim.x) - 1) a.claimed[b] = 0u;
+    if (turn == a.claim_from + static_cast<int>(claims_made) - 1) atomicExch(&a.claimed[b], 0u);
     return -1;
   };
   // Stage `stage` gets turn `turn` (page `page`), or with -1 the end of the walk.
@@ -663,9 +668,10 @@ void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
 }
 
 // Claims (logits_wgmma_kernel) from spans of this many turns: each CTA streams 3/4 of its span, then
-// claims; shorter spans keep their static spans, since the counters' memset and the claims cost more
-// than the balance wins there. H200, glm5 Hi 32, with claims from 8 turns and without: B 16 x 128K
-// (spans of 42 turns) 79.7 / 79.7 us against 82.1 / 80.7; B 64 x 8K (11) 27.9 / 28.0 against 27.0 / 27.0.
+// claims; shorter spans keep their static spans, since the claims win nothing there. H200, glm5
+// Hi 32, claims from 8 turns against 24, the counters taken cleared (no memset): B 16 x 128K (spans
+// of 42 turns) 77.8 / 77.6 us; dsa_decode's indexer at B 64 x 8K (11) 26.4 / 26.3. (With the memset,
+// which also breaks the chained launch: B 64 x 8K 27.9 / 28.0 against 27.0 / 27.0 without claims.)
 constexpr int kClaimFromSpan = 24;
 static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
 
