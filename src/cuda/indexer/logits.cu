@@ -675,8 +675,9 @@ void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
 constexpr int kClaimFromSpan = 24;
 static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
 
-// `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a memset zeroes
-// them first (the kernel leaves them zero either way).
+// `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a launch that
+// claims zeroes them first with a memset (a kernel that claims leaves them zero, one that does not
+// leaves them alone).
 template <int kPass>
 void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, bool cleared, cudaStream_t stream) {
   const auto kernel = logits_wgmma_kernel<kPass>;
