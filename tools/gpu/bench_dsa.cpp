@@ -240,9 +240,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     }
     row.kernel = "indexer + topk + " + sel.kernel->name;
     row.num_splits = plan.sparse.num_splits;
-    DeviceMemory workspace(plan.workspace_bytes);
-    // Zeroed once, as an engine would at allocation: every call leaves the indexer's counters zero.
-    if (workspace.bytes() > 0) cuda_ok(cudaMemset(workspace.get(), 0, workspace.bytes()), "workspace");
+    const DeviceMemory workspace = DeviceMemory::zeroed(plan.workspace_bytes);
     auto with_workspace = [&](int set) {
       DsaDecodeParams p = params_for(set % sets.sets);
       p.workspace = workspace.get();

@@ -73,9 +73,8 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
     const Selection& sel = started.selection;
     BenchRow& row = started.row;
     const Plan plan = started.backend->plan(params_for(0), device);
-    DeviceMemory workspace(plan.workspace_bytes);  // the backend's scratch (the GPU's claim counters)
-    // Zeroed once, as an engine would at allocation: every call leaves the counters zero again.
-    if (plan.cleared_bytes > 0) cuda_ok(cudaMemset(workspace.get(), 0, plan.cleared_bytes), "workspace");
+    // The backend's scratch (the GPU's claim counters).
+    const DeviceMemory workspace = DeviceMemory::zeroed(plan.workspace_bytes);
     auto call = [&](int i) {
       IndexerLogitsParams p = params_for(i % sets.sets);
       p.workspace_cleared = plan.cleared_bytes > 0;

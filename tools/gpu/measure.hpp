@@ -73,6 +73,13 @@ class DeviceMemory {
   ~DeviceMemory() {
     if (ptr_) cudaFree(ptr_);
   }
+  // An allocation of `bytes` set to zero, as an engine zeroes a workspace once when it allocates
+  // it (the GPU indexer's claim counters then stay zero from call to call: workspace_cleared).
+  static DeviceMemory zeroed(std::size_t bytes) {
+    DeviceMemory m(bytes);
+    if (bytes) cuda_ok(cudaMemset(m.ptr_, 0, bytes), "cudaMemset of a zeroed allocation");
+    return m;
+  }
   template <typename T = void>
   T* get() const { return static_cast<T*>(ptr_); }
   std::size_t bytes() const { return bytes_; }

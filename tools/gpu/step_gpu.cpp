@@ -203,9 +203,7 @@ class StrategyOps {
 
   // Binds every layer's ops to its caches and the buffers, with a workspace of workspace_bytes().
   void bind(const StepBuffers& buffers, const std::vector<std::unique_ptr<DevicePool>>& pools) {
-    workspace_ = DeviceMemory(workspace_bytes_);
-    // Zeroed once, as an engine would at allocation: every call leaves the indexer's counters zero.
-    if (workspace_.bytes() > 0) cuda_ok(cudaMemset(workspace_.get(), 0, workspace_.bytes()), "workspace");
+    workspace_ = DeviceMemory::zeroed(workspace_bytes_);
     for (int l = 0; l < s_.layers; ++l) {
       const DevicePool& pool = *pools[static_cast<std::size_t>(l)];
       AppendParams a;
