@@ -28,7 +28,7 @@ std::string repro_line(const BenchOptions& o) {
   if (o.op.ends_with("prefill")) os << " --new-tokens " << o.new_tokens;
   else os << " --q-len " << o.q_len;
   os
-     << " --page-size " << o.page_size
+     << " --page-size " << o.page_size << (o.splits > 0 ? " --splits " + std::to_string(o.splits) : "")
      << (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill" ? " --topk " + std::to_string(o.topk) : "")
      << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends)
      << " --iters " << o.iters << " --warmup " << o.warmup << " --launch " << o.launch << " --seed " << o.seed;
@@ -131,6 +131,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")->check(CLI::PositiveNumber);
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
   cmd->add_option("--topk", opt->topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")->check(CLI::Range(1, 2048));
+  cmd->add_option("--splits", opt->splits,
+                  "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
+      ->check(CLI::Range(1, 1024));
   cmd->add_option("--kv-dtype", opt->kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
   cmd->add_option("--backends", opt->backends, "Backends to time, comma separated")->delimiter(',');
   cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(CLI::NonNegativeNumber);
@@ -143,6 +146,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
   cmd->callback([opt] {
+    if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
+      throw Error("bench", "--splits", std::to_string(opt->splits), "only with --op mla_decode or sparse_mla_decode");
+    }
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)
                                : opt->op == "dsa_prefill"     ? run_dsa_prefill_bench(*opt)

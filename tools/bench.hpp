@@ -19,6 +19,7 @@ struct BenchOptions {
   int new_tokens = 4096;  // prefill: the newest tokens of each request that are queries
   int topk = 2048;  // index row width of sparse_mla_decode, k of topk and dsa_decode
   int page_size = 64;
+  int splits = 0;   // split-KV count asked of the backends' plans (decode ops); 0: their own choice
   std::string kv_dtype = "fp8_e4m3";
   std::vector<std::string> backends = {"cuda", "gather_cast", "cast_full"};
   int warmup = 5;

@@ -46,7 +46,9 @@ struct MlaDecodeParams {
   TensorView lse;               // [B, q_len, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
   // Split-KV schedule and scratch, from Backend::plan() before the step (decode never allocates).
-  int num_splits = 0;           // KV chunks per request; 0 = the backend's default for these shapes
+  // KV chunks per request. Set before plan() to ask for a count (1 to 1024), which the plan keeps;
+  // 0 lets the backend choose for these shapes. The call runs the plan's count.
+  int num_splits = 0;
   void* workspace = nullptr;    // device scratch of at least workspace_bytes
   std::size_t workspace_bytes = 0;
 };

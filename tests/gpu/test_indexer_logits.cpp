@@ -163,6 +163,40 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   }
 }
 
+// A claiming batch (on sm_90 with the H200's SMs: 16 requests of up to 100K tokens, spans of 24 turns
+// and more) that mixes in what the claims must get right: requests of 0, 1 and 3 tokens, ones that
+// end inside their static spans, ones that end inside the claimed turns, three longer than max_len
+// (the device cannot be told: only max_len columns exist, and the claims stop there), and a page
+// outside the pool inside the claimed turns of request 0 (its positions get -inf). On a garbage-
+// filled workspace, then three calls on a cleared one.
+TEST(GpuIndexerLogitsClaims, MixedBatchMatchesReference) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {100000, 0, 1, 99999, 76001, 50000, 100000, 88000, 64, 97999, 95000, 3, 99000, 77000, 30000, 81000};
+  PagedFixture f = make_paged_fixture(opt, rng);
+  const std::int64_t batch = f.batch(), max_len = 98000;
+  HostTensor q = random_fp8(rng, {batch, 1, 8, 128});
+  HostTensor w = random_f32(rng, {batch, 1, 8}, -1.0, 1.0);
+  // The reference over the first max_len positions (q_len 1: the same columns as the longer lengths).
+  const std::vector<std::int32_t> lengths = f.seq_lens;
+  for (std::int32_t& l : f.seq_lens) l = std::min<std::int32_t>(l, static_cast<std::int32_t>(max_len));
+  HostTensor expected = reference_indexer_logits(f, q, w, max_len);
+  f.seq_lens = lengths;
+  constexpr int kBadPage = 1450;  // positions 92800 .. 92863 of request 0, past 3/4 of its turns
+  f.block_table[kBadPage] = static_cast<std::int32_t>(f.num_pages());
+  std::fill(expected.data<float>() + kBadPage * f.page_size, expected.data<float>() + (kBadPage + 1) * f.page_size,
+            -std::numeric_limits<float>::infinity());
+  for (const Workspace workspace : {Workspace::kGarbage, Workspace::kCleared}) {
+    std::vector<HostTensor> logits;
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, workspace));
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      EXPECT_TRUE(compare("logits, " + to_string(workspace) + ", call " + std::to_string(i + 1), logits[i], expected,
+                          kLogitsTolerance));
+    }
+  }
+}
+
 // Many long requests: each warp streams more tiles than its ring holds (the steady state of the
 // pipeline, not only its first tiles); with page size 17, the 4-byte copies of unaligned pages.
 std::vector<std::int64_t> long_lengths(int count, std::int64_t first, std::int64_t step) {

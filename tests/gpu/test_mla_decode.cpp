@@ -66,17 +66,15 @@ struct DeviceDecode {
     params.softmax_scale = scale;
   }
 
-  // The backend's schedule; a forced split count gets room for its partial results too.
-  void plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0) {
-    Plan plan = backend.plan(params, device);
+  // The backend's schedule (for a forced split count when one is given) and its workspace.
+  Plan plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0) {
+    params.num_splits = forced_splits;
+    const Plan plan = backend.plan(params, device);
     params.num_splits = plan.num_splits;
-    if (forced_splits > 0) {
-      params.num_splits = forced_splits;
-      plan.workspace_bytes += sizeof(float) * static_cast<std::size_t>(forced_splits) * o_host.numel() / 512 * 513;
-    }
     workspace = DeviceBuffer(plan.workspace_bytes);
     params.workspace = workspace.get();
     params.workspace_bytes = workspace.bytes();
+    return plan;
   }
 
   void download() {

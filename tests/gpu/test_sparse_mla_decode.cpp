@@ -26,11 +26,12 @@ struct SparseCase {
   int page_size;
   std::vector<std::int64_t> lengths;
   std::string backend = "cuda";  // or a cast baseline: cast_full, gather_cast
+  int splits = 0;                // 0: the backend's plan
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
-            << "_B" << c.lengths.size();
+            << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string());
 }
 
 // Index rows [B, q_len, cols]: each query token's visible slots shuffled, at most cols of them, one
@@ -85,6 +86,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   p.softmax_scale = scale;
   const Backend& backend = *find_backend(c.backend);
   const DeviceInfo device = detect_device();
+  p.num_splits = c.splits;
   const Plan plan = backend.plan(p, device);
   DeviceBuffer workspace(plan.workspace_bytes);
   p.num_splits = plan.num_splits;
@@ -108,6 +110,9 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 32, 2, 100, 64, {2, 257}},
       {fp8, 128, 1, 256, 64, {500, 20}},
       {fp8, 8, 1, 2048, 64, {5000, 2100}},
+      // Forced split counts (merged in the kernel); the 40-token rows are mostly -1.
+      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4},
+      {fp8, 8, 2, 2048, 17, {3000, 900}, "cuda", 3},
       {bf16, 8, 1, 128, 64, {0, 77, 400}},
       {bf16, 64, 2, 64, 3, {2, 100}},
       // The baselines: the same attention after casting the pool, or the selected slots, to bf16.

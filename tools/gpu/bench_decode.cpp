@@ -135,6 +135,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       p.o = ov;
       p.lse = lv;
       p.softmax_scale = scale;
+      p.num_splits = opt.splits;  // asked of the plan (0: its own choice)
       return p;
     }
     MlaDecodeParams p;
@@ -147,6 +148,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     p.o = ov;
     p.lse = lv;
     p.softmax_scale = scale;
+    p.num_splits = opt.splits;
     return p;
   };
 

@@ -457,10 +457,21 @@ int blocks_per_sm(bool fp8, int rows, int batch) {
 namespace mla {
 namespace {
 
+// The workspace of a call: the splits' partial rows and their lse (none without splits).
+std::size_t partial_bytes(int batch, int rows, int num_splits) {
+  if (num_splits < 2) return 0;
+  return sizeof(float) * static_cast<std::size_t>(num_splits) * batch * rows * (kDimV + 1);
+}
+
 // The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
-// rows each: as many splits as fill the SMs in one wave (never a partial second wave), each split at
-// least min_tokens_per_split tokens.
-Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split) {
+// rows each: `requested` splits when the caller asks for a count, else as many as fill the SMs in
+// one wave (never a partial second wave), each split at least min_tokens_per_split tokens.
+Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split,
+                 int requested, const char* op) {
+  if (requested < 0 || requested > kMaxSplits) {
+    throw Error(op, "num_splits", std::to_string(requested),
+                "0 (the backend's choice) or a count from 1 to " + std::to_string(kMaxSplits));
+  }
   const DecodeKernel kernel = kernel_for(fp8, rows);
   const int per_cta = rows_per_cta(kernel, rows);
   const int row_blocks = (rows + per_cta - 1) / per_cta;
@@ -471,10 +482,9 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
   const std::int64_t useful = std::max<std::int64_t>(1, tokens / min_tokens_per_split);
   Plan plan;
-  plan.num_splits = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
-  if (plan.num_splits > 1) {
-    plan.workspace_bytes = sizeof(float) * static_cast<std::size_t>(plan.num_splits) * batch * rows * (kDimV + 1);
-  }
+  plan.num_splits = requested > 0 ? requested
+                                  : static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
+  plan.workspace_bytes = partial_bytes(batch, rows, plan.num_splits);
   return plan;
 }
 
@@ -482,9 +492,12 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::size_t workspace_bytes, const char* op,
                 cudaStream_t stream) {
   a.num_splits = num_splits;
-  if (a.num_splits < 1) throw Error(op, "num_splits", std::to_string(num_splits), ">= 1, from the backend's plan()");
+  if (a.num_splits < 1 || a.num_splits > kMaxSplits) {
+    throw Error(op, "num_splits", std::to_string(num_splits),
+                "1 to " + std::to_string(kMaxSplits) + ", from the backend's plan()");
+  }
   if (a.num_splits > 1) {
-    const std::size_t need = sizeof(float) * static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * (kDimV + 1);
+    const std::size_t need = partial_bytes(a.batch, a.rows, a.num_splits);
     if (workspace == nullptr || workspace_bytes < need) {
       throw Error(op, "workspace_bytes", std::to_string(workspace_bytes),
                   ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
@@ -523,7 +536,8 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
 Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   return mla::plan_splits(static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1) * p.q.size(2)), capacity,
-                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit);
+                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit, p.num_splits,
+                          "mla_decode");
 }
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
@@ -551,7 +565,7 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors) {
   return mla::plan_splits(static_cast<int>(p.q.size(0) * p.q.size(1)), static_cast<int>(p.q.size(2)),
                           p.indices.size(2), p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors,
-                          mla::kMinTokensPerSparseSplit);
+                          mla::kMinTokensPerSparseSplit, p.num_splits, "sparse_mla_decode");
 }
 
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream) {
