@@ -64,7 +64,7 @@ struct MlaPrefillParams {
   TensorView lse;               // [T, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
   // Schedule and scratch from Backend::plan() (the GPU keeps each new token's view of its request's
-  // pages there); the reference needs none.
+  // pages there); the reference needs none. num_splits as in MlaDecodeParams.
   int num_splits = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;

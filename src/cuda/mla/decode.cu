@@ -439,9 +439,9 @@ int rows_per_cta(DecodeKernel kernel, int rows) {
   return groups_for(rows) * kRowsPerGroup;
 }
 
-// CTAs one SM holds at once for the kernel these shapes run.
-int blocks_per_sm(bool fp8, int rows, int batch) {
-  switch (kernel_for(fp8, rows)) {
+// CTAs one SM holds at once of `kernel` (kernel_for these shapes).
+int blocks_per_sm(DecodeKernel kernel, bool fp8, int rows, int batch) {
+  switch (kernel) {
     case DecodeKernel::kNarrow: return narrow_blocks_per_sm(rows, batch);
     case DecodeKernel::kWgmma: return wgmma_blocks_per_sm();
     case DecodeKernel::kWide: break;
@@ -478,7 +478,7 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   // A split holds whole tiles: fewer tokens than one tile would leave the last splits empty.
   min_tokens_per_split = std::max(min_tokens_per_split, tile_tokens(kernel));
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
-  const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(fp8, rows, batch)) * multiprocessors;
+  const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(kernel, fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
   const std::int64_t useful = std::max<std::int64_t>(1, tokens / min_tokens_per_split);
   Plan plan;

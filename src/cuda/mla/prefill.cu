@@ -79,7 +79,8 @@ SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
 }
 
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
-  const PerToken r = per_token(p, nullptr);
+  PerToken r = per_token(p, nullptr);
+  r.decode.num_splits = p.num_splits;  // a count asked for is kept, as in decode
   Plan plan = plan_mla_decode(r.decode, multiprocessors);
   plan.workspace_bytes += r.table_bytes;
   return plan;
