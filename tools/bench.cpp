@@ -147,7 +147,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
   cmd->callback([opt] {
     if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
-      throw Error("bench", "--splits", std::to_string(opt->splits), "only with --op mla_decode or sparse_mla_decode");
+      throw Error("bench", "--op", opt->op, "mla_decode or sparse_mla_decode with --splits");
     }
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)

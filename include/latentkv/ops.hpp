@@ -47,7 +47,8 @@ struct MlaDecodeParams {
   float softmax_scale = 0.0f;
   // Split-KV schedule and scratch, from Backend::plan() before the step (decode never allocates).
   // KV chunks per request. Set before plan() to ask for a count (1 to 1024), which the plan keeps;
-  // 0 lets the backend choose for these shapes. The call runs the plan's count.
+  // 0 lets the backend choose for these shapes. The call runs the plan's count. (Parameters that
+  // hold an earlier plan's count keep it when planned again: set 0 to have new shapes planned.)
   int num_splits = 0;
   void* workspace = nullptr;    // device scratch of at least workspace_bytes
   std::size_t workspace_bytes = 0;

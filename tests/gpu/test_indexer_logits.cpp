@@ -165,7 +165,7 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
 
 // A claiming batch (on sm_90 with the H200's SMs: 16 requests of up to 100K tokens, spans of 24 turns
 // and more) that mixes in what the claims must get right: requests of 0, 1 and 3 tokens, ones that
-// end inside their static spans, ones that end inside the claimed turns, three longer than max_len
+// end inside their static spans, ones that end inside the claimed turns, four longer than max_len
 // (the device cannot be told: only max_len columns exist, and the claims stop there), and a page
 // outside the pool inside the claimed turns of request 0 (its positions get -inf). On a garbage-
 // filled workspace, then three calls on a cleared one.

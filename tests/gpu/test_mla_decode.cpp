@@ -13,6 +13,7 @@
 #include "cpu/reference.hpp"
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/error.hpp"
 #include "support/compare.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
@@ -70,6 +71,7 @@ struct DeviceDecode {
   Plan plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0) {
     params.num_splits = forced_splits;
     const Plan plan = backend.plan(params, device);
+    if (forced_splits > 0) EXPECT_EQ(plan.num_splits, forced_splits) << "the plan keeps an asked count";
     params.num_splits = plan.num_splits;
     workspace = DeviceBuffer(plan.workspace_bytes);
     params.workspace = workspace.get();
@@ -219,6 +221,32 @@ TEST(GpuMlaDecodeExact, ConstantValuesGiveThatValue) {
   d.download();
   const HostTensor& o = d.o_host;
   for (std::int64_t i = 0; i < o.numel(); ++i) ASSERT_EQ(o.get(i), 0.75) << "element " << i;
+}
+
+// A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024
+// are refused, by plan() and by the call.
+TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {700, 1500};
+  opt.with_indexer = false;
+  PagedFixture f = make_paged_fixture(opt, rng);
+  HostTensor q = random_bf16(rng, {f.batch(), 1, 8, 576});
+  DeviceDecode d(f, q, 0.0625f);
+  const Backend& backend = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  const Plan plan = d.plan(backend, device, 3);
+  EXPECT_EQ(plan.num_splits, 3);
+  EXPECT_EQ(plan.workspace_bytes, sizeof(float) * 3 * static_cast<std::size_t>(f.batch()) * 8 * 513);
+  for (const int bad : {-1, 1025}) {
+    MlaDecodeParams p = d.params;
+    p.num_splits = bad;
+    EXPECT_THROW(backend.plan(p, device), Error) << bad << " splits asked of the plan";
+  }
+  MlaDecodeParams p = d.params;
+  p.num_splits = 1025;
+  EXPECT_THROW(run(backend, p, {}, device), Error) << "1025 splits at the call";
 }
 
 // One decode step captured once in a CUDA graph and replayed as the lengths grow: the kernels read

@@ -88,6 +88,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   const DeviceInfo device = detect_device();
   p.num_splits = c.splits;
   const Plan plan = backend.plan(p, device);
+  if (c.splits > 0) EXPECT_EQ(plan.num_splits, c.splits) << "the plan keeps an asked count";
   DeviceBuffer workspace(plan.workspace_bytes);
   p.num_splits = plan.num_splits;
   p.workspace = workspace.get();

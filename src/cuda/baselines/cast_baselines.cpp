@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <variant>
 
 #include "core/validate.hpp"
 #include "cuda/common/backend_support.hpp"
@@ -57,7 +58,8 @@ class CastBaseline : public Backend {
       return plan;
     }
     const SparseMlaDecodeParams sparse = sparse_of(args);
-    Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors);
+    const char* op = std::holds_alternative<SparseMlaPrefillParams>(args) ? "sparse_mla_prefill" : "sparse_mla_decode";
+    Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors, op);
     plan.workspace_bytes += copy_bytes(sparse);
     return plan;
   }

@@ -533,11 +533,10 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
 }  // namespace
 }  // namespace mla
 
-Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors) {
+Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* op) {
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   return mla::plan_splits(static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1) * p.q.size(2)), capacity,
-                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit, p.num_splits,
-                          "mla_decode");
+                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit, p.num_splits, op);
 }
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
@@ -562,10 +561,10 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
 
 // Sparse decode is the same kernels over each query token's own index row: the B x q_len query
 // tokens become independent "requests" of H rows whose tokens are their index_cols slots.
-Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors) {
+Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op) {
   return mla::plan_splits(static_cast<int>(p.q.size(0) * p.q.size(1)), static_cast<int>(p.q.size(2)),
                           p.indices.size(2), p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors,
-                          mla::kMinTokensPerSparseSplit, p.num_splits, "sparse_mla_decode");
+                          mla::kMinTokensPerSparseSplit, p.num_splits, op);
 }
 
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream) {

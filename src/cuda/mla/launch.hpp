@@ -13,16 +13,17 @@ namespace latentkv::cuda {
 // Query tokens per decode call (B, or B x q_len for sparse decode): one grid row (y or z) each.
 inline constexpr int kMaxDecodeBatch = 65535;
 
-// The split-KV schedule for these shapes on a device with `multiprocessors` SMs. Depends on the
-// batch, rows (q_len x heads) and block-table capacity only, never on the current lengths.
-Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors);
+// The split-KV schedule for these shapes on a device with `multiprocessors` SMs (or p.num_splits,
+// when it asks for a count). Depends on the batch, rows (q_len x heads) and block-table capacity
+// only, never on the current lengths. `op` names the calling op in errors.
+Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* op = "mla_decode");
 
 // Launches decode (and the split combine when p.num_splits > 1). Arguments must be validated;
 // p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes.
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
 
 // Sparse MLA decode: the same kernels, each query token attending to its own index row.
-Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors);
+Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op = "sparse_mla_decode");
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream);
 
 // Prefill / extend (prefill.cu): every new token a query row of its own on the decode kernels. Dense

@@ -81,7 +81,7 @@ SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
   PerToken r = per_token(p, nullptr);
   r.decode.num_splits = p.num_splits;  // a count asked for is kept, as in decode
-  Plan plan = plan_mla_decode(r.decode, multiprocessors);
+  Plan plan = plan_mla_decode(r.decode, multiprocessors, "mla_prefill");
   plan.workspace_bytes += r.table_bytes;
   return plan;
 }
@@ -121,7 +121,7 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
 }
 
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
-  return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors);
+  return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors, "sparse_mla_prefill");
 }
 
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
