@@ -81,27 +81,30 @@ __device__ __forceinline__ void fence_registers(float (&d)[kN]) {
 // Element types of the two instruction shapes: bf16 or f16 (both operands the same), f32 accumulate.
 enum class Type { kBf16, kF16 };
 
-// D (+)= A B for one m64n32k16 step, A and B from shared memory (both K-major, 128-byte swizzle);
+// D (+)= A B for one m64n64k16 step, A and B from shared memory (both K-major, 128-byte swizzle);
 // scale_d = 0 starts D from zero. D: warp w of the warpgroup holds rows 16w + lane/4 (+8), columns
 // 8i + 2 (lane % 4) (+1) in d[4i .. 4i + 3], as mma.m16n8 accumulators side by side.
 template <Type kType = Type::kBf16>
-__device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], std::uint64_t a_desc, std::uint64_t b_desc,
+__device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], std::uint64_t a_desc, std::uint64_t b_desc,
                                                  int scale_d) {
 #if LKV_WGMMA
-#define LKV_WGMMA_M64N32K16(TYPE)                                                                              \
+#define LKV_WGMMA_M64N64K16(TYPE)                                                                              \
   asm volatile(                                                                                               \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                           \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                           \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                          \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])   \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
       : "l"(a_desc), "l"(b_desc), "r"(scale_d))
   if constexpr (kType == Type::kBf16) {
-    LKV_WGMMA_M64N32K16("bf16");
+    LKV_WGMMA_M64N64K16("bf16");
   } else {
-    LKV_WGMMA_M64N32K16("f16");
+    LKV_WGMMA_M64N64K16("f16");
   }
-#undef LKV_WGMMA_M64N32K16
+#undef LKV_WGMMA_M64N64K16
 #else
   (void)d, (void)a_desc, (void)b_desc, (void)scale_d;
   __trap();
@@ -110,7 +113,7 @@ __device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], std::uint64_t a
 
 // D += A B for one m64n128k16 step: A (64 x 16) from registers in the mma.m16n8k16 fragment layout
 // (warp w of the warpgroup holds rows 16w .. 16w + 15), B from shared memory N-major (128-byte
-// swizzle, imm-trans-b = 1). D as in mma_m64n32k16_ss, 16 column groups of 8.
+// swizzle, imm-trans-b = 1). D as in mma_m64n64k16_ss, 16 column groups of 8.
 template <Type kType = Type::kBf16>
 __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc) {
 #if LKV_WGMMA
@@ -145,7 +148,7 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const std::uin
 
 // D (+)= A B for one m64nNk16 f16 step, N = 8, 16 or 32: A (64 x 16) from registers in the
 // mma.m16n8k16 fragment layout (warp w of the warpgroup holds rows 16w .. 16w + 15), B from shared
-// memory K-major (128-byte swizzle); scale_d = 0 starts D from zero. D as in mma_m64n32k16_ss, N / 8
+// memory K-major (128-byte swizzle); scale_d = 0 starts D from zero. D as in mma_m64n64k16_ss, N / 8
 // column groups of 8.
 template <int kN>
 __device__ __forceinline__ void mma_m64nNk16_rs_f16(float (&d)[kN / 2], const std::uint32_t (&a)[4], std::uint64_t b_desc,

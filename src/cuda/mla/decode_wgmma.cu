@@ -11,17 +11,21 @@
 //     and the four per-block scales are kept aside.
 //   * Queries: the latent part as f16, each row scaled by a power of two so that its largest value
 //     lies in [2^12, 2^13) (as in decode_narrow.cu), the rope part as bf16.
-//   * S = Q K^T: warpgroup g scores tokens [32g, 32g + 32) of the tile for all 64 rows (m64n32k16,
-//     Q and K from shared memory, f16 for the latent blocks, bf16 for the rope), one accumulator per
-//     128-dim fp8 block plus rope, each weighted by its token's block scale and the row's query
-//     scale: the scores stay within SPEC's lse bound, as in decode.cu.
-//   * Softmax: the warpgroups exchange row maxima and P (f32) through shared memory.
+//   * S = Q K^T: both warpgroups score all 64 tokens of the tile for all 64 rows (m64n64k16, Q and
+//     K from shared memory, f16 for the latent blocks, bf16 for the rope), warpgroup g over fp8 blocks
+//     2g and 2g + 1 and rope dims [32g, 32g + 32): one accumulator per block, weighted by its token's
+//     block scale and the row's query scale (the scores stay within SPEC's lse bound, as in
+//     decode.cu). The two partial sums meet in shared memory; both warpgroups then hold the same
+//     scores (a + b = b + a exactly) and run the same softmax, so P stays in registers, already in
+//     the A-fragment layout of the P V product.
 //   * O += P' V: warpgroup g owns output dims [256g, 256g + 256) = fp8 blocks 2g and 2g + 1. P' = P x
 //     the token's scale of that block / the block's unit (the largest scale seen so far, so P' <= 1)
-//     enters as A from registers in two f16 parts (hi + lo, as in decode.cu); V is the same K tile
-//     read N-major (m64n128k16). O is rescaled when a unit grows and multiplied by it at the end.
-// Shared memory: 211,728 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of
-// decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
+//     enters as A from registers in two f16 parts (hi + lo, as in decode.cu: one f16 P' breaks SPEC's
+//     per-element tolerance on the GPU tests); V is the same K tile read N-major (m64n128k16). O is
+//     rescaled when a unit grows and multiplied by it at the end.
+// Three CTA barriers per tile: the raw tile is complete, the K tile converted, the score partials
+// exchanged. Shared memory: 225,040 bytes (with the alignment slack), so sm_90 only; the 99 KB
+// kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -46,17 +50,14 @@ constexpr int kTokenBytes = 656;    // fp8 main-cache entry
 [[maybe_unused]] constexpr int kTokenChunks = kTokenBytes / 16;
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
 constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
-constexpr int kWgPStride = 72;      // floats per row of P: conflict-free float2 accesses per half-warp
 
 struct WgmmaSmem {
   static constexpr int kQ = 0;                                        // bf16 [9 blocks][64 rows][64], swizzled
   static constexpr int kK = kQ + kColumnBlocks * kBlockBytes;          // bf16 [9 blocks][64 tokens][64], swizzled
   static constexpr int kRaw = kK + kColumnBlocks * kBlockBytes;        // u8  [64 tokens][656], the next tile
-  static constexpr int kP = kRaw + kTile * kTokenBytes;                // f32 [64 rows][kWgPStride]
-  static constexpr int kScale = kP + 4 * kRows * kWgPStride;             // f32 [4 blocks][64 tokens]
-  static constexpr int kRedMax = kScale + 4 * kTile * 4;               // f32 [2 warpgroups][64 rows]
-  static constexpr int kRedSum = kRedMax + 4 * 2 * kRows;              // f32 [2][64]
-  static constexpr int kQScale = kRedSum + 4 * 2 * kRows;              // f32 [64 rows], 2^-e of the f16 queries
+  static constexpr int kPartial = kRaw + kTile * kTokenBytes;          // f32 [2 warpgroups][8][128 threads][4]: S partials
+  static constexpr int kScale = kPartial + 4 * 2 * kRows * kTile;      // f32 [4 blocks][64 tokens]
+  static constexpr int kQScale = kScale + 4 * 4 * kTile;               // f32 [64 rows], 2^-e of the f16 queries
   static constexpr int kSlots = kQScale + 4 * kRows;                   // i32 [2][64 tokens]
   static constexpr int kAllRead = kSlots + 4 * 2 * kTile;             // i32 [2 tiles][2 warps]: every slot >= 0
   static constexpr int kBytes = kAllRead + 4 * 2 * 2;
@@ -73,10 +74,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   unsigned char* q_s = smem + Smem::kQ;
   unsigned char* k_s = smem + Smem::kK;
   unsigned char* raw_s = smem + Smem::kRaw;
-  auto* p_s = reinterpret_cast<float*>(smem + Smem::kP);
+  auto* x_s = reinterpret_cast<float4*>(smem + Smem::kPartial);
   auto* scale_s = reinterpret_cast<float*>(smem + Smem::kScale);
-  auto* red_max = reinterpret_cast<float*>(smem + Smem::kRedMax);
-  auto* red_sum = reinterpret_cast<float*>(smem + Smem::kRedSum);
   auto* q_scale_s = reinterpret_cast<float*>(smem + Smem::kQScale);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
@@ -202,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   }
   const float q_scale[2] = {q_scale_s[r_of[0]], q_scale_s[r_of[1]]};
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
-  float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed at the end
+  float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed over the quad at the end
   float unit[2] = {0.0f, 0.0f};               // largest scale seen of blocks 2 wg, 2 wg + 1 (equal in the warpgroup)
   float o[2][64];
 #pragma unroll
@@ -211,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     for (int i = 0; i < 64; ++i) o[j][i] = 0.0f;
   }
   const std::uint64_t q_desc = wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes);
-  const std::uint64_t k_desc = wgmma::desc_sw128(k_s + wg * 32 * wgmma::kSwizzleRowBytes, 16, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t k_desc = wgmma::desc_sw128(k_s, 16, wgmma::kSwizzleAtomBytes);
   const std::uint64_t v_desc = wgmma::desc_sw128(k_s, kBlockBytes, wgmma::kSwizzleAtomBytes);
 
   if (num_tiles > 0) issue_raw(0);
@@ -235,54 +234,68 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     __syncthreads();  // (B) K tile and the next tile's slots ready; raw free
     if (tile + 1 < num_tiles) issue_raw(tile + 1);
 
-    // ---- S = Q K^T for this warpgroup's 32 tokens: one accumulator per fp8 block, then rope ----
-    float s[16];
+    // ---- this warpgroup's part of S for all 64 tokens: rope dims [32 wg, +32), then fp8 blocks 2 wg
+    // and 2 wg + 1, each weighted by its token's block scale and the row's query scale ----
+    float s[32];
     {
-      float acc[2][16];
-      auto issue_block = [&](int blk, float(&d)[16]) {  // blk 0-3: latent dims [128 blk, +128), f16; 4: rope, bf16
-        const int steps = blk < 4 ? 8 : 4;
+      float acc[32];
+      auto issue_block = [&](int blk) {  // latent dims [128 blk, +128), f16, into acc
 #pragma unroll
-        for (int kk = 0; kk < steps; ++kk) {
+        for (int kk = 0; kk < 8; ++kk) {
           const std::uint32_t off = (2 * blk + kk / 4) * kBlockBytes + (kk % 4) * 32;
-          const std::uint64_t qd = wgmma::desc_advance(q_desc, off), kd = wgmma::desc_advance(k_desc, off);
-          if (blk < 4) wgmma::mma_m64n32k16_ss<wgmma::Type::kF16>(d, qd, kd, kk > 0);
-          else wgmma::mma_m64n32k16_ss<wgmma::Type::kBf16>(d, qd, kd, kk > 0);
+          wgmma::mma_m64n64k16_ss<wgmma::Type::kF16>(acc, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off),
+                                                     kk > 0);
         }
         wgmma::commit();
       };
-      // s (+)= d x the token's scale of block blk; the latent sum then x the row's query scale, plus rope.
-      auto fold = [&](int blk, float(&d)[16]) {
-        wgmma::fence_registers(d);
+      // s += acc x the token's scale of block blk x the row's query scale.
+      auto fold = [&](int blk) {
+        wgmma::fence_registers(acc);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
-          if (blk < 4) {
-            const float v = d[e] * scale_s[blk * kTile + token];
-            s[e] = blk == 0 ? v : s[e] + v;
-          } else {
-            s[e] = s[e] * q_scale[(e / 2) % 2] + d[e];
+        for (int i = 0; i < 8; ++i) {
+          const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + 8 * i + 2 * quad);
+#pragma unroll
+          for (int e = 4 * i; e < 4 * i + 4; ++e) {
+            s[e] = fmaf(acc[e], (e % 2 == 0 ? sc.x : sc.y) * q_scale[(e / 2) % 2], s[e]);
           }
         }
       };
       wgmma::fence();
-      issue_block(0, acc[0]);
-      issue_block(1, acc[1]);
-      wgmma::wait<1>();
-      fold(0, acc[0]);
-      wgmma::fence();
-      issue_block(2, acc[0]);
-      wgmma::wait<1>();
-      fold(1, acc[1]);
-      wgmma::fence();
-      issue_block(3, acc[1]);
-      wgmma::wait<1>();
-      fold(2, acc[0]);
-      wgmma::fence();
-      issue_block(4, acc[0]);
-      wgmma::wait<1>();
-      fold(3, acc[1]);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {  // rope, bf16, into s
+        const std::uint32_t off = 8 * kBlockBytes + (2 * wg + kk) * 32;
+        wgmma::mma_m64n64k16_ss<wgmma::Type::kBf16>(s, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off),
+                                                    kk > 0);
+      }
+      wgmma::commit();
+      issue_block(2 * wg);
       wgmma::wait<0>();
-      fold(4, acc[0]);
+      wgmma::fence_registers(s);
+      fold(2 * wg);
+      wgmma::fence();
+      issue_block(2 * wg + 1);
+      wgmma::wait<0>();
+      fold(2 * wg + 1);
+    }
+    // The partials meet: thread t of one warpgroup holds the same (row, token) elements as thread t
+    // of the other, and both add them in the same order (a + b = b + a), so both warpgroups hold the
+    // same scores and run the same softmax: P stays in registers.
+    {
+      float4* mine = x_s + wg * 8 * 128 + (tid % 128);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+    }
+    __syncthreads();  // (C) both partials
+    {
+      const float4* other = x_s + (1 - wg) * 8 * 128 + (tid % 128);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float4 v = other[i * 128];
+        s[4 * i] += v.x;
+        s[4 * i + 1] += v.y;
+        s[4 * i + 2] += v.z;
+        s[4 * i + 3] += v.w;
+      }
     }
     // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row) and
     // scale into the log2 domain. Whole tiles every row sees skip the per-token tests.
@@ -292,41 +305,34 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
                        tile_begin + kTile <= min(visible[0], visible[1]);
     if (whole) {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) s[e] *= a.scale_log2;
+      for (int e = 0; e < 32; ++e) s[e] *= a.scale_log2;
     } else {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        const int token = wg * 32 + 8 * (e / 4) + 2 * quad + e % 2;
+      for (int e = 0; e < 32; ++e) {
+        const int token = 8 * (e / 4) + 2 * quad + e % 2;
         const bool seen = tile_slots[token] >= 0 && tile_begin + token < visible[(e / 2) % 2];
         s[e] = seen ? s[e] * a.scale_log2 : -INFINITY;
       }
     }
+    // Softmax over the tile, the same in both warpgroups; s becomes P.
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float m = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      if (quad == 0) red_max[wg * kRows + r_of[h]] = m;
-    }
-    __syncthreads();  // (C) both warpgroups' row maxima
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float tile_max = fmaxf(red_max[r_of[h]], red_max[kRows + r_of[h]]);
-      const float new_max = fmaxf(row_max[h], tile_max);
+      const float new_max = fmaxf(row_max[h], m);
       const float base = new_max == -INFINITY ? 0.0f : new_max;  // all scores -inf so far: p = 0
       alpha[h] = new_max == -INFINITY ? 1.0f : fast_exp2(row_max[h] - base);
       row_max[h] = new_max;
       float sum = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int token = wg * 32 + 8 * i + 2 * quad;
-        const float p0 = fast_exp2(s[4 * i + 2 * h] - base);
-        const float p1 = fast_exp2(s[4 * i + 2 * h + 1] - base);
-        *reinterpret_cast<float2*>(p_s + r_of[h] * kWgPStride + token) = make_float2(p0, p1);
-        sum += p0 + p1;
+      for (int i = 0; i < 8; ++i) {
+        s[4 * i + 2 * h] = fast_exp2(s[4 * i + 2 * h] - base);
+        s[4 * i + 2 * h + 1] = fast_exp2(s[4 * i + 2 * h + 1] - base);
+        sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
       }
       row_sum[h] = row_sum[h] * alpha[h] + sum;
     }
@@ -343,7 +349,6 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
         }
       }
     }
-    __syncthreads();  // (D) P of the whole tile
 
     // ---- O += P' V for blocks 2 wg and 2 wg + 1 ----
     // First each block's unit: the scales this thread's fragments take (k = 16 kk + 2 quad + 8 half,
@@ -378,11 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
         for (int part = 0; part < 4; ++part) {  // a0: (r, k), a1: (r + 8, k), a2: (r, k + 8), a3: (r + 8, k + 8)
-          const int r = r_of[part % 2];
+          const int e = 4 * (2 * kk + part / 2) + 2 * (part % 2);  // P's accumulator elements (e, e + 1)
           const int k = 16 * kk + 2 * quad + 8 * (part / 2);
-          const float2 p = *reinterpret_cast<const float2*>(p_s + r * kWgPStride + k);
           const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + k);
-          split_f16x2(p.x * (sc.x * inv_unit[j]), p.y * (sc.y * inv_unit[j]), a_hi[kk][part], a_lo[kk][part]);
+          split_f16x2(s[e] * (sc.x * inv_unit[j]), s[e + 1] * (sc.y * inv_unit[j]), a_hi[kk][part], a_lo[kk][part]);
         }
       }
       wgmma::fence();
@@ -399,21 +403,15 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   wgmma::fence_registers(o[0]);
   wgmma::fence_registers(o[1]);
 
-  // ---- epilogue: row sums over both warpgroups, then this warpgroup's 256 dims ----
+  // ---- epilogue: row sums over the quad (each warpgroup saw every token), then this warpgroup's 256 dims ----
   allow_next_kernel();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (quad == 0) red_sum[wg * kRows + r_of[h]] = sum;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
     const int row = row_base + r_of[h];
+    float total = row_sum[h];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
     if (row >= a.rows) continue;
-    const float total = red_sum[r_of[h]] + red_sum[kRows + r_of[h]];
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     const float lse = row_lse(row_max[h], total);
     const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
