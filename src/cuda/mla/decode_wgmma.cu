@@ -13,11 +13,12 @@
 //     lies in [2^12, 2^13) (as in decode_narrow.cu), the rope part as bf16.
 //   * S = Q K^T: both warpgroups score all 64 tokens of the tile for all 64 rows (m64n64k16, Q and
 //     K from shared memory, f16 for the latent blocks, bf16 for the rope), warpgroup g over fp8 blocks
-//     2g and 2g + 1 and rope dims [32g, 32g + 32): one accumulator per block, weighted by its token's
-//     block scale and the row's query scale (the scores stay within SPEC's lse bound, as in
-//     decode.cu). The two partial sums meet in shared memory; both warpgroups then hold the same
-//     scores (a + b = b + a exactly) and run the same softmax, so P stays in registers, already in
-//     the A-fragment layout of the P V product.
+//     2g and 2g + 1 and rope dims [32g, 32g + 32): the rope straight into the scores, each block's
+//     product (one accumulator, the blocks in turn) weighted by its token's block scale and the
+//     row's query scale (the scores stay within SPEC's lse bound, as in decode.cu). The two partial
+//     sums meet in shared memory; both warpgroups then hold the same scores (a + b = b + a exactly)
+//     and run the same softmax, so P stays in registers, already in the A-fragment layout of the
+//     P V product.
 //   * O += P' V: warpgroup g owns output dims [256g, 256g + 256) = fp8 blocks 2g and 2g + 1. P' = P x
 //     the token's scale of that block / the block's unit (the largest scale seen so far, so P' <= 1)
 //     enters as A from registers in two f16 parts (hi + lo, as in decode.cu: one f16 P' breaks SPEC's
@@ -83,9 +84,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int quad = lane % 4;
-  // Warpgroup: S for tokens [32 wg, +32), O for dims [256 wg, +256). Broadcast from lane 0 so that
-  // the compiler sees a warp-uniform value: the wgmma descriptors built from it then stay in
-  // uniform registers instead of being rebuilt per instruction (8 instructions each, in the SASS).
+  // Warpgroup: S over fp8 blocks 2 wg, 2 wg + 1 and half the rope, O for dims [256 wg, +256).
+  // Broadcast from lane 0 so that the compiler sees a warp-uniform value: the wgmma descriptors built
+  // from it then stay in uniform registers instead of being rebuilt per instruction (8 instructions
+  // each, in the SASS).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int wg_warp = (tid / 32) % 4;  // warp in the warpgroup: rows [16 wg_warp, +16)
   const int b = blockIdx.z;
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     wgmma::fence_registers(o[0]);
     wgmma::fence_registers(o[1]);
     cp_async_wait<0>();
-    __syncthreads();  // (A) raw tile complete; K, P, scales free
+    __syncthreads();  // (A) raw tile complete; K, scales, slots free
     convert_tile();
     if (tid < kTile && tile + 1 < num_tiles) {
       const int t = begin + (tile + 1) * kTile + tid;
