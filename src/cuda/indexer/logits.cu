@@ -25,7 +25,11 @@
 //     The sums are relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t
 //     and written. Positions a row cannot see get -inf.
 //   * A call may also clear the next op's scratch (IndexerLogitsParams::clear: the top-k's row state
-//     inside dsa_decode), spread over the whole grid while the first keys are loading.
+//     inside dsa_decode), spread over the whole grid while the first keys are loading. (Doing the
+//     layer's append here as well, to save its kernel, was tried in five ways and never won: at one
+//     request every CTA is on the critical path, so the append's fetch delays the kernel by about
+//     what the append kernel costs, and its code slowed the turn loop - docs/benchmarks.md, ninth
+//     session of 2026-12-01.)
 // f16 holds every e4m3 value exactly, so each product is exact; the sums are float32 in tensor-core
 // order. (mma.sync on raw e4m3 codes was tried first: sm_90 converts them to f16 inside every
 // instruction, for every 8 heads again, which ran the kernel instruction-bound. The fp8 wgmma is not

@@ -17,9 +17,11 @@
 // paths the arrival after phase 2 is one 64-bit atomic that also tells the last CTA how many
 // candidates the row listed. When the call before cleared the row states
 // (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier, or the
-// memset, is left out. Rows that see k tokens or fewer skip the selection: every visible slot, then
-// -1s. A row with more candidates than the list holds (masses of equal logits) re-reads its logits
-// instead; slower, same answer.
+// memset, is left out. (Phase 1 counted by the indexer as it writes the logits, one atomic per
+// logit, was tried: the atomics serialise on the crowded bins, and the indexer lost more than the
+// top-k gained - docs/benchmarks.md, ninth session of 2026-12-01.) Rows that see k tokens or fewer
+// skip the selection: every visible slot, then -1s. A row with more candidates than the list holds
+// (masses of equal logits) re-reads its logits instead; slower, same answer.
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
