@@ -36,20 +36,35 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
   const int lane = threadIdx.x % 32;
   const std::int64_t token = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (token >= a.n) return;
+  // The token's slot, latent and indexer key all in flight at once (the inputs are there whatever
+  // the slot): one round trip to memory before the stores, not two.
   const std::int64_t slot = a.slots[token];
-  if (slot < 0 || slot >= a.num_slots) return;
   const std::uint16_t* src = a.latent + token * 576;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4 chunk[3] = {};  // fp8: lane l's latent values [16 l, 16 l + 16) and rope chunk l (l < 8); bf16: chunks l, l + 32, l + 64
+  if (a.fp8) {
+    chunk[0] = s[2 * lane];
+    chunk[1] = s[2 * lane + 1];
+    if (lane < 8) chunk[2] = s[64 + lane];
+  } else {
+    for (int c = 0; c < 3; ++c) {
+      if (lane + 32 * c < 72) chunk[c] = s[lane + 32 * c];
+    }
+  }
+  uint2 key = {};
+  if (a.indexer != nullptr) key = reinterpret_cast<const uint2*>(a.indexer_keys + token * 128)[lane];
+  if (slot < 0 || slot >= a.num_slots) return;
 
   if (!a.fp8) {  // bf16 cache: 1152 bytes verbatim, 72 chunks of 16 bytes
-    const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(a.cache + slot * 1152);
-    for (int c = lane; c < 72; c += 32) d[c] = s[c];
+    for (int c = 0; c < 3; ++c) {
+      if (lane + 32 * c < 72) d[lane + 32 * c] = chunk[c];
+    }
   } else {
     std::uint8_t* dst = a.cache + slot * 656;
     // Lane l holds latent values [16 l, 16 l + 16), in scale block l / 8.
-    const uint4* s = reinterpret_cast<const uint4*>(src) + lane * 2;
     float v[16];
-    const float amax = abs_max_over(unpack_bf16x16(s[0], s[1], v), 8);
+    const float amax = abs_max_over(unpack_bf16x16(chunk[0], chunk[1], v), 8);
     const float scale = block_scale(amax, a.pow2);
     std::uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -58,12 +73,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     }
     reinterpret_cast<uint4*>(dst)[lane] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     if (lane % 8 == 0) reinterpret_cast<float*>(dst + 512)[lane / 8] = scale;
-    if (lane < 8) reinterpret_cast<uint4*>(dst + 528)[lane] = reinterpret_cast<const uint4*>(src + 512)[lane];
+    if (lane < 8) reinterpret_cast<uint4*>(dst + 528)[lane] = chunk[2];
   }
 
   if (a.indexer != nullptr) {
     // Lane l holds key values [4 l, 4 l + 4); one scale for all 128.
-    const uint2 w = reinterpret_cast<const uint2*>(a.indexer_keys + token * 128)[lane];
+    const uint2 w = key;
     const float k[4] = {bf16_bits_to_float(w.x & 0xFFFFu), bf16_bits_to_float(w.x >> 16),
                         bf16_bits_to_float(w.y & 0xFFFFu), bf16_bits_to_float(w.y >> 16)};
     const float amax = abs_max_over(fmaxf(fmaxf(fabsf(k[0]), fabsf(k[1])), fmaxf(fabsf(k[2]), fabsf(k[3]))), 32);
