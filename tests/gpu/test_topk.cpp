@@ -260,12 +260,21 @@ std::vector<std::int64_t> middle_batch_lengths() {
   return lengths;
 }
 
+// 160 rows of up to 32K logits: 1280 CTAs of 4096 logits, more than the cooperative kernel keeps
+// resident on any current GPU, so the memset and the two chained kernels serve them.
+std::vector<std::int64_t> huge_batch_lengths() {
+  std::vector<std::int64_t> lengths;
+  for (int b = 0; b < 160; ++b) lengths.push_back(b % 4 == 0 ? 32768 : 32768 - (b * 1231) % 30001);
+  return lengths;
+}
+
 std::vector<TopkCase> topk_cases() {
   const std::vector<std::int64_t> around_k = {0, 1, 2, 2047, 2048, 2049, 2050, 2051, 7000};
   std::vector<TopkCase> v;
   v.push_back({"long_row_128k", {131072}});
   v.push_back({"batch64_32k", wide_batch_lengths()});
   v.push_back({"batch48_8k", middle_batch_lengths()});
+  v.push_back({"batch160_32k", huge_batch_lengths()});
   v.push_back({"batch48_8k_all_equal", middle_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
   v.push_back({"batch64_32k_all_equal", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
   v.push_back({"lengths_around_k", {0, 1, 2047, 2048, 2049, 5000}});

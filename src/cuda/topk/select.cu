@@ -10,14 +10,20 @@
 //      are listed, with their slots, as candidates;
 //   3. one CTA of the row resolves the remaining bits among the candidates (two histograms in
 //      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
-// When the whole grid fits on the GPU at once (a few long rows: the decode case) the phases run in
-// one cooperative kernel with grid barriers before and after phase 1 and the logits read once; the
-// row's last CTA to finish phase 2 does phase 3. Otherwise a memset of the row states and two
-// kernels run them, the last CTA of a row to finish each kernel doing the row's serial part. On both
-// paths the arrival after phase 2 is one 64-bit atomic that also tells the last CTA how many
-// candidates the row listed. When the call before cleared the row states
-// (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier, or the
-// memset, is left out. (Phase 1 counted by the indexer as it writes the logits, one atomic per
+// The phases run in one of two ways:
+//   * one cooperative kernel, when its whole grid fits on the GPU at once: grid barriers before
+//     and after phase 1, the logits read once, and every CTA finding T itself from the row's
+//     histogram;
+//   * two chained kernels (chained_launch.cuh), after a memset of the row states: phase 1 in the
+//     first; in the second every CTA reads its logits again and finds T itself. The kernel boundary
+//     stands in for the second grid barrier. This path serves grids too large to be resident at
+//     once, and also a cleared state (below) with at most one CTA per SM, the decode of one layer at
+//     a small batch: there a chained boundary (about 0.5 us on an H200) costs less than a grid
+//     barrier (about 1.0 us) - docs/benchmarks.md, tenth session of 2026-12-01.
+// On both paths the row's last CTA to finish phase 2 does phase 3; its arrival is one 64-bit atomic
+// that also tells it how many candidates the row listed. When the call before cleared the row
+// states (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier,
+// or the memset, is left out. (Phase 1 counted by the indexer as it writes the logits, one atomic per
 // logit, was tried: the atomics serialise on the crowded bins, and the indexer lost more than the
 // top-k gained - docs/benchmarks.md, ninth session of 2026-12-01.) Rows that see k tokens or fewer
 // skip the selection: every visible slot, then -1s. A row with more candidates than the list holds
@@ -58,14 +64,11 @@ constexpr int kCandidates = 3072;               // listed candidates per row
 // A row's state in the workspace (32-bit words); zero at the start of phase 1 (cleared by this call,
 // or by the call before: TopkArgs::cleared).
 enum StateWord : int {
-  kHist = 0,                          // [kTopBins] counts of top digits
-  kArrivedHistogram = kTopBins,       // CTAs of the row done with kernel 1
-  kSelected,                          // keys above T written so far
-  kSelectDone,                        // 64 bits: CTAs done selecting (high word), the candidates they listed (low)
-  kListed = kSelectDone + 2,          // candidates found so far (may exceed kCandidates)
-  kDigit,                             // T
-  kAbove,                             // keys whose top digit is above T
-  kStateWords = kTopBins + 8,
+  kHist = 0,                  // [kTopBins] counts of top digits
+  kSelected = kTopBins,       // keys above T written so far
+  kListed,                    // candidates found so far (may exceed kCandidates)
+  kSelectDone,                // 64 bits: CTAs done selecting (high word), the candidates they listed (low)
+  kStateWords = kSelectDone + 2,
 };
 
 using Scan = cub::BlockScan<std::uint32_t, kThreads>;
@@ -136,19 +139,9 @@ __device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Sc
   __syncthreads();  // result may be reused
 }
 
-// True in the one CTA of the row that arrives last at `counter` (after all others' writes).
-__device__ bool arrive_last(std::uint32_t* counter, std::uint32_t ctas, bool& flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) flag = atomicAdd(counter, 1u) == ctas - 1;
-  __syncthreads();
-  if (flag) __threadfence();
-  return flag;
-}
-
-// The same for the end of selecting, at the 64-bit kSelectDone word, where each CTA also adds the
-// candidates it listed: the last CTA learns from its own atomic how many the row listed, with no
-// further round trip. Returns that count in the last CTA, else UINT32_MAX.
+// True in the one CTA of the row that arrives last at the 64-bit kSelectDone word (after all others
+// are done selecting), where each CTA also adds the candidates it listed: the last CTA learns from its
+// own atomic how many the row listed, with no further round trip. Returns that count in the last CTA, else UINT32_MAX.
 __device__ std::uint32_t arrive_last_listing(std::uint32_t* state, std::uint32_t ctas, std::uint32_t listed,
                                              std::uint32_t& shared) {
   static_assert(kSelectDone % 2 == 0 && kStateWords % 2 == 0, "a 64-bit word, 8-byte aligned in every row");
@@ -192,11 +185,40 @@ __device__ Chunk chunk_of(const TopkArgs& a, int cta) {
   return c;
 }
 
+// The chunk's logits, every position below max_len (c.has decides later which count): the loads
+// do not wait for the row's length, so that its round trip and theirs overlap.
 template <int kPer>
 __device__ void load_chunk(const TopkArgs& a, const Chunk& c, float (&v)[kPer]) {
   const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) v[j] = c.has(j) ? x[c.position(j)] : 0.0f;
+  for (int j = 0; j < kPer; ++j) v[j] = c.position(j) < a.max_len ? x[c.position(j)] : 0.0f;
+}
+
+// Where the slots of the kept keys come from, by keys per thread:
+//   * up to 4 (few long rows: one layer's decode at a small batch, where latency counts): the
+//     block-table entries of all the chunk's positions, loaded with the logits (load_pages), so that
+//     no round trip to the table is left between the threshold and the writes;
+//   * 8: the entries of the kept keys, loaded once T is known and before the scan, so that their
+//     round trip overlaps the scan and the atomics;
+//   * 16: looked up as they are written. Registers held any longer would cost the cooperative kernel
+//     its fourth CTA per SM (80 registers instead of 64).
+template <int kPer>
+constexpr bool kPagesAhead = kPer <= 4;
+template <int kPer>
+constexpr bool kSlotsAfterThreshold = kPer == 8;
+template <int kPer>
+using ChunkPages = std::int32_t[kPagesAhead<kPer> ? kPer : 1];
+
+template <int kPer>
+__device__ void load_pages(const TopkArgs& a, const Chunk& c, ChunkPages<kPer>& pages) {
+  if constexpr (kPagesAhead<kPer>) {
+    const std::int32_t* table = a.block_table + static_cast<std::int64_t>(c.b) * a.max_pages;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int t = c.position(j);
+      pages[j] = t < a.capacity ? table[t / a.page_size] : -1;
+    }
+  }
 }
 
 // Rows that see k tokens or fewer: every visible slot, then -1 padding (by the row's first CTA).
@@ -230,12 +252,17 @@ __device__ void publish_top_digits(const TopkShared& s, std::uint32_t* state) {
   }
 }
 
-// The digit T holding the k-th largest key, and the keys above it, from the row's whole histogram.
-__device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint32_t* state, std::uint32_t& top,
-                              std::uint32_t& above) {
-  std::uint32_t counts[kTopBins / kThreads];  // all loads in flight at once, then to shared memory
+// The row's whole histogram of top digits, all loads in flight at once (into registers; then
+// top_threshold).
+using RowHistogram = std::uint32_t[kTopBins / kThreads];
+__device__ void load_histogram(const std::uint32_t* state, RowHistogram& counts) {
 #pragma unroll
   for (int e = 0; e < kTopBins / kThreads; ++e) counts[e] = __ldcg(&state[kHist + e * kThreads + threadIdx.x]);
+}
+
+// The digit T holding the k-th largest key, and the keys above it, from the row's whole histogram.
+__device__ void top_threshold(const TopkArgs& a, TopkShared& s, const RowHistogram& counts, std::uint32_t& top,
+                              std::uint32_t& above) {
 #pragma unroll
   for (int e = 0; e < kTopBins / kThreads; ++e) s.hist[e * kThreads + threadIdx.x] = counts[e];
   __syncthreads();
@@ -244,23 +271,20 @@ __device__ void top_threshold(const TopkArgs& a, TopkShared& s, const std::uint3
 
 // Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates with their
 // slots. Room for the CTA's share of both lists comes from one scan of both counts (packed in 16-bit
-// halves) and one atomic per list. With up to 8 keys per thread (few rows: latency counts) the
-// block-table loads of the kept keys go out before the scan, so that their round trip overlaps the
-// scan and the atomics; with 16, their registers would cost the cooperative kernel its fourth CTA
-// per SM (80 registers instead of 64), so the slots are looked up when written. Returns the number
-// of candidates the CTA listed.
+// halves) and one atomic per list; the slots as kPagesAhead above says. Returns the number of
+// candidates the CTA listed.
 template <int kPer>
-__device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer], std::uint32_t top,
-                                      TopkShared& s, std::uint32_t* state, uint2* listed) {
-  constexpr bool kEarly = kPer <= 8;
+__device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const float (&v)[kPer],
+                                      const ChunkPages<kPer>& pages, std::uint32_t top, TopkShared& s,
+                                      std::uint32_t* state, uint2* listed) {
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
   std::uint32_t counts = 0;
-  std::int32_t early[kEarly ? kPer : 1];
+  std::int32_t early[kSlotsAfterThreshold<kPer> ? kPer : 1];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const std::uint32_t digit = order_key(v[j]) >> kTopShift;
     const bool kept = c.has(j) && digit >= top;
-    if constexpr (kEarly) early[j] = kept ? slot_of(a, c.b, c.position(j)) : -1;
+    if constexpr (kSlotsAfterThreshold<kPer>) early[j] = kept ? slot_of(a, c.b, c.position(j)) : -1;
     if (kept) counts += digit > top ? 1u : 0x10000u;
   }
   std::uint32_t before, total;
@@ -278,8 +302,13 @@ __device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const f
     const std::uint32_t digit = key >> kTopShift;
     if (digit < top) continue;
     std::int32_t slot;
-    if constexpr (kEarly) slot = early[j];
-    else slot = slot_of(a, c.b, c.position(j));
+    if constexpr (kPagesAhead<kPer>) {
+      slot = pages[j] < 0 ? -1 : pages[j] * a.page_size + c.position(j) % a.page_size;
+    } else if constexpr (kSlotsAfterThreshold<kPer>) {
+      slot = early[j];
+    } else {
+      slot = slot_of(a, c.b, c.position(j));
+    }
     if (digit > top && at < static_cast<std::uint32_t>(a.k)) out[at++] = slot;  // below k unless the state was dirty
     if (digit == top) {
       if (listed_at < kCandidates) listed[listed_at] = make_uint2(static_cast<std::uint32_t>(slot), key);
@@ -357,47 +386,49 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
   });
 }
 
-// Two kernels after a memset of the row states; the last CTA of a row to finish each kernel does
-// the row's serial part (the threshold, then the finish).
+// Two chained kernels, after a memset of the row states unless they came zeroed: the first counts
+// the top digits, the kernel boundary stands for the grid barrier, and every CTA of the second finds
+// the row's threshold itself from the whole histogram.
 template <int kPer>
-__global__ void __launch_bounds__(kThreads) topk_histogram_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   wait_for_previous_kernels();
   const Chunk c = chunk_of(a, blockIdx.x);
-  if (c.n <= a.k || c.base >= c.n) return;
   float v[kPer];
   load_chunk(a, c, v);
-  std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
+  if (c.n <= a.k || c.base >= c.n) return;
   count_top_digits(c, v, s);
-  publish_top_digits(s, state);
   allow_next_kernel();
-  if (!arrive_last(&state[kArrivedHistogram], (c.n + a.chunk_len - 1) / a.chunk_len, s.last)) return;
-  std::uint32_t top, above;
-  top_threshold(a, s, state, top, above);
-  if (threadIdx.x == 0) {
-    state[kDigit] = top;
-    state[kAbove] = above;
-  }
+  publish_top_digits(s, a.state + static_cast<std::int64_t>(c.row) * kStateWords);
 }
 
-// Three CTAs per SM: without the bound, ptxas gives kPer 16 118 registers (two CTAs).
+// Three CTAs per SM from 8 keys per thread (the many-row grids): without the bound, ptxas gave kPer
+// 16 118 registers (two CTAs); at it, kPer 8 and 16 spill a few words (the histogram loads kept in
+// flight with the logits). Fewer keys serve few rows (at most one CTA per SM when chained), and keep
+// every load in registers.
 template <int kPer>
-__global__ void __launch_bounds__(kThreads, 3) topk_select_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(kThreads, kPer >= 8 ? 3 : 1) topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   wait_for_previous_kernels();
   allow_next_kernel();  // the next kernel's CTAs may queue behind the row finishers
   const Chunk c = chunk_of(a, blockIdx.x);
-  if (c.n <= a.k) return take_all<kPer>(a, c);
-  if (c.base >= c.n) return;
   std::uint32_t* state = a.state + static_cast<std::int64_t>(c.row) * kStateWords;
   uint2* listed = a.candidates + static_cast<std::int64_t>(c.row) * kCandidates;
+  // The length, the logits, the table entries and the histogram: one round trip for all.
   float v[kPer];
   load_chunk(a, c, v);
-  const std::uint32_t top = __ldcg(&state[kDigit]);
-  const std::uint32_t mine = select_above(a, c, v, top, s, state, listed);
+  ChunkPages<kPer> pages;
+  load_pages<kPer>(a, c, pages);
+  RowHistogram counts;
+  load_histogram(state, counts);
+  if (c.n <= a.k) return take_all<kPer>(a, c);
+  if (c.base >= c.n) return;
+  std::uint32_t top, above;
+  top_threshold(a, s, counts, top, above);
+  const std::uint32_t mine = select_above(a, c, v, pages, top, s, state, listed);
   const std::uint32_t found = arrive_last_listing(state, (c.n + a.chunk_len - 1) / a.chunk_len, mine, s.found);
   if (found == UINT32_MAX) return;
-  finish_row(a, s, c, top, __ldcg(&state[kAbove]), found, listed);
+  finish_row(a, s, c, top, above, found, listed);
 }
 
 // The same three phases in one cooperative kernel, for grids that fit on the GPU at once: two grid
@@ -420,17 +451,23 @@ __global__ void __launch_bounds__(kThreads) topk_cooperative_kernel(const TopkAr
     for (int w = threadIdx.x; w < kStateWords; w += kThreads) state[w] = 0;
   }
   float v[kPer];
-  if (select) {  // the chunk's own histogram while the row's state is being zeroed
+  ChunkPages<kPer> pages;
+  if constexpr (kPagesAhead<kPer>) {  // every load at once (registers to spare at these sizes)
     load_chunk(a, c, v);
-    count_top_digits(c, v, s);
+    load_pages<kPer>(a, c, pages);
+  } else if (select) {
+    load_chunk(a, c, v);
   }
+  if (select) count_top_digits(c, v, s);  // the chunk's own histogram while the row's state is being zeroed
   if (!a.cleared) grid.sync();  // the same answer in every CTA
   if (select) publish_top_digits(s, state);
   grid.sync();
   std::uint32_t top = 0, above = 0, mine = 0;
   if (select) {
-    top_threshold(a, s, state, top, above);
-    mine = select_above(a, c, v, top, s, state, listed);
+    RowHistogram counts;
+    load_histogram(state, counts);
+    top_threshold(a, s, counts, top, above);
+    mine = select_above(a, c, v, pages, top, s, state, listed);
   } else if (c.n <= a.k) {
     take_all<kPer>(a, c);
   }
@@ -456,22 +493,23 @@ bool fits_at_once(std::int64_t ctas) {
   return device.cooperative && ctas <= static_cast<std::int64_t>(device.multiprocessors) * per_sm;
 }
 
-// The grid of `rows` rows in chunks of kThreads x kPer logits: one cooperative kernel when it is
-// resident at once, else a memset of the row states and two kernels.
+// The grid of `rows` rows in chunks of kThreads x kPer logits: the two chained kernels where
+// `chain` (or where the cooperative kernel's grid is not resident at once), else the cooperative
+// kernel.
 template <int kPer>
-void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_t stream) {
+void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, bool chain, cudaStream_t stream) {
   a.chunk_len = kThreads * kPer;
   a.chunks = a.max_len > 0 ? (a.max_len + a.chunk_len - 1) / a.chunk_len : 1;
   const std::int64_t ctas = rows * a.chunks;
   if (ctas > INT32_MAX) {
     throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of " + std::to_string(a.chunk_len));
   }
-  if (fits_at_once<kPer>(ctas)) {
+  if (!chain && fits_at_once<kPer>(ctas)) {
     launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
     return;
   }
   if (!a.cleared) LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
-  launch_chained("topk", topk_histogram_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
+  launch_chained("topk", topk_count_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
   launch_chained("topk", topk_select_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
 }
 
@@ -513,10 +551,12 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
   };
   const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
-  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, stream);
-  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, stream);
-  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, stream);
-  launch_with<16>(a, rows, p, stream);
+  // A cleared state and at most one CTA per SM (a few long rows: one layer's decode at a small
+  // batch) take the chained kernels: a kernel boundary costs less than a grid barrier there.
+  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, a.cleared, stream);
+  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, false, stream);
+  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, false, stream);
+  launch_with<16>(a, rows, p, false, stream);
 }
 
 }  // namespace latentkv::cuda
