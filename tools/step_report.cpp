@@ -90,6 +90,14 @@ std::string time_text(double us) {
   return buf;
 }
 
+// Kernels per layer: "2", "1.5" (a count that differs between layers), "-" when not counted.
+std::string launch_count(double launches) {
+  if (launches <= 0) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g", launches);
+  return buf;
+}
+
 const StrategyResult* find_cast_full(const StepReport& r) {
   for (const StrategyResult& s : r.strategies) {
     if (s.name == "cast_full" && s.timed) return &s;
@@ -171,8 +179,8 @@ OpWork op_work(StepOp op, std::string_view decode_backend, const StepShape& s) {
   return w;
 }
 
-double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops) {
-  double us = 0;
+double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops, double launches_us) {
+  double us = std::max(launches_us, 0.0);
   if (copy_gbps > 0) us = std::max(us, work.floor_bytes / (copy_gbps * 1e3));
   if (matrix_tflops > 0) us = std::max(us, work.flops / (matrix_tflops * 1e6));
   return us;
@@ -190,7 +198,8 @@ void analyze_step(StepReport& r) {
       op.tflops = measured ? op.work.flops / (op.us * 1e6) : 0;
       op.pct_of_copy = measured && r.copy_gbps > 0 ? 100.0 * op.gbps / r.copy_gbps : 0;
       op.pct_of_matrix = measured && r.matrix_tflops > 0 ? 100.0 * op.tflops / r.matrix_tflops : 0;
-      op.floor_us = floor_us(op.work, r.copy_gbps, r.matrix_tflops);
+      // Each op of each layer waits for the op before it: one dependent launch a layer at least.
+      op.floor_us = floor_us(op.work, r.copy_gbps, r.matrix_tflops, layers * r.launch_us);
       op.gap = measured && op.floor_us > 0 ? op.us / op.floor_us : 0;
       op.share = measured && s.step_us > 0 ? op.us / s.step_us : 0;
       s.ops_us += measured ? op.us : 0;
@@ -210,7 +219,7 @@ void analyze_step(StepReport& r) {
 
 std::string format_report(const StepReport& r) {
   const StepShape& sh = r.shape;
-  const bool floors = r.copy_gbps > 0 || r.matrix_tflops > 0;
+  const bool floors = r.copy_gbps > 0 || r.matrix_tflops > 0 || r.launch_us > 0;
   // Times in µs; the CPU reference's in ms.
   const std::string unit = r.cpu_reference ? "ms" : "us";
   const auto t = [&](double us) { return time_text(r.cpu_reference ? us / 1000 : us); };
@@ -227,6 +236,10 @@ std::string format_report(const StepReport& r) {
         "floors (this run): copy %.0f GB/s (bytes read + written; read-only stream %.0f GB/s), bf16 matrix %.0f "
         "TFLOP/s (%s)\n",
         r.copy_gbps, r.read_gbps, r.matrix_tflops, r.matrix_how.c_str());
+    if (r.launch_us > 0) {
+      add(out, "  one chained launch %.2f us (a kernel waiting for the one before it, in a graph of such kernels)\n",
+          r.launch_us);
+    }
   } else {
     add(out, "floors: none measured (host wall-clock times of the float64 reference: no speed claim)\n");
   }
@@ -274,14 +287,15 @@ std::string format_report(const StepReport& r) {
         s.name.c_str(), s.dense ? "dense" : "sparse", s.backend.c_str(), t(s.step_us).c_str(), unit.c_str(), sh.layers,
         sh.layers == 1 ? "" : "s", t(s.step_us / std::max(sh.layers, 1)).c_str(), unit.c_str(), s.tokens_per_s_stream,
         s.tokens_per_s_batch);
-    add(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s  %s\n", "op", (unit + "/step").c_str(), "share", "moved",
-        "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "kernel");
+    add(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", "op", (unit + "/step").c_str(), "share",
+        "moved", "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "launches", "kernel");
     for (const OpResult& op : s.ops) {
-      add(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s  %s\n", std::string(step_op_name(op.op)).c_str(),
+      add(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", std::string(step_op_name(op.op)).c_str(),
           t(op.us).c_str(), 100.0 * op.share, human_bytes(op.work.bytes).c_str(), rate(op.gbps).c_str(),
           percent(op.pct_of_copy, r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
           percent(op.pct_of_matrix, r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
-          op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), op.kernel.c_str());
+          op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), launch_count(op.launches).c_str(),
+          op.kernel.c_str());
     }
     const double rest = s.step_us - s.ops_us;
     char signed_rest[40];
@@ -291,9 +305,10 @@ std::string format_report(const StepReport& r) {
   }
   if (floors) {
     add(out,
-        "\nfloor = max(bytes an FP8-native op must move / copy bandwidth, FLOPs / bf16 matrix rate); gap = time / "
-        "floor.\n"
-        "'moved' counts what the strategy's op moves (the cast baselines move more than the floor's bytes).\n");
+        "\nfloor = max(bytes an FP8-native op must move / copy bandwidth, FLOPs / bf16 matrix rate, layers x one "
+        "chained launch); gap = time / floor.\n"
+        "'moved' counts what the strategy's op moves (the cast baselines move more than the floor's bytes); "
+        "'launches' are the op's kernels and memsets per layer.\n");
   }
   if (sh.q_len > 1) add(out, "tokens/s counts every one of the q_len = %d new tokens as accepted.\n", sh.q_len);
   add(out, "repro: %s\n", r.command.c_str());
@@ -327,6 +342,7 @@ std::string report_json(const StepReport& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["matrix_tflops"] = r.matrix_tflops;
   j["matrix_how"] = r.matrix_how;
+  j["launch_us"] = r.launch_us;
   j["warmup"] = r.warmup;
   j["iters"] = r.iters;
   j["seed"] = r.seed;
@@ -354,6 +370,7 @@ std::string report_json(const StepReport& r) {
                            {"us", op.us},
                            {"p10_us", op.p10_us},
                            {"p90_us", op.p90_us},
+                           {"launches", op.launches},
                            {"bytes", op.work.bytes},
                            {"floor_bytes", op.work.floor_bytes},
                            {"flops", op.work.flops},
@@ -396,6 +413,7 @@ StepReport parse_report_json(std::string_view text) {
     r.copy_gbps = j.at("copy_gbps").get<double>();
     r.matrix_tflops = j.at("matrix_tflops").get<double>();
     r.matrix_how = j.at("matrix_how").get<std::string>();
+    r.launch_us = j.value("launch_us", 0.0);  // absent from reports written before it was measured
     r.warmup = j.at("warmup").get<int>();
     r.iters = j.at("iters").get<int>();
     r.seed = j.at("seed").get<std::uint64_t>();
@@ -417,6 +435,7 @@ StepReport parse_report_json(std::string_view text) {
         op.us = o.at("us").get<double>();
         op.p10_us = o.at("p10_us").get<double>();
         op.p90_us = o.at("p90_us").get<double>();
+        op.launches = o.value("launches", 0.0);
         st.ops.push_back(std::move(op));
       }
       r.strategies.push_back(std::move(st));

@@ -1,6 +1,6 @@
 // tools/step_report.hpp - the numbers of `latentkv step`: what each op of one decode step must move
 // and compute, and the gap analysis of the measured times against the floors measured in the same
-// run (copy bandwidth, bf16 matrix rate). Plain C++ without the GPU, so that the arithmetic is
+// run (copy bandwidth, bf16 matrix rate, one chained kernel launch). Plain C++ without the GPU, so that the arithmetic is
 // unit-tested (tests/cpu/step_report_test.cpp); both the GPU and the CPU runs fill a StepReport with
 // times only, and analyze_step() derives everything else.
 #pragma once
@@ -57,12 +57,13 @@ struct OpResult {
   StepOp op = StepOp::kAppend;
   std::string backend, kernel;
   double us = 0, p10_us = 0, p90_us = 0;  // per step: the op in every layer (median, spread)
+  double launches = 0;  // kernels and memsets per layer, counted in the op's graph; 0: not counted
   // Derived by analyze_step():
   OpWork work;       // per step (all layers)
   double share = 0;  // of the whole step's median
   double gbps = 0, tflops = 0;
   double pct_of_copy = 0, pct_of_matrix = 0;
-  double floor_us = 0;  // max(floor_bytes / copy bandwidth, flops / matrix rate); 0: no floors
+  double floor_us = 0;  // max(floor_bytes / copy bandwidth, flops / matrix rate, layers x launch_us); 0: none
   double gap = 0;       // us / floor_us; 0: no floors
 };
 
@@ -92,14 +93,19 @@ struct StepReport {
   double read_gbps = 0, copy_gbps = 0;  // measured in the run; 0 when not measured
   double matrix_tflops = 0;             // bf16 matrix rate measured in the run; 0 when not measured
   std::string matrix_how;               // "cuBLAS bf16 8192^3, fp32 accumulate"
+  // One kernel that waits for the one before it, in a graph of such kernels (chained launches, as
+  // the library's), measured in the run: what each op of a layer costs at least, as it depends on
+  // the op before. 0 when not measured.
+  double launch_us = 0;
   int warmup = 0, iters = 0;
   std::uint64_t seed = 0;
   std::vector<StrategyResult> strategies;
 };
 
-// The least time `work` can take at these ceilings (µs); a ceiling of 0 is left out, and with
-// both left out there is no floor (0).
-double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops);
+// The least time `work` can take at these ceilings (µs): the slowest of its bytes at the copy
+// bandwidth, its FLOPs at the matrix rate and `launches_us` (the dependent launches it needs at
+// least); a ceiling of 0 is left out, and with all left out there is no floor (0).
+double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops, double launches_us = 0);
 
 // Fills every derived field from the shape, the ceilings and the measured times.
 void analyze_step(StepReport& report);

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -109,6 +110,8 @@ TEST(StepWork, FloorIsTheSlowerOfBandwidthAndCompute) {
   EXPECT_DOUBLE_EQ(floor_us(compute, 4000, 800), 1250.0);
   EXPECT_DOUBLE_EQ(floor_us(memory, 0, 800), 1e6 / 800e6);
   EXPECT_DOUBLE_EQ(floor_us(memory, 0, 0), 0.0);  // nothing measured: no floor
+  EXPECT_DOUBLE_EQ(floor_us(memory, 4000, 800, 39.0), 39.0);  // 78 layers x 0.5 us of dependent launches
+  EXPECT_DOUBLE_EQ(floor_us(compute, 4000, 800, 39.0), 1250.0);
 }
 
 // A measured report of two strategies, as the GPU run fills it (times only).
@@ -196,6 +199,26 @@ TEST(StepAnalysis, SharesRatesGapsAndTokensPerSecond) {
   }
 }
 
+TEST(StepAnalysis, EveryOpOfEveryLayerCostsAtLeastOneChainedLaunch) {
+  StepReport r = measured_report();
+  r.launch_us = 0.5;
+  analyze_step(r);
+  const StrategyResult& fp8 = r.strategies[0];
+  // The append moves a few kilobytes a layer: its floor is 78 dependent launches of 0.5 us.
+  const OpResult& append = fp8.ops[0];
+  EXPECT_DOUBLE_EQ(append.floor_us, 39.0);
+  EXPECT_DOUBLE_EQ(append.gap, 100 / 39.0);
+  // The sparse decode is still bound by its bytes at one request (78 x 1.37 MB at 4250 GB/s: 25 us)
+  // only if that exceeds the launches; here 39 us of launches are the larger floor.
+  const OpResult& sparse = fp8.ops[3];
+  EXPECT_DOUBLE_EQ(sparse.floor_us, std::max(39.0, floor_us(sparse.work, 4250, 766)));
+  double floor = 0;
+  for (const OpResult& op : fp8.ops) floor += op.floor_us;
+  EXPECT_DOUBLE_EQ(fp8.floor_us, floor);
+  const std::string text = format_report(r);
+  EXPECT_NE(text.find("one chained launch 0.50 us"), std::string::npos) << text;
+}
+
 TEST(StepAnalysis, QLenCountsEveryNewTokenAndTheBatchMultiplies) {
   StepReport r = measured_report();
   r.shape.q_len = 2;
@@ -232,11 +255,14 @@ TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
     EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in\n" << text;
   }
   EXPECT_NE(text.find("sparse decode"), std::string::npos) << "the model's rule at 32K is sparse:\n" << text;
+  EXPECT_EQ(text.find("a kernel waiting for the one before it"), std::string::npos) << "none measured:\n" << text;
 }
 
 TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
   StepReport r = measured_report();
   r.notes.push_back("pool grown");
+  r.launch_us = 0.55;
+  r.strategies[0].ops[2].launches = 2;
   analyze_step(r);
   const StepReport back = parse_report_json(report_json(r));
   EXPECT_EQ(back.command, r.command);
@@ -246,6 +272,7 @@ TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
   EXPECT_EQ(back.shape.pool_tokens, 495040);
   EXPECT_EQ(back.shape.layers, 78);
   EXPECT_EQ(back.matrix_how, r.matrix_how);
+  EXPECT_DOUBLE_EQ(back.launch_us, 0.55);
   ASSERT_EQ(back.strategies.size(), 3u);
   for (std::size_t i = 0; i < r.strategies.size(); ++i) {
     const StrategyResult &a = r.strategies[i], &b = back.strategies[i];
@@ -259,10 +286,28 @@ TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
     for (std::size_t k = 0; k < a.ops.size(); ++k) {
       EXPECT_EQ(b.ops[k].op, a.ops[k].op);
       EXPECT_EQ(b.ops[k].kernel, a.ops[k].kernel);
+      EXPECT_DOUBLE_EQ(b.ops[k].launches, a.ops[k].launches);
+      EXPECT_DOUBLE_EQ(b.ops[k].floor_us, a.ops[k].floor_us);
       EXPECT_DOUBLE_EQ(b.ops[k].gap, a.ops[k].gap);
       EXPECT_DOUBLE_EQ(b.ops[k].work.bytes, a.ops[k].work.bytes);
     }
   }
+  EXPECT_EQ(format_report(back), format_report(r));
+}
+
+TEST(StepReportJson, ReadsReportsWrittenBeforeLaunchesWereCounted) {
+  StepReport r = measured_report();
+  analyze_step(r);
+  std::string text = report_json(r);
+  for (const std::string key : {"\"launch_us\"", "\"launches\""}) {
+    for (std::size_t at = text.find(key); at != std::string::npos; at = text.find(key)) {
+      text.erase(at, text.find('\n', at) - at + 1);  // the key's whole line
+    }
+  }
+  ASSERT_EQ(text.find("launch"), std::string::npos);
+  const StepReport back = parse_report_json(text);
+  EXPECT_EQ(back.launch_us, 0);
+  EXPECT_EQ(back.strategies[0].ops[0].launches, 0);
   EXPECT_EQ(format_report(back), format_report(r));
 }
 

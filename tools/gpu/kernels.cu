@@ -1,9 +1,10 @@
-// tools/gpu/kernels.cu - device helpers of the benchmarks: the read-only bandwidth probe and
-// synthetic inputs generated on the GPU.
+// tools/gpu/kernels.cu - device helpers of the benchmarks: the read-only bandwidth probe, the
+// chained-launch probe and synthetic inputs generated on the GPU.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/common/chained_launch.cuh"
 #include "gpu/kernels.hpp"
 
 namespace latentkv::tools::gpu {
@@ -75,6 +76,13 @@ __global__ void hold_kernel(const volatile int* release, int* timed_out, unsigne
   *timed_out = 1;
 }
 
+// One link of a chain of kernels, each waiting for the one before it (chained_launch.cuh).
+__global__ void chain_link_kernel(int* counter) {
+  latentkv::cuda::wait_for_previous_kernels();
+  if (threadIdx.x == 0) *counter += 1;
+  latentkv::cuda::allow_next_kernel();
+}
+
 // Approximately normal values (sum of four uniforms, variance-matched), as bf16.
 __global__ void random_bf16_kernel(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev) {
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -116,6 +124,10 @@ void launch_gather_read(const void* pool, std::int64_t pool_tokens, int token_by
 
 void launch_hold(const volatile int* release, int* timed_out, unsigned long long timeout_ns, cudaStream_t stream) {
   hold_kernel<<<1, 1, 0, stream>>>(release, timed_out, timeout_ns);
+}
+
+void launch_chain_link(int* counter, cudaStream_t stream) {
+  latentkv::cuda::launch_chained("step", chain_link_kernel, 1, 32, 0, stream, false, counter);
 }
 
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream) {

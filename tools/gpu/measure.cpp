@@ -98,8 +98,27 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   return t;
 }
 
+namespace {
+
+// Kernel and memset nodes of a captured graph.
+int launch_nodes(cudaGraph_t graph) {
+  std::size_t count = 0;
+  cuda_ok(cudaGraphGetNodes(graph, nullptr, &count), "graph nodes");
+  std::vector<cudaGraphNode_t> nodes(count);
+  cuda_ok(cudaGraphGetNodes(graph, nodes.data(), &count), "graph nodes");
+  int launches = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    cuda_ok(cudaGraphNodeGetType(node, &type), "graph node type");
+    launches += type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemset ? 1 : 0;
+  }
+  return launches;
+}
+
+}  // namespace
+
 Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream,
-                   Launch launch) {
+                   Launch launch, int* launches) {
   std::vector<cudaGraphExec_t> execs;
   struct Release {
     std::vector<cudaGraphExec_t>& execs;
@@ -118,6 +137,14 @@ Timing time_graphs(const std::function<void(int)>& call, int variants, int warmu
       throw;
     }
     cuda_ok(cudaStreamEndCapture(stream, &graph), "graph capture");
+    if (launches != nullptr && v == 0) {
+      try {
+        *launches = launch_nodes(graph);
+      } catch (...) {
+        cudaGraphDestroy(graph);
+        throw;
+      }
+    }
     cudaGraphExec_t exec = nullptr;
     const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
@@ -127,6 +154,17 @@ Timing time_graphs(const std::function<void(int)>& call, int variants, int warmu
   return time_calls(
       [&](int i) { cuda_ok(cudaGraphLaunch(execs[static_cast<std::size_t>(i % variants)], stream), "graph launch"); },
       warmup, iters, stream, launch);
+}
+
+double measure_chained_launch_us(cudaStream_t stream) {
+  constexpr int kLinks = 256;
+  DeviceMemory counter = DeviceMemory::zeroed(sizeof(int));
+  const Timing t = time_graphs(
+      [&](int) {
+        for (int i = 0; i < kLinks; ++i) launch_chain_link(counter.get<int>(), stream);
+      },
+      1, 3, 20, stream);
+  return t.median_us / kLinks;
 }
 
 Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream) {

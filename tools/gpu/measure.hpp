@@ -44,8 +44,13 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
 // Captures `call(v)` for v = 0 .. variants-1 into one CUDA graph each, then times graph launches
 // (variant i % variants for call i) as time_calls does: what a decode step captured once and
 // replayed costs, without per-kernel launch overhead.
+// `launches`, when given, receives the kernel and memset nodes of variant 0's graph.
 Timing time_graphs(const std::function<void(int)>& call, int variants, int warmup, int iters, cudaStream_t stream,
-                   Launch launch = Launch::kQueued);
+                   Launch launch = Launch::kQueued, int* launches = nullptr);
+
+// What one dependent kernel costs in a graph with no work in it: the median time of a graph of
+// chained one-CTA kernels (launch_chain_link), over its length. µs.
+double measure_chained_launch_us(cudaStream_t stream);
 
 struct Ceilings {
   double read_gbps = 0;   // read-only streaming kernel, 16-byte loads

@@ -550,11 +550,13 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
   for (std::size_t i = 0; i < result.ops.size(); ++i) {
     setup.progress.update(what + "timing each op alone", static_cast<int>(i + 1), static_cast<int>(result.ops.size()));
     const StepOp op = result.ops[i].op;
+    int launches = 0;
     const Timing t = time_graphs(
         [&](int) {
           for (int l = 0; l < s.layers; ++l) ops.launch(op, l, stream, true);
         },
-        1, setup.job.warmup, setup.job.iters, stream);
+        1, setup.job.warmup, setup.job.iters, stream, Launch::kQueued, &launches);
+    result.ops[i].launches = static_cast<double>(launches) / std::max(s.layers, 1);
     result.ops[i].us = t.median_us;
     result.ops[i].p10_us = t.p10_us;
     result.ops[i].p90_us = t.p90_us;
@@ -575,7 +577,7 @@ std::string gigabytes(double bytes) {
 StepReport run_step_gpu(const StepRun& job) {
   const StepShape& s = job.shape;
   Progress progress("step", job.progress);
-  progress.update("measuring the copy bandwidth and the bf16 matrix rate");
+  progress.update("measuring the copy bandwidth, the bf16 matrix rate and a chained launch");
   BenchContext ctx;  // the device, a stream, and the bandwidth ceilings of this run
   const DeviceInfo& device = ctx.device;
   cudaStream_t stream = ctx.stream;
@@ -585,6 +587,7 @@ StepReport run_step_gpu(const StepRun& job) {
   report.device = ctx.report.device;
   report.read_gbps = ctx.report.read_gbps;
   report.copy_gbps = ctx.report.copy_gbps;
+  report.launch_us = measure_chained_launch_us(stream);
   report.matrix_tflops = matrix.tflops;
   report.matrix_how = matrix.how;
   report.shape = s;
