@@ -17,9 +17,9 @@
 //   * two chained kernels (chained_launch.cuh), after a memset of the row states: phase 1 in the
 //     first; in the second every CTA reads its logits again and finds T itself. The kernel boundary
 //     stands in for the second grid barrier. This path serves grids too large to be resident at
-//     once, and also a cleared state (below) with at most one CTA per SM, the decode of one layer at
-//     a small batch: there a chained boundary (about 0.5 us on an H200) costs less than a grid
-//     barrier (about 1.0 us) - docs/benchmarks.md, tenth session of 2026-12-01.
+//     once, and grids of at most one CTA per SM (the decode of one layer at a small batch): there a
+//     chained boundary (about 0.5 us on an H200) costs less than a grid barrier (about 1.0 us) -
+//     docs/benchmarks.md, tenth session of 2026-12-01.
 // On both paths the row's last CTA to finish phase 2 does phase 3; its arrival is one 64-bit atomic
 // that also tells it how many candidates the row listed. When the call before cleared the row
 // states (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier,
@@ -493,20 +493,25 @@ bool fits_at_once(std::int64_t ctas) {
   return device.cooperative && ctas <= static_cast<std::int64_t>(device.multiprocessors) * per_sm;
 }
 
-// The grid of `rows` rows in chunks of kThreads x kPer logits: the two chained kernels where
-// `chain` (or where the cooperative kernel's grid is not resident at once), else the cooperative
-// kernel.
+// The grid of `rows` rows in chunks of kThreads x kPer logits: the cooperative kernel when its grid
+// is resident at once, else the memset (unless cleared) and the two chained kernels; always the
+// latter at 2 logits per thread, which the launch picks only for grids of at most one CTA per SM (a
+// few long rows: one layer's decode at a small batch), where a kernel boundary costs less than a
+// grid barrier. H200, glm5 B 1 x 32K: dsa_decode 23.6 us against 24.7, the top-k alone (memset and
+// all) 9.6 us against 9.9.
 template <int kPer>
-void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, bool chain, cudaStream_t stream) {
+void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_t stream) {
   a.chunk_len = kThreads * kPer;
   a.chunks = a.max_len > 0 ? (a.max_len + a.chunk_len - 1) / a.chunk_len : 1;
   const std::int64_t ctas = rows * a.chunks;
   if (ctas > INT32_MAX) {
     throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of " + std::to_string(a.chunk_len));
   }
-  if (!chain && fits_at_once<kPer>(ctas)) {
-    launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
-    return;
+  if constexpr (kPer > 2) {
+    if (fits_at_once<kPer>(ctas)) {
+      launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
+      return;
+    }
   }
   if (!a.cleared) LKV_CUDA_CHECK("topk", cudaMemsetAsync(p.workspace, 0, state_bytes(p), stream));
   launch_chained("topk", topk_count_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
@@ -551,12 +556,10 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
   };
   const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
-  // A cleared state and at most one CTA per SM (a few long rows: one layer's decode at a small
-  // batch) take the chained kernels: a kernel boundary costs less than a grid barrier there.
-  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, a.cleared, stream);
-  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, false, stream);
-  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, false, stream);
-  launch_with<16>(a, rows, p, false, stream);
+  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, stream);
+  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, stream);
+  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, stream);
+  launch_with<16>(a, rows, p, stream);
 }
 
 }  // namespace latentkv::cuda
