@@ -41,7 +41,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
   const std::int64_t slot = a.slots[token];
   const std::uint16_t* src = a.latent + token * 576;
   const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4 chunk[3] = {};  // fp8: lane l's latent values [16 l, 16 l + 16) and rope chunk l (l < 8); bf16: chunks l, l + 32, l + 64
+  // fp8: lane l's latent values [16 l, 16 l + 16) and rope chunk l (l < 8); bf16: chunks l, l + 32,
+  // l + 64 of the 72.
+  uint4 chunk[3] = {};
   if (a.fp8) {
     chunk[0] = s[2 * lane];
     chunk[1] = s[2 * lane + 1];

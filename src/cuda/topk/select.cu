@@ -140,8 +140,9 @@ __device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Sc
 }
 
 // True in the one CTA of the row that arrives last at the 64-bit kSelectDone word (after all others
-// are done selecting), where each CTA also adds the candidates it listed: the last CTA learns from its
-// own atomic how many the row listed, with no further round trip. Returns that count in the last CTA, else UINT32_MAX.
+// are done selecting), where each CTA also adds the candidates it listed: the last CTA learns from
+// its own atomic how many the row listed, with no further round trip. Returns that count in the last
+// CTA, else UINT32_MAX.
 __device__ std::uint32_t arrive_last_listing(std::uint32_t* state, std::uint32_t ctas, std::uint32_t listed,
                                              std::uint32_t& shared) {
   static_assert(kSelectDone % 2 == 0 && kStateWords % 2 == 0, "a 64-bit word, 8-byte aligned in every row");
@@ -166,7 +167,6 @@ struct TopkShared {
   Scan::TempStorage scan;
   std::uint32_t result[2];
   std::uint32_t taken, ties, found;
-  bool last;
 };
 
 // This CTA's chunk of a row: positions base + j * kThreads + threadIdx.x, j < kPer.
