@@ -40,6 +40,9 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
   std::printf("ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write), 656-byte "
               "entries at random slots %.0f GB/s\n",
               r.read_gbps, r.copy_gbps, r.gather_gbps);
+  const bool graphs = r.timing == "CUDA graph replays";
+  std::printf("least call (this run): %.1f us, an empty one-CTA kernel timed as the calls below are (%s)\n",
+              graphs ? r.empty_graph_us : r.empty_launch_us, graphs ? "a one-kernel graph" : "one launch");
   const bool prefill = o.op.ends_with("prefill");
   const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
   const std::string queries = prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
@@ -85,6 +88,8 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
   j["read_gbps"] = r.read_gbps;
   j["copy_gbps"] = r.copy_gbps;
   j["gather_gbps"] = r.gather_gbps;
+  j["empty_launch_us"] = r.empty_launch_us;
+  j["empty_graph_us"] = r.empty_graph_us;
   j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
                 {"batch", o.batch},   {"context", o.context},   {"q_len", o.q_len},
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},

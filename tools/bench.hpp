@@ -53,6 +53,7 @@ inline void set_timing(BenchRow& row, double median_us, double p10_us, double p9
 struct BenchReport {
   std::string device;
   double read_gbps = 0, copy_gbps = 0, gather_gbps = 0;
+  double empty_launch_us = 0, empty_graph_us = 0;  // an empty kernel timed as the calls are (measure.hpp)
   int rotation_sets = 0;
   std::string timing = "stream launches";  // or "CUDA graph replays"
   double matrix_tflops = 0;                 // the matrix rate measured in the run, when the op needs it

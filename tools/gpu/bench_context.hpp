@@ -34,6 +34,8 @@ struct BenchContext {
     report.read_gbps = c.read_gbps;
     report.copy_gbps = c.copy_gbps;
     report.gather_gbps = c.gather_gbps;
+    report.empty_launch_us = c.empty_launch_us;
+    report.empty_graph_us = c.empty_graph_us;
   }
   BenchContext(const BenchContext&) = delete;
   BenchContext& operator=(const BenchContext&) = delete;

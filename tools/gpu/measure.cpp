@@ -194,6 +194,10 @@ Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t s
       },
       2, 7, stream);
   cuda_ok(cudaGetLastError(), "gather kernel");
+  DeviceMemory counter = DeviceMemory::zeroed(sizeof(int));
+  c.empty_launch_us = time_calls([&](int) { launch_chain_link(counter.get<int>(), stream); }, 5, 50, stream).median_us;
+  c.empty_graph_us =
+      time_graphs([&](int) { launch_chain_link(counter.get<int>(), stream); }, 1, 5, 50, stream).median_us;
   c.read_gbps = static_cast<double>(bytes) / (read.median_us * 1e3);
   c.copy_gbps = 2.0 * static_cast<double>(bytes) / (copy.median_us * 1e3);
   c.gather_gbps = static_cast<double>(kEntries * kEntryBytes) / (gather.median_us * 1e3);
