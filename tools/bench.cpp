@@ -41,8 +41,9 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
               "entries at random slots %.0f GB/s\n",
               r.read_gbps, r.copy_gbps, r.gather_gbps);
   const bool graphs = r.timing == "CUDA graph replays";
-  std::printf("least call (this run): %.1f us, an empty one-CTA kernel timed as the calls below are (%s)\n",
-              graphs ? r.empty_graph_us : r.empty_launch_us, graphs ? "a one-kernel graph" : "one launch");
+  std::printf("least call (this run): %.1f us, an empty one-CTA kernel as %s, queued behind a held GPU%s\n",
+              graphs ? r.empty_graph_us : r.empty_launch_us, graphs ? "a one-kernel graph" : "one launch",
+              o.launch == "paced" ? " (the calls below are paced by the host)" : ", as the calls below");
   const bool prefill = o.op.ends_with("prefill");
   const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
   const std::string queries = prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);

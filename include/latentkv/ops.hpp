@@ -113,8 +113,8 @@ struct TopkParams {
   std::size_t workspace_bytes = 0;
   // True when the first plan().cleared_bytes of the workspace are zero on entry, because the call
   // before it on the stream cleared them (IndexerLogitsParams::clear): the selection then skips
-  // clearing its row state itself (on the GPU, one grid-wide barrier fewer). Only for a call that
-  // follows such a clear: the selection's own calls leave the state dirty.
+  // clearing its row state itself (on the GPU, a memset or a grid-wide barrier fewer). Only for a
+  // call that follows such a clear: the selection's own calls leave the state dirty.
   bool workspace_cleared = false;
 };
 

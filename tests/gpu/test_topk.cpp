@@ -1,12 +1,13 @@
 // GPU top-k against the CPU reference (SPEC section 4.5): per query row, the physical slots of the
 // k largest visible logits in any order, ties broken either way (checked as in topk_check.hpp).
-// Logits past each row's visible positions are NaN (the kernel must never read them), the slots are
-// sentinel-filled with a guard of sentinels after them, the workspace starts as garbage (the kernel
-// must not count on zeroed scratch), page tables are shuffled. Every case runs twice: on that
+// Logits past each row's visible positions are NaN (the kernel may load them, never use them), the
+// slots are sentinel-filled with a guard of sentinels after them, the workspace starts as garbage
+// (the kernel must not count on zeroed scratch), page tables are shuffled. Every case runs twice: on that
 // workspace, then with the row state cleared beforehand and TopkParams::workspace_cleared set (as
 // dsa_decode's indexer leaves it), the rest of the workspace still garbage.
 //
-// Cases: a 128K-token row, a batch of 64 x 32K, lengths around k, causal rows (q_len 2-4), page
+// Cases: a 128K-token row, a batch of 64 x 32K, 160 rows of up to 32K (a grid that is not resident
+// at once: the two-kernel path), lengths around k, causal rows (q_len 2-4), page
 // sizes 1, 17 and 64, k 1, 7 and 2048, masses of ties, -inf logits among the visible ones, more
 // equal logits at the threshold than the kernel's candidate list holds, and spare logits columns.
 #include <gtest/gtest.h>

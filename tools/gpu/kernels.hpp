@@ -21,8 +21,8 @@ void launch_gather_read(const void* pool, std::int64_t pool_tokens, int token_by
 // behind it, so that their events measure the GPU's work and not the host's launches.
 void launch_hold(const volatile int* release, int* timed_out, unsigned long long timeout_ns, cudaStream_t stream);
 // One CTA that waits for the kernels before it (a chained launch, as the library's kernels are
-// launched), adds 1 to *counter and lets the next kernel start: a chain of these, captured in a
-// graph, times what one dependent kernel costs with no work in it.
+// launched), adds 1 to *counter (which the kernel before it wrote) and lets the next kernel start: a
+// chain of these, captured in a graph, times the least a dependent kernel costs.
 void launch_chain_link(int* counter, cudaStream_t stream);
 // n bf16 values, roughly N(0, stddev^2), from a counter-based generator.
 void launch_random_bf16(std::uint16_t* out, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t stream);

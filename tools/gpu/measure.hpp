@@ -57,9 +57,9 @@ struct Ceilings {
   double copy_gbps = 0;   // device-to-device copy, bytes read plus written
   double gather_gbps = 0; // 656-byte entries read at random slots (the sparse ops' access), one warp each
   std::size_t bytes = 0;  // bytes streamed per measurement
-  // The least a timed call costs: one one-CTA kernel that does nothing (launch_chain_link), timed as
-  // the calls are, launched into the stream (empty_launch_us) or as a one-kernel graph
-  // (empty_graph_us). µs, median.
+  // The least a timed call costs: one one-CTA kernel that does next to nothing (launch_chain_link),
+  // queued behind a held GPU as the benchmarks' calls are by default, launched into the stream
+  // (empty_launch_us) or as a one-kernel graph (empty_graph_us). µs, median.
   double empty_launch_us = 0, empty_graph_us = 0;
 };
 Ceilings measure_ceilings(std::size_t bytes, int multiprocessors, cudaStream_t stream);

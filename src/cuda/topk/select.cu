@@ -146,6 +146,7 @@ __device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Sc
 __device__ std::uint32_t arrive_last_listing(std::uint32_t* state, std::uint32_t ctas, std::uint32_t listed,
                                              std::uint32_t& shared) {
   static_assert(kSelectDone % 2 == 0 && kStateWords % 2 == 0, "a 64-bit word, 8-byte aligned in every row");
+  static_assert(kStateWords * 4 % 16 == 0, "the row states are cleared in 16-byte pieces (IndexerLogitsParams::clear)");
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a) 
 
 // Three CTAs per SM from 8 keys per thread (the many-row grids): without the bound, ptxas gave kPer
 // 16 118 registers (two CTAs); at it, kPer 8 and 16 spill a few words (the histogram loads kept in
-// flight with the logits). Fewer keys serve few rows (at most one CTA per SM when chained), and keep
+// flight with the logits). Fewer keys serve few rows (grids of at most two CTAs per SM), and keep
 // every load in registers.
 template <int kPer>
 __global__ void __launch_bounds__(kThreads, kPer >= 8 ? 3 : 1) topk_select_kernel(const TopkArgs a) {
