@@ -8,8 +8,10 @@
 //      histogram; the row's threshold digit T (where the k-th largest key falls) follows from it;
 //   2. each key above T is selected on the spot (its slot written to the output); keys in T's bin
 //      are listed, with their slots, as candidates;
-//   3. one CTA of the row resolves the remaining bits among the candidates (two histograms in
-//      shared memory) and selects the rest: the candidates above K*, then as many ties as needed.
+//   3. one CTA of the row resolves the remaining bits among the candidates (a histogram of the next
+//      10 bits in shared memory, then a direct ranking of the few keys left in that bin, or a
+//      histogram of the last 10 bits when it holds many) and selects the rest: the candidates
+//      above K*, then as many ties as needed, placed by block scans.
 // The phases run in one of two ways:
 //   * one cooperative kernel, when its whole grid fits on the GPU at once: grid barriers before
 //     and after phase 1, the logits read once, and every CTA finding T itself from the row's
@@ -60,6 +62,7 @@ constexpr int kTopBins = 1 << kTopBits;         // 4096
 constexpr int kMidBins = 1 << kMidBits;         // 1024
 constexpr int kLowBins = 1 << kLowBits;         // 1024
 constexpr int kCandidates = 3072;               // listed candidates per row
+constexpr std::uint32_t kShortBin = 64;         // the finisher ranks a bin of this many keys directly
 
 // A row's state in the workspace (32-bit words); zero at the start of phase 1 (cleared by this call,
 // or by the call before: TopkArgs::cleared).
@@ -72,6 +75,7 @@ enum StateWord : int {
 };
 
 using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+using Scan64 = cub::BlockScan<unsigned long long, kThreads>;
 
 struct TopkArgs {
   const float* logits;              // [rows, max_len]
@@ -108,18 +112,16 @@ __device__ __forceinline__ std::int32_t slot_of(const TopkArgs& a, int b, int t)
   return page < 0 ? -1 : page * a.page_size + t % a.page_size;
 }
 
-// The bin (counting down from the top) where the need-th largest key falls, and the keys above it.
-// Every thread gets the answer; the histogram must hold at least `need` keys.
-template <int kBins>
-__device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Scan::TempStorage& scan,
-                               std::uint32_t (&result)[2], std::uint32_t& bin, std::uint32_t& above) {
-  constexpr int kPer = kBins / kThreads;
-  std::uint32_t counts[kPer], local = 0;
+// The bin (counting down from the top) where the need-th largest key falls, and the keys above it,
+// from each thread's kPer bins counting down: counts[e] of bin kBins - 1 - (threadIdx.x * kPer + e).
+// Every thread gets the answer; the bins must hold at least `need` keys.
+template <int kPer>
+__device__ void find_threshold_in(const std::uint32_t (&counts)[kPer], std::uint32_t need, Scan::TempStorage& scan,
+                                  std::uint32_t (&result)[2], std::uint32_t& bin, std::uint32_t& above) {
+  constexpr int kBins = kPer * kThreads;
+  std::uint32_t local = 0;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    counts[e] = hist[kBins - 1 - (threadIdx.x * kPer + e)];
-    local += counts[e];
-  }
+  for (int e = 0; e < kPer; ++e) local += counts[e];
   std::uint32_t before;
   Scan(scan).ExclusiveSum(local, before);
   if (before < need && need <= before + local) {  // exactly one thread
@@ -137,6 +139,17 @@ __device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Sc
   bin = result[0];
   above = result[1];
   __syncthreads();  // result may be reused
+}
+
+// The same over a histogram in shared memory.
+template <int kBins>
+__device__ void find_threshold(const std::uint32_t* hist, std::uint32_t need, Scan::TempStorage& scan,
+                               std::uint32_t (&result)[2], std::uint32_t& bin, std::uint32_t& above) {
+  constexpr int kPer = kBins / kThreads;
+  std::uint32_t counts[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) counts[e] = hist[kBins - 1 - (threadIdx.x * kPer + e)];
+  find_threshold_in(counts, need, scan, result, bin, above);
 }
 
 // True in the one CTA of the row that arrives last at the 64-bit kSelectDone word (after all others
@@ -165,9 +178,12 @@ __device__ std::uint32_t arrive_last_listing(std::uint32_t* state, std::uint32_t
 struct TopkShared {
   std::uint32_t hist[kTopBins];
   uint2 cands[kCandidates];
-  Scan::TempStorage scan;
+  union {
+    Scan::TempStorage scan;
+    Scan64::TempStorage scan64;
+  };
   std::uint32_t result[2];
-  std::uint32_t taken, ties, found;
+  std::uint32_t in_bin, found;
 };
 
 // This CTA's chunk of a row: positions base + j * kThreads + threadIdx.x, j < kPer.
@@ -253,21 +269,28 @@ __device__ void publish_top_digits(const TopkShared& s, std::uint32_t* state) {
   }
 }
 
-// The row's whole histogram of top digits, all loads in flight at once (into registers; then
-// top_threshold).
+// The row's whole histogram of top digits, all loads in flight at once, straight into the order
+// find_threshold_in takes (thread t: the 16 bins below kTopBins - 16 t, counting down; four 16-byte
+// loads). Then top_threshold.
 using RowHistogram = std::uint32_t[kTopBins / kThreads];
 __device__ void load_histogram(const std::uint32_t* state, RowHistogram& counts) {
+  constexpr int kPer = kTopBins / kThreads;
+  static_assert(kHist == 0 && kPer % 4 == 0, "16-byte pieces of the histogram at the row state's start");
+  const uint4* words = reinterpret_cast<const uint4*>(state + kHist + kTopBins - kPer * (threadIdx.x + 1));
 #pragma unroll
-  for (int e = 0; e < kTopBins / kThreads; ++e) counts[e] = __ldcg(&state[kHist + e * kThreads + threadIdx.x]);
+  for (int q = 0; q < kPer / 4; ++q) {
+    const uint4 w = __ldcg(words + q);  // bins kTopBins - kPer (t + 1) + 4 q .. + 3
+    counts[kPer - 1 - 4 * q] = w.x;
+    counts[kPer - 2 - 4 * q] = w.y;
+    counts[kPer - 3 - 4 * q] = w.z;
+    counts[kPer - 4 - 4 * q] = w.w;
+  }
 }
 
 // The digit T holding the k-th largest key, and the keys above it, from the row's whole histogram.
 __device__ void top_threshold(const TopkArgs& a, TopkShared& s, const RowHistogram& counts, std::uint32_t& top,
                               std::uint32_t& above) {
-#pragma unroll
-  for (int e = 0; e < kTopBins / kThreads; ++e) s.hist[e * kThreads + threadIdx.x] = counts[e];
-  __syncthreads();
-  find_threshold<kTopBins>(s.hist, static_cast<std::uint32_t>(a.k), s.scan, s.result, top, above);
+  find_threshold_in(counts, static_cast<std::uint32_t>(a.k), s.scan, s.result, top, above);
 }
 
 // Phase 2: keys above T are selected on the spot, keys in T's bin listed as candidates with their
@@ -319,12 +342,21 @@ __device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const f
   return total >> 16;  // the candidates this CTA listed
 }
 
-// Phase 3, by one CTA of the row: the low 20 bits of K* among the `found` candidates, then the rest
-// of the selection (the candidates above K*, then as many ties as needed).
+// Phase 3, by one CTA of the row: the low 20 bits of K* among the `found` candidates (the keys in
+// T's bin), then the rest of the selection, every output position from a block scan or a rank (no
+// counter that all the selected keys would take turns at):
+//   * the candidates' next 10 bits (digit M) are counted, and the bin where the need-th largest
+//     falls found; the candidates above that bin are selected, placed after one scan;
+//   * the bin's own keys are listed. About one candidate in a thousand lies in it, so the list is
+//     short but for masses of near-equal logits, and each entry's rank in it (keys descending, then
+//     list order) is its place: those ranked below what is still needed are taken;
+//   * a longer bin counts its last 10 bits instead, and its keys above K*, then the ties needed, are
+//     placed after a second scan.
 __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std::uint32_t top,
                            std::uint32_t above, std::uint32_t found, const uint2* listed) {
   const float* x = a.logits + static_cast<std::int64_t>(c.row) * a.max_len;
   std::int32_t* out = a.slots + static_cast<std::int64_t>(c.row) * a.k;
+  const auto k = static_cast<std::uint32_t>(a.k);
   const bool cached = found <= kCandidates;
   const int count = static_cast<int>(min(found, static_cast<std::uint32_t>(kCandidates)));
   if (cached) {  // all loads in flight at once, then to shared memory
@@ -341,8 +373,9 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
       if (i < count) s.cands[i] = mine[e];
     }
   }
-  // Calls f(key) or f(key, slot) for every candidate: from shared memory, or the row's logits on
-  // overflow (the slot looked up only when f asks for it).
+  // Calls f(key, slot) for every candidate, slot() giving its slot: from shared memory, or the row's
+  // logits on overflow (the slot looked up only when f asks for it). A thread visits the same
+  // candidates in the same order every time, so a count in one pass places its keys in the next.
   const auto for_each = [&](auto&& f) {
     if (cached) {
       for (int i = threadIdx.x; i < count; i += kThreads) {
@@ -356,33 +389,84 @@ __device__ void finish_row(const TopkArgs& a, TopkShared& s, const Chunk& c, std
       }
     }
   };
+  const auto mid_of = [](std::uint32_t key) { return (key >> kLowBits) & (kMidBins - 1); };
+  // Output positions are checked against k: they stay below it unless the row state was dirty.
+  const auto put = [&](std::uint32_t at, std::int32_t slot) {
+    if (at < k) out[at] = slot;
+  };
 
-  std::uint32_t need = static_cast<std::uint32_t>(a.k) - above;
+  std::uint32_t need = k - above;
   for (int d = threadIdx.x; d < kMidBins; d += kThreads) s.hist[d] = 0;
+  if (threadIdx.x == 0) s.in_bin = 0;
   __syncthreads();
-  for_each([&](std::uint32_t key, auto) { atomicAdd(&s.hist[(key >> kLowBits) & (kMidBins - 1)], 1u); });
+  for_each([&](std::uint32_t key, auto) { atomicAdd(&s.hist[mid_of(key)], 1u); });
   __syncthreads();
   std::uint32_t mid, mid_above;
   find_threshold<kMidBins>(s.hist, need, s.scan, s.result, mid, mid_above);
-  need -= mid_above;
+  need -= mid_above;  // still to take from M's bin, placed from above + mid_above on
 
+  // The candidates above M's bin, counted, then placed; the bin's keys listed (the first kShortBin)
+  // over the histogram, free again.
+  uint2* bin_list = reinterpret_cast<uint2*>(s.hist);
+  std::uint32_t higher = 0;
+  for_each([&](std::uint32_t key, auto slot) {
+    const std::uint32_t digit = mid_of(key);
+    if (digit > mid) {
+      ++higher;
+    } else if (digit == mid) {
+      const std::uint32_t at = atomicAdd(&s.in_bin, 1u);
+      if (at < kShortBin) bin_list[at] = make_uint2(static_cast<std::uint32_t>(slot()), key);
+    }
+  });
+  __syncthreads();  // the list complete
+  std::uint32_t at;
+  Scan(s.scan).ExclusiveSum(higher, at);
+  at += above;
+  for_each([&](std::uint32_t key, auto slot) {
+    if (mid_of(key) > mid) put(at++, slot());
+  });
+  const std::uint32_t base = above + mid_above;  // where M's bin's share starts
+  const std::uint32_t in_bin = s.in_bin;
+  if (in_bin <= kShortBin) {
+    if (threadIdx.x < in_bin) {
+      const uint2 mine = bin_list[threadIdx.x];
+      std::uint32_t rank = 0;
+      for (std::uint32_t i = 0; i < in_bin; ++i) {
+        const std::uint32_t other = bin_list[i].y;
+        rank += other > mine.y || (other == mine.y && i < threadIdx.x) ? 1u : 0u;
+      }
+      if (rank < need) put(base + rank, static_cast<std::int32_t>(mine.x));
+    }
+    return;
+  }
+
+  // A long bin: its low digits counted, then its keys above K* and the ties needed placed by a scan
+  // of both counts (ties in the high word: masses of equal logits may hold more than 2^16).
+  __syncthreads();  // every thread has read in_bin before the list's words become bins again
   for (int d = threadIdx.x; d < kLowBins; d += kThreads) s.hist[d] = 0;
   __syncthreads();
   for_each([&](std::uint32_t key, auto) {
-    if (((key >> kLowBits) & (kMidBins - 1)) == mid) atomicAdd(&s.hist[key & (kLowBins - 1)], 1u);
+    if (mid_of(key) == mid) atomicAdd(&s.hist[key & (kLowBins - 1)], 1u);
   });
   __syncthreads();
   std::uint32_t low, low_above;
   find_threshold<kLowBins>(s.hist, need, s.scan, s.result, low, low_above);
-  need -= low_above;  // ties at K* still to take
-
+  const std::uint32_t ties = need - low_above;  // ties at K* to take
   const std::uint32_t kth = (top << kTopShift) | (mid << kLowBits) | low;
-  if (threadIdx.x == 0) s.taken = s.ties = 0;
-  __syncthreads();
+  unsigned long long counts = 0;
+  for_each([&](std::uint32_t key, auto) {
+    if (mid_of(key) == mid && key >= kth) counts += key > kth ? 1ull : 1ull << 32;
+  });
+  unsigned long long before;
+  Scan64(s.scan64).ExclusiveSum(counts, before);
+  std::uint32_t gt_at = base + static_cast<std::uint32_t>(before), tie = static_cast<std::uint32_t>(before >> 32);
   for_each([&](std::uint32_t key, auto slot) {
-    if (key > kth || (key == kth && atomicAdd(&s.ties, 1u) < need)) {
-      const std::uint32_t at = above + atomicAdd(&s.taken, 1u);
-      if (at < static_cast<std::uint32_t>(a.k)) out[at] = slot();  // as in select_above
+    if (mid_of(key) != mid || key < kth) return;
+    if (key > kth) {
+      put(gt_at++, slot());
+    } else {
+      if (tie < ties) put(base + low_above + tie, slot());
+      ++tie;
     }
   });
 }
