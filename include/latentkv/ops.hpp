@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "latentkv/cache.hpp"
+#include "latentkv/device_fault.hpp"
 #include "latentkv/fp8.hpp"
 #include "latentkv/tensor.hpp"
 
@@ -27,6 +28,9 @@ inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
 
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token).
+// Bad values (a slot outside the pool, a NaN or inf in a token's latent or key): the reference
+// throws before it writes anything; a GPU backend leaves each such token unwritten in both caches,
+// writes the others, and notes the first fault in `fault` when one is given.
 struct AppendParams {
   LatentCache cache;            // written at `slots`
   TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values
@@ -34,6 +38,7 @@ struct AppendParams {
   IndexerCache indexer;         // optional (data == nullptr skips it); same page_size and pool size
   TensorView indexer_keys;      // [n, 128] bf16, already rotated; required with `indexer`
   ScaleMode scale_mode = ScaleMode::kPow2;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Dense MLA decode: each query token attends to every cached token it can see.

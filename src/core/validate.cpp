@@ -15,6 +15,17 @@ void fail(std::string_view op, std::string_view argument, const std::string& val
   throw Error(std::string(op), std::string(argument), value, expected);
 }
 
+void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
+               std::int64_t num_slots) {
+  fail(op, std::string(argument) + " element " + std::to_string(index), std::to_string(slot),
+       "-1 (none) or a slot in 0 .. " + std::to_string(num_slots - 1));
+}
+
+void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index, std::uint16_t bits) {
+  fail(op, std::string(argument) + " element " + std::to_string(index), std::isnan(bf16_decode(bits)) ? "nan" : "inf",
+       "a finite value");
+}
+
 std::string describe(const TensorView& v) {
   if (!v.present()) return "absent";
   return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " +
@@ -146,10 +157,7 @@ void check_paging_values(std::string_view op, const TensorView& block_table, con
 void check_finite_bf16(std::string_view op, std::string_view arg, const TensorView& v) {
   const auto* bits = v.as<const std::uint16_t>();
   for (std::int64_t i = 0; i < v.numel(); ++i) {
-    if ((bits[i] & 0x7F80u) == 0x7F80u) {
-      fail(op, std::string(arg) + " element " + std::to_string(i),
-           std::isnan(bf16_decode(bits[i])) ? "nan" : "inf", "a finite value");
-    }
+    if ((bits[i] & 0x7F80u) == 0x7F80u) fail_nonfinite_bf16(op, arg, i, bits[i]);
   }
 }
 
@@ -191,10 +199,7 @@ void check_fp8_finite(std::string_view op, std::string_view arg, const TensorVie
 void check_slots(std::string_view op, std::string_view arg, const TensorView& slots, std::int64_t num_slots) {
   const auto* s = slots.as<const std::int32_t>();
   for (std::int64_t i = 0; i < slots.numel(); ++i) {
-    if (s[i] < -1 || s[i] >= num_slots) {
-      fail(op, std::string(arg) + " element " + std::to_string(i), std::to_string(s[i]),
-           "-1 (none) or a slot in 0 .. " + std::to_string(num_slots - 1));
-    }
+    if (s[i] < -1 || s[i] >= num_slots) fail_slot(op, arg, i, s[i], num_slots);
   }
 }
 

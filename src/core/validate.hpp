@@ -41,5 +41,11 @@ void validate_values(const IndexerPrefillParams& p);
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,
                        const std::string& expected);
 std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
+// The errors of a bad slot (element `index` of `argument`, outside -1 .. num_slots - 1) and of a
+// non-finite bf16 element: the reference's checks and the GPU's fault records (device_fault.cpp).
+[[noreturn]] void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
+                            std::int64_t num_slots);
+[[noreturn]] void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index,
+                                      std::uint16_t bits);
 
 }  // namespace latentkv::detail

@@ -113,6 +113,50 @@ TEST(BadInput, AppendNanOrInfLatentOrKeys) {
   EXPECT_FALSE(c.unchanged());
 }
 
+// A GPU append's fault record, as a kernel writes it for the same bad input, throws the very Error
+// the reference throws.
+TEST(BadInput, DeviceFaultsThrowTheReferencesErrors) {
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto fault = [](DeviceFaultCode code, std::int64_t index, std::int64_t value, std::int64_t bound) {
+    DeviceFault f;
+    f.code = static_cast<std::int32_t>(code);
+    f.index = index;
+    f.value = value;
+    f.bound = bound;
+    return f;
+  };
+  AppendCase c;
+  const std::int64_t num_slots = c.f.num_pages() * c.f.page_size;
+  c.slots.data<std::int32_t>()[1] = static_cast<std::int32_t>(num_slots + 3);
+  AppendParams p = c.params();
+  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendSlot, 1, num_slots + 3, num_slots)); }),
+            message([&] { cpu::append(p); }));
+  c.slots.data<std::int32_t>()[1] = -1;
+
+  const std::int64_t element = kQkDim + 570;  // in the rope part
+  c.latent.data<std::uint16_t>()[element] = kBf16Inf;
+  p = c.params();
+  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendLatent, element, kBf16Inf, 0)); }),
+            message([&] { cpu::append(p); }));
+  c.latent.data<std::uint16_t>()[element] = 0;
+
+  c.keys.data<std::uint16_t>()[2 * kIndexerDim + 5] = kBf16Nan;
+  p = c.params();
+  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendIndexerKey, 2 * kIndexerDim + 5, kBf16Nan, 0)); }),
+            message([&] { cpu::append(p); }));
+
+  EXPECT_NO_THROW(throw_device_fault(DeviceFault{}));  // a zeroed record: no fault
+  EXPECT_TRUE(throws_error([&] { throw_device_fault(fault(static_cast<DeviceFaultCode>(77), 0, 0, 0)); },
+                           "device fault", "code", "77"));
+}
+
 TEST(BadInput, AppendMismatchedIndexerCache) {
   AppendCase c;
   AppendParams p = c.params();

@@ -1,11 +1,16 @@
-// GPU append: the cache bytes it writes equal the CPU reference's, byte for byte.
+// GPU append: the cache bytes it writes equal the CPU reference's, byte for byte; a token the
+// reference refuses (a slot outside the pool, a NaN or inf in its latent or key) is left unwritten
+// and noted in the call's fault record, as the Error the reference throws.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "cpu/reference.hpp"
+#include "support/expect_error.hpp"
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
 #include "support/paged_fixture.hpp"
@@ -79,6 +84,117 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuAppend,
                                            AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 17},
                                            AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 64},
                                            AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 3}));
+
+// Each bad token goes with the fixture's good ones, into a slot no request uses (or outside the
+// pool): the caches must come out as the reference writes the good tokens alone, and the record
+// must name the bad element as the reference's Error does.
+class GpuAppendFaults : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
+  LKV_REQUIRE_GPU();
+  const KvDtype dtype = GetParam();
+  Rng rng = test_rng();
+  PagedFixtureOptions o;
+  o.page_size = 16;
+  o.lengths = {5, 40};
+  o.spare_pages = 2;
+  o.kv_dtype = dtype;
+  PagedFixture f = make_paged_fixture(o, rng);
+  std::vector<std::int32_t> good;
+  for (std::int64_t b = 0; b < f.batch(); ++b) {
+    const auto s = f.slots(b, f.seq_lens[static_cast<std::size_t>(b)]);
+    good.insert(good.end(), s.begin(), s.end());
+  }
+  std::int32_t free_slot = 0;
+  while (std::find(good.begin(), good.end(), free_slot) != good.end()) ++free_slot;
+  const auto n = static_cast<std::int64_t>(good.size());
+  const std::int64_t num_slots = f.num_pages() * f.page_size;
+
+  std::vector<std::uint8_t> cache(f.cache_bytes.size());
+  poison_latent_cache(cache, dtype);
+  std::vector<std::uint8_t> indexer(f.indexer_bytes.size());
+  poison_indexer_cache(indexer, o.page_size);
+  DeviceBuffer d_cache(cache), d_indexer(indexer), d_fault(sizeof(DeviceFault));
+
+  struct Bad {
+    const char* what;
+    std::int32_t slot;
+    int latent_nan[3];  // elements of the bad token's latent set to NaN (-1: none); the lowest is named
+    int latent_inf;
+    int key_nan;
+    const char* argument;
+    std::string value;
+  };
+  const Bad cases[] = {
+      // 98 and 105: one lane's two chunks; 300: another lane's
+      {"three NaNs in the latent", free_slot, {300, 105, 98}, -1, -1, "latent element", "nan"},
+      {"inf in the rope", free_slot, {-1, -1, -1}, 570, -1, "latent element", "inf"},
+      {"NaN in the key", free_slot, {-1, -1, -1}, -1, 7, "indexer_keys element", "nan"},
+      {"a slot past the pool", static_cast<std::int32_t>(num_slots), {-1, -1, -1}, -1, -1, "slots element",
+       std::to_string(num_slots)},
+      {"a slot below -1", -2, {-1, -1, -1}, -1, -1, "slots element", "-2"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    std::vector<std::int32_t> slots = good;
+    slots.push_back(bad.slot);
+    std::vector<std::uint16_t> latents(f.latents.begin(), f.latents.begin() + n * 576);
+    latents.resize(static_cast<std::size_t>(n + 1) * 576, 0x3F80);
+    std::vector<std::uint16_t> keys(f.keys.begin(), f.keys.begin() + n * 128);
+    keys.resize(static_cast<std::size_t>(n + 1) * 128, 0x3F80);
+    std::int64_t element = -1;
+    for (int e : bad.latent_nan) {
+      if (e < 0) continue;
+      latents[static_cast<std::size_t>(n * 576 + e)] = 0x7FC0;
+      element = element < 0 ? n * 576 + e : std::min(element, n * 576 + e);
+    }
+    if (bad.latent_inf >= 0) latents[static_cast<std::size_t>(element = n * 576 + bad.latent_inf)] = 0x7F80;
+    if (bad.key_nan >= 0) keys[static_cast<std::size_t>(element = n * 128 + bad.key_nan)] = 0xFFC1;
+    DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
+    LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
+
+    AppendParams p;
+    p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
+    p.indexer = f.indexer(d_indexer.get<std::uint8_t>(), Device::cuda());
+    p.latent = TensorView::contiguous(d_latents.get(), DType::kBF16, {n + 1, 576}, Device::cuda());
+    p.indexer_keys = TensorView::contiguous(d_keys.get(), DType::kBF16, {n + 1, 128}, Device::cuda());
+    p.slots = TensorView::contiguous(d_slots.get(), DType::kI32, {n + 1}, Device::cuda());
+    p.fault = d_fault.get<DeviceFault>();
+    run(*find_backend("cuda"), p);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+
+    DeviceFault fault;
+    d_fault.download(&fault, sizeof fault);
+    const std::string argument = element >= 0 ? std::string(bad.argument) + " " + std::to_string(element)
+                                              : std::string(bad.argument) + " " + std::to_string(n);
+    EXPECT_TRUE(throws_error([&] { throw_device_fault(fault); }, "append", argument, bad.value));
+    EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == f.cache_bytes) << "the main cache is not the good tokens' alone";
+    EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == f.indexer_bytes) << "the indexer cache is not the good tokens' alone";
+  }
+
+  // Good tokens alone leave the record empty.
+  DeviceBuffer d_latents(std::vector<std::uint16_t>(f.latents.begin(), f.latents.begin() + n * 576));
+  DeviceBuffer d_keys(std::vector<std::uint16_t>(f.keys.begin(), f.keys.begin() + n * 128)), d_slots(good);
+  LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
+  AppendParams p;
+  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
+  p.indexer = f.indexer(d_indexer.get<std::uint8_t>(), Device::cuda());
+  p.latent = TensorView::contiguous(d_latents.get(), DType::kBF16, {n, 576}, Device::cuda());
+  p.indexer_keys = TensorView::contiguous(d_keys.get(), DType::kBF16, {n, 128}, Device::cuda());
+  p.slots = TensorView::contiguous(d_slots.get(), DType::kI32, {n}, Device::cuda());
+  p.fault = d_fault.get<DeviceFault>();
+  run(*find_backend("cuda"), p);
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+  DeviceFault fault;
+  d_fault.download(&fault, sizeof fault);
+  EXPECT_EQ(fault.code, 0);
+  EXPECT_NO_THROW(throw_device_fault(fault));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuAppendFaults, ::testing::Values(KvDtype::kFp8E4M3, KvDtype::kBf16),
+                         [](const ::testing::TestParamInfo<KvDtype>& info) {
+                           return std::string(kv_dtype_name(info.param));
+                         });
 
 }  // namespace
 }  // namespace latentkv::testing

@@ -165,9 +165,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMlaDecode, ::testing::ValuesIn(cases()),
                            return s;
                          });
 
-// A NaN code (0x7F: what the GPU append writes for a NaN latent) in a visible token makes that
-// request's outputs NaN, as in the reference, on every kernel: the wgmma kernel's integer conversion
-// must not turn it into a finite value. 64 heads take the wgmma kernel on sm_90, 8 the narrow one;
+// A NaN code (0x7F, which a cache written by other code may hold: the appends refuse NaN) in a
+// visible token makes that request's outputs NaN, as in the reference, on every kernel: the wgmma
+// kernel's integer conversion must not turn it into a finite value. 64 heads take the wgmma kernel on sm_90, 8 the narrow one;
 // LATENTKV_MLA_KERNEL=mma reruns 64 heads on the mma.sync kernel.
 TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   LKV_REQUIRE_GPU();

@@ -10,6 +10,7 @@
 #include "cpu/reference.hpp"
 #include "gpu/kernels.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/device_fault.hpp"
 #include "latentkv/ops.hpp"
 
 namespace latentkv::tools::gpu {
@@ -29,6 +30,7 @@ DevicePool::DevicePool(std::int64_t pool_tokens, int page_size_, KvDtype dtype_,
   std::vector<std::int32_t> host_slots(static_cast<std::size_t>(kChunk));
   const Backend* cuda = find_backend("cuda");
   if (cuda == nullptr) throw std::runtime_error("the cuda backend is not registered");
+  const DeviceMemory fault = DeviceMemory::zeroed(sizeof(DeviceFault));  // a token the append refused
   for (std::int64_t first = 0; first < slots; first += kChunk) {
     const std::int64_t n = std::min(kChunk, slots - first);
     launch_random_bf16(latents.get<std::uint16_t>(), static_cast<std::size_t>(n) * 576, seed + first, 1.0f, stream);
@@ -44,9 +46,13 @@ DevicePool::DevicePool(std::int64_t pool_tokens, int page_size_, KvDtype dtype_,
       p.indexer = indexer();
       p.indexer_keys = TensorView::contiguous(keys.get(), DType::kBF16, {n, 128}, Device::cuda());
     }
+    p.fault = fault.get<DeviceFault>();
     run(*cuda, p, {stream});
     cuda_ok(cudaStreamSynchronize(stream), "pool fill");
   }
+  DeviceFault first_fault;
+  cuda_ok(cudaMemcpy(&first_fault, fault.get(), sizeof first_fault, cudaMemcpyDeviceToHost), "the fill's fault record");
+  throw_device_fault(first_fault);
 }
 
 LatentCache DevicePool::cache() const {

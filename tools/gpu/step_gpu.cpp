@@ -25,6 +25,7 @@
 #include "gpu/measure.hpp"
 #include "gpu/pool.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/device_fault.hpp"
 #include "latentkv/dsa.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/model.hpp"
@@ -200,10 +201,18 @@ class StrategyOps {
     return op == StepOp::kSparseDecode || op == StepOp::kDenseDecode ? *decode_ : *native_;
   }
   int num_splits() const { return spec_.dense ? dense_plan_.num_splits : dsa_plan_.sparse.num_splits; }
+  // Throws the Error of the first token the layers' appends refused (a bad slot, a NaN or inf in
+  // its inputs) since bind(); returns when there was none.
+  void throw_append_fault() const {
+    DeviceFault f;
+    cuda_ok(cudaMemcpy(&f, append_fault_.get(), sizeof f, cudaMemcpyDeviceToHost), "the appends' fault record");
+    throw_device_fault(f);
+  }
 
   // Binds every layer's ops to its caches and the buffers, with a workspace of workspace_bytes().
   void bind(const StepBuffers& buffers, const std::vector<std::unique_ptr<DevicePool>>& pools) {
     workspace_ = DeviceMemory::zeroed(workspace_bytes_);
+    append_fault_ = DeviceMemory::zeroed(sizeof(DeviceFault));
     for (int l = 0; l < s_.layers; ++l) {
       const DevicePool& pool = *pools[static_cast<std::size_t>(l)];
       AppendParams a;
@@ -212,6 +221,7 @@ class StrategyOps {
       a.latent = buffers.latent(l);
       a.indexer_keys = buffers.keys(l);
       a.slots = buffers.new_slots();
+      a.fault = append_fault_.get<DeviceFault>();
       appends_.push_back(a);
       if (spec_.dense) {
         MlaDecodeParams d = dense_args(buffers, l, pool.cache());
@@ -354,6 +364,7 @@ class StrategyOps {
   Plan dense_plan_;
   std::size_t workspace_bytes_ = 0;
   DeviceMemory workspace_;              // shared by the layers: they run one after another
+  DeviceMemory append_fault_;           // the layers' appends' fault record (a token they refused)
   std::vector<AppendParams> appends_;   // per layer
   std::vector<DsaSteps> sparse_;        // per layer (sparse path), views into workspace_
   std::vector<MlaDecodeParams> dense_;  // per layer (dense path)
@@ -528,6 +539,12 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
   ops.bind(setup.buffers, setup.pools);
   ops.launch_step(stream);  // once eagerly: errors surface here, outside any capture
   cuda_ok(cudaStreamSynchronize(stream), ("the step of " + result.name).c_str());
+  try {
+    ops.throw_append_fault();
+  } catch (const Error& e) {
+    result.status = std::string("FAIL: ") + e.what();
+    return;
+  }
   const Graph step(stream, [&] { ops.launch_step(stream); });
 
   if (setup.job.check_requests > 0) {

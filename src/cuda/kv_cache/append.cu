@@ -1,5 +1,7 @@
 // append: quantize new tokens and write them into the main latent cache and the indexer key cache.
-// One warp per token. Bit-identical to the CPU reference (src/cpu/append.cpp).
+// One warp per token. Bit-identical to the CPU reference (src/cpu/append.cpp). A token the reference
+// would refuse (a slot outside the pool; a NaN or inf in its latent or key) is left unwritten, and
+// noted in the call's fault record when it has one (latentkv/device_fault.hpp).
 #include <cstdint>
 
 #include "cuda/common/chained_launch.cuh"
@@ -23,11 +25,81 @@ struct AppendArgs {
   int page_size;
   bool fp8;
   bool pow2;
+  DeviceFault* fault;                 // or null
 };
 
 __device__ __forceinline__ float abs_max_over(float v, int width) {
   for (int offset = width / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
+}
+
+// Whether every bf16 of the lane's latent chunks and key words is finite (exponent not all ones),
+// the unloaded ones being zero: a half's exponent bits plus one in their lowest place carry into
+// its top bit only when they are all ones, so one add per word and an OR over the words tell.
+__device__ __forceinline__ bool all_finite(const uint4 (&chunk)[3], const uint2& key) {
+  const std::uint32_t words[14] = {chunk[0].x, chunk[0].y, chunk[0].z, chunk[0].w, chunk[1].x, chunk[1].y, chunk[1].z,
+                                   chunk[1].w, chunk[2].x, chunk[2].y, chunk[2].z, chunk[2].w, key.x,      key.y};
+  std::uint32_t carries = 0;
+#pragma unroll
+  for (const std::uint32_t w : words) carries |= (w & 0x7F807F80u) + 0x00800080u;
+  return (carries & 0x80008000u) == 0;
+}
+
+// The first element (0-7) of the eight bf16 in `c` whose exponent is all ones (inf or NaN), or -1;
+// `bits` gets its bits.
+__device__ int first_nonfinite(const uint4& c, std::uint32_t& bits) {
+  const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
+  for (int i = 0; i < 8; ++i) {
+    const std::uint32_t b = (words[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+    if ((b & 0x7F80u) == 0x7F80u) {
+      bits = b;
+      return i;
+    }
+  }
+  return -1;
+}
+
+// Notes a fault in the record unless it holds one already (the first stays).
+__device__ void record_fault(DeviceFault* f, DeviceFaultCode code, std::int64_t index, std::int64_t value,
+                             std::int64_t bound) {
+  if (f == nullptr) return;
+  if (atomicCAS(&f->code, 0, static_cast<std::int32_t>(code)) == 0) {
+    f->index = index;
+    f->value = value;
+    f->bound = bound;
+  }
+}
+
+// A token with a non-finite value: its lowest such element over the warp (each lane's candidate
+// `element`, -1 for none, with its bits) recorded with `code` by the lane that holds it. True when
+// there is one.
+__device__ bool record_nonfinite(const AppendArgs& a, DeviceFaultCode code, std::int64_t row, int width, int element,
+                                 std::uint32_t bits) {
+  if (__ballot_sync(0xffffffffu, element >= 0) == 0) return false;
+  int lowest = element >= 0 ? element : INT32_MAX;
+  for (int off = 16; off > 0; off /= 2) lowest = min(lowest, __shfl_xor_sync(0xffffffffu, lowest, off));
+  if (element == lowest) record_fault(a.fault, code, row * width + element, bits, 0);
+  return true;
+}
+
+// The fault of a refused token (the whole warp): the lowest non-finite latent element, else the
+// lowest non-finite key element. Lane l holds latent chunks 2l, 2l + 1 and rope chunk 64 + l on an
+// fp8 cache, chunks l, l + 32 and l + 64 on a bf16 one (8 elements each), and key elements 4l .. 4l + 3.
+__device__ void refuse(const AppendArgs& a, std::int64_t token, int lane, const uint4 (&chunk)[3], const uint2& key) {
+  const int at[3] = {a.fp8 ? 2 * lane : lane, a.fp8 ? 2 * lane + 1 : lane + 32, a.fp8 ? 64 + lane : lane + 64};
+  int element = -1;
+  std::uint32_t bits = 0;
+  for (int c = 2; c >= 0; --c) {  // falling order: the last found is the lowest
+    std::uint32_t b = 0;
+    const int i = first_nonfinite(chunk[c], b);
+    if (i >= 0) {
+      element = 8 * at[c] + i;
+      bits = b;
+    }
+  }
+  if (record_nonfinite(a, DeviceFaultCode::kAppendLatent, token, 576, element, bits)) return;
+  const int i = first_nonfinite(make_uint4(key.x, key.y, 0u, 0u), bits);
+  record_nonfinite(a, DeviceFaultCode::kAppendIndexerKey, token, 128, i >= 0 ? 4 * lane + i : -1, bits);
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs a) {
@@ -55,7 +127,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
   }
   uint2 key = {};
   if (a.indexer != nullptr) key = reinterpret_cast<const uint2*>(a.indexer_keys + token * 128)[lane];
-  if (slot < 0 || slot >= a.num_slots) return;
+  // Refused (as the reference refuses the whole call): a non-finite latent or key value. The test
+  // and its vote go out with the conversion below (nothing there depends on them) and are read
+  // only before the first store.
+  const bool finite = __all_sync(0xffffffffu, all_finite(chunk, key));
+
+  // fp8 latent: lane l holds values [16 l, 16 l + 16), in scale block l / 8.
+  std::uint32_t codes[4] = {0, 0, 0, 0};
+  float scale = 0.0f;
+  if (a.fp8) {
+    float v[16];
+    const float amax = abs_max_over(unpack_bf16x16(chunk[0], chunk[1], v), 8);
+    scale = block_scale(amax, a.pow2);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      codes[i / 4] |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(v[i], scale))) << (8 * (i % 4));
+    }
+  }
+  if (slot < -1 || slot >= a.num_slots) {
+    if (lane == 0) record_fault(a.fault, DeviceFaultCode::kAppendSlot, token, slot, a.num_slots);
+    return;
+  }
+  if (slot == -1) return;
+  if (!finite) {
+    refuse(a, token, lane, chunk, key);
+    return;
+  }
 
   if (!a.fp8) {  // bf16 cache: 1152 bytes verbatim, 72 chunks of 16 bytes
     uint4* d = reinterpret_cast<uint4*>(a.cache + slot * 1152);
@@ -64,36 +161,26 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     }
   } else {
     std::uint8_t* dst = a.cache + slot * 656;
-    // Lane l holds latent values [16 l, 16 l + 16), in scale block l / 8.
-    float v[16];
-    const float amax = abs_max_over(unpack_bf16x16(chunk[0], chunk[1], v), 8);
-    const float scale = block_scale(amax, a.pow2);
-    std::uint32_t packed[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      packed[i / 4] |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(v[i], scale))) << (8 * (i % 4));
-    }
-    reinterpret_cast<uint4*>(dst)[lane] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    reinterpret_cast<uint4*>(dst)[lane] = make_uint4(codes[0], codes[1], codes[2], codes[3]);
     if (lane % 8 == 0) reinterpret_cast<float*>(dst + 512)[lane / 8] = scale;
     if (lane < 8) reinterpret_cast<uint4*>(dst + 528)[lane] = chunk[2];
   }
 
   if (a.indexer != nullptr) {
     // Lane l holds key values [4 l, 4 l + 4); one scale for all 128.
-    const uint2 w = key;
-    const float k[4] = {bf16_bits_to_float(w.x & 0xFFFFu), bf16_bits_to_float(w.x >> 16),
-                        bf16_bits_to_float(w.y & 0xFFFFu), bf16_bits_to_float(w.y >> 16)};
+    const float k[4] = {bf16_bits_to_float(key.x & 0xFFFFu), bf16_bits_to_float(key.x >> 16),
+                        bf16_bits_to_float(key.y & 0xFFFFu), bf16_bits_to_float(key.y >> 16)};
     const float amax = abs_max_over(fmaxf(fmaxf(fabsf(k[0]), fabsf(k[1])), fmaxf(fabsf(k[2]), fabsf(k[3]))), 32);
-    const float scale = block_scale(amax, a.pow2);
+    const float key_scale = block_scale(amax, a.pow2);
     std::uint32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) packed |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(k[i], scale))) << (8 * i);
+    for (int i = 0; i < 4; ++i) packed |= static_cast<std::uint32_t>(encode_fp8(__fdiv_rn(k[i], key_scale))) << (8 * i);
     const std::int64_t page = slot / a.page_size, offset = slot % a.page_size;
     std::uint8_t* page_base = a.indexer + page * static_cast<std::int64_t>(a.page_size) * 132;
     reinterpret_cast<std::uint32_t*>(page_base + offset * 128)[lane] = packed;
     if (lane == 0) {
       // The scale area may sit at any 4-byte boundary (page_size * 128 is a multiple of 4).
-      reinterpret_cast<float*>(page_base + static_cast<std::int64_t>(a.page_size) * 128)[offset] = scale;
+      reinterpret_cast<float*>(page_base + static_cast<std::int64_t>(a.page_size) * 128)[offset] = key_scale;
     }
   }
 }
@@ -112,6 +199,8 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   a.page_size = p.cache.page_size;
   a.fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   a.pow2 = p.scale_mode == ScaleMode::kPow2;
+  a.fault = p.fault;
+  if (a.fault != nullptr) check_aligned("append", "fault", a.fault, 8);
   if (a.n == 0) return;
   const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
   launch_chained("append", append_kernel, blocks, kWarpsPerBlock * 32, 0, stream, false, a);
