@@ -4,9 +4,9 @@
 // inside the pool, no NaN in the latents, ...). A GPU op cannot have its device-resident values
 // checked by the host without a round trip, and under a captured CUDA graph they change from replay
 // to replay; so the kernel checks them itself, skips what it cannot use (a token it would write
-// wrongly is left unwritten) and, when the call is given a fault record, notes the first fault
-// there. After the stream has run, copy the record to the host and pass it to throw_device_fault():
-// it raises the Error the reference raises for the same input, e.g.
+// wrongly is left unwritten) and, when the call is given a fault record, notes a fault there (the
+// first one recorded stays). After the stream has run, copy the record to the host and pass it to
+// throw_device_fault(): it raises the Error the reference raises for that bad element, e.g.
 //   append: argument 'latent element 1730' = nan: expected a finite value
 #pragma once
 
@@ -23,8 +23,10 @@ enum class DeviceFaultCode : std::int32_t {
 
 // One record in device memory, owned by the caller and zeroed (all bytes 0: no fault) before the
 // first call that is given it. A call writes it only while it holds no fault, so the first fault
-// recorded stays until the caller zeroes the record again; which of several faulty elements is
-// recorded first is not fixed. GPU backends only: the reference throws the Error itself.
+// recorded stays until the caller zeroes the record again. Within a token the record names what
+// the reference would (its slot, else its lowest bad latent element, else its lowest bad key
+// element); among several bad tokens, which is recorded first is not fixed, where the reference
+// names the lowest. GPU backends only: the reference throws the Error itself.
 struct DeviceFault {
   std::int32_t code = 0;   // a DeviceFaultCode
   std::int32_t unused = 0;

@@ -30,7 +30,7 @@ inline constexpr int kMaxTopk = 2048;
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token).
 // Bad values (a slot outside the pool, a NaN or inf in a token's latent or key): the reference
 // throws before it writes anything; a GPU backend leaves each such token unwritten in both caches,
-// writes the others, and notes the first fault in `fault` when one is given.
+// writes the others, and notes one such fault in `fault` when one is given.
 struct AppendParams {
   LatentCache cache;            // written at `slots`
   TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values

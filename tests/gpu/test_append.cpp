@@ -119,20 +119,23 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   struct Bad {
     const char* what;
     std::int32_t slot;
-    int latent_nan[3];  // elements of the bad token's latent set to NaN (-1: none); the lowest is named
+    int latent_nan[3];  // elements of the bad token's latent set to NaN (-1: none)
     int latent_inf;
     int key_nan;
-    const char* argument;
+    const char* named;  // the argument the record names: "slots", "latent" (its lowest bad element), "indexer_keys"
     std::string value;
   };
   const Bad cases[] = {
-      // 98 and 105: one lane's two chunks; 300: another lane's
-      {"three NaNs in the latent", free_slot, {300, 105, 98}, -1, -1, "latent element", "nan"},
-      {"inf in the rope", free_slot, {-1, -1, -1}, 570, -1, "latent element", "inf"},
-      {"NaN in the key", free_slot, {-1, -1, -1}, -1, 7, "indexer_keys element", "nan"},
-      {"a slot past the pool", static_cast<std::int32_t>(num_slots), {-1, -1, -1}, -1, -1, "slots element",
+      // fp8 cache: 98 and 105 in one lane's two chunks, 300 in another lane's; bf16: three lanes
+      {"three NaNs in the latent", free_slot, {300, 105, 98}, -1, -1, "latent", "nan"},
+      {"inf in the rope", free_slot, {-1, -1, -1}, 570, -1, "latent", "inf"},
+      {"NaN in the key", free_slot, {-1, -1, -1}, -1, 7, "indexer_keys", "nan"},
+      {"NaN in the latent and the key", free_slot, {200, -1, -1}, -1, 5, "latent", "nan"},
+      {"NaN in a token without a slot", -1, {40, -1, -1}, -1, -1, "latent", "nan"},
+      {"a slot past the pool", static_cast<std::int32_t>(num_slots), {-1, -1, -1}, -1, -1, "slots",
        std::to_string(num_slots)},
-      {"a slot below -1", -2, {-1, -1, -1}, -1, -1, "slots element", "-2"},
+      {"a slot below -1", -2, {-1, -1, -1}, -1, -1, "slots", "-2"},
+      {"a slot below -1 and a NaN", -2, {3, -1, -1}, -1, -1, "slots", "-2"},
   };
   for (const Bad& bad : cases) {
     SCOPED_TRACE(bad.what);
@@ -142,14 +145,19 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
     latents.resize(static_cast<std::size_t>(n + 1) * 576, 0x3F80);
     std::vector<std::uint16_t> keys(f.keys.begin(), f.keys.begin() + n * 128);
     keys.resize(static_cast<std::size_t>(n + 1) * 128, 0x3F80);
-    std::int64_t element = -1;
+    std::int64_t lowest_latent = 576;  // of the bad token's latent elements
     for (int e : bad.latent_nan) {
       if (e < 0) continue;
       latents[static_cast<std::size_t>(n * 576 + e)] = 0x7FC0;
-      element = element < 0 ? n * 576 + e : std::min(element, n * 576 + e);
+      lowest_latent = std::min<std::int64_t>(lowest_latent, e);
     }
-    if (bad.latent_inf >= 0) latents[static_cast<std::size_t>(element = n * 576 + bad.latent_inf)] = 0x7F80;
-    if (bad.key_nan >= 0) keys[static_cast<std::size_t>(element = n * 128 + bad.key_nan)] = 0xFFC1;
+    if (bad.latent_inf >= 0) {
+      latents[static_cast<std::size_t>(n * 576 + bad.latent_inf)] = 0x7F80;
+      lowest_latent = std::min<std::int64_t>(lowest_latent, bad.latent_inf);
+    }
+    if (bad.key_nan >= 0) keys[static_cast<std::size_t>(n * 128 + bad.key_nan)] = 0xFFC1;
+    const std::string named = bad.named;
+    const std::int64_t index = named == "slots" ? n : named == "latent" ? n * 576 + lowest_latent : n * 128 + bad.key_nan;
     DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
     LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
 
@@ -165,9 +173,9 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
 
     DeviceFault fault;
     d_fault.download(&fault, sizeof fault);
-    const std::string argument = element >= 0 ? std::string(bad.argument) + " " + std::to_string(element)
-                                              : std::string(bad.argument) + " " + std::to_string(n);
-    EXPECT_TRUE(throws_error([&] { throw_device_fault(fault); }, "append", argument, bad.value));
+    EXPECT_TRUE(throws_error([&] { throw_device_fault(fault); }, "append", named + " element " + std::to_string(index),
+                             bad.value));
+    if (named == "slots") EXPECT_EQ(fault.bound, num_slots);
     EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == f.cache_bytes) << "the main cache is not the good tokens' alone";
     EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == f.indexer_bytes) << "the indexer cache is not the good tokens' alone";
   }

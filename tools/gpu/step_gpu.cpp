@@ -201,8 +201,8 @@ class StrategyOps {
     return op == StepOp::kSparseDecode || op == StepOp::kDenseDecode ? *decode_ : *native_;
   }
   int num_splits() const { return spec_.dense ? dense_plan_.num_splits : dsa_plan_.sparse.num_splits; }
-  // Throws the Error of the first token the layers' appends refused (a bad slot, a NaN or inf in
-  // its inputs) since bind(); returns when there was none.
+  // Throws the Error of a token the layers' appends refused since bind() (a bad slot, a NaN or inf
+  // in its inputs: the first one recorded); returns when there was none.
   void throw_append_fault() const {
     DeviceFault f;
     cuda_ok(cudaMemcpy(&f, append_fault_.get(), sizeof f, cudaMemcpyDeviceToHost), "the appends' fault record");

@@ -148,11 +148,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     if (lane == 0) record_fault(a.fault, DeviceFaultCode::kAppendSlot, token, slot, a.num_slots);
     return;
   }
-  if (slot == -1) return;
-  if (!finite) {
+  if (!finite) {  // noted whatever the slot, -1 too: the reference checks every token's values
     refuse(a, token, lane, chunk, key);
     return;
   }
+  if (slot == -1) return;
 
   if (!a.fp8) {  // bf16 cache: 1152 bytes verbatim, 72 chunks of 16 bytes
     uint4* d = reinterpret_cast<uint4*>(a.cache + slot * 1152);
