@@ -20,6 +20,20 @@ namespace {
 
 using AppendCase = std::tuple<KvDtype, ScaleMode, int /*page_size*/>;
 
+// An append of n tokens (latents [n, 576], keys [n, 128], slots [n], all on the device) into the
+// fixture's caches held at `cache` and `indexer`.
+AppendParams device_append(const PagedFixture& f, const DeviceBuffer& cache, const DeviceBuffer& indexer,
+                           const DeviceBuffer& latents, const DeviceBuffer& keys, const DeviceBuffer& slots,
+                           std::int64_t n) {
+  AppendParams p;
+  p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+  p.indexer = f.indexer(indexer.get<std::uint8_t>(), Device::cuda());
+  p.latent = TensorView::contiguous(latents.get(), DType::kBF16, {n, 576}, Device::cuda());
+  p.indexer_keys = TensorView::contiguous(keys.get(), DType::kBF16, {n, 128}, Device::cuda());
+  p.slots = TensorView::contiguous(slots.get(), DType::kI32, {n}, Device::cuda());
+  return p;
+}
+
 class GpuAppend : public ::testing::TestWithParam<AppendCase> {};
 
 TEST_P(GpuAppend, BytesEqualTheReference) {
@@ -54,12 +68,7 @@ TEST_P(GpuAppend, BytesEqualTheReference) {
   keys.resize(static_cast<std::size_t>(n + 1) * 128, 0x3F80);
   DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
 
-  AppendParams p;
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.indexer = f.indexer(d_indexer.get<std::uint8_t>(), Device::cuda());
-  p.latent = TensorView::contiguous(d_latents.get(), DType::kBF16, {n + 1, 576}, Device::cuda());
-  p.indexer_keys = TensorView::contiguous(d_keys.get(), DType::kBF16, {n + 1, 128}, Device::cuda());
-  p.slots = TensorView::contiguous(d_slots.get(), DType::kI32, {n + 1}, Device::cuda());
+  AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, n + 1);
   p.scale_mode = mode;
   run(*find_backend("cuda"), p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
@@ -161,12 +170,7 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
     DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
     LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
 
-    AppendParams p;
-    p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-    p.indexer = f.indexer(d_indexer.get<std::uint8_t>(), Device::cuda());
-    p.latent = TensorView::contiguous(d_latents.get(), DType::kBF16, {n + 1, 576}, Device::cuda());
-    p.indexer_keys = TensorView::contiguous(d_keys.get(), DType::kBF16, {n + 1, 128}, Device::cuda());
-    p.slots = TensorView::contiguous(d_slots.get(), DType::kI32, {n + 1}, Device::cuda());
+    AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, n + 1);
     p.fault = d_fault.get<DeviceFault>();
     run(*find_backend("cuda"), p);
     LKV_CUDA_OK(cudaDeviceSynchronize());
@@ -184,12 +188,7 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   DeviceBuffer d_latents(std::vector<std::uint16_t>(f.latents.begin(), f.latents.begin() + n * 576));
   DeviceBuffer d_keys(std::vector<std::uint16_t>(f.keys.begin(), f.keys.begin() + n * 128)), d_slots(good);
   LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
-  AppendParams p;
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.indexer = f.indexer(d_indexer.get<std::uint8_t>(), Device::cuda());
-  p.latent = TensorView::contiguous(d_latents.get(), DType::kBF16, {n, 576}, Device::cuda());
-  p.indexer_keys = TensorView::contiguous(d_keys.get(), DType::kBF16, {n, 128}, Device::cuda());
-  p.slots = TensorView::contiguous(d_slots.get(), DType::kI32, {n}, Device::cuda());
+  AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, n);
   p.fault = d_fault.get<DeviceFault>();
   run(*find_backend("cuda"), p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
