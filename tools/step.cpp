@@ -44,6 +44,7 @@ struct StepOptions {
   int warmup = -1;                      // -1: 3 on a GPU, 1 on the CPU
   int iters = 0;                        // 0: 20 on a GPU, 3 on the CPU
   int check_requests = 2;
+  bool fault_checks = false;
   std::string device = "auto";
   std::uint64_t seed = 1;
   bool progress = true;
@@ -76,7 +77,8 @@ std::string repro_line(const StepRun& run, bool cpu) {
   os << "latentkv step --model " << s.model << " --tp " << s.tp << " --batch " << s.batch << " --context " << s.context
      << " --q-len " << s.q_len << " --pool " << s.pool_tokens << " --page-size " << s.page_size << " --layers "
      << s.layers << " --strategies " << join(names) << " --warmup " << run.warmup << " --iters " << run.iters
-     << " --check-requests " << run.check_requests << " --seed " << run.seed << (cpu ? " --device cpu" : "");
+     << " --check-requests " << run.check_requests << (run.fault_checks ? " --fault-checks" : "") << " --seed "
+     << run.seed << (cpu ? " --device cpu" : "");
   return os.str();
 }
 
@@ -131,6 +133,12 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   run.warmup = o.warmup >= 0 ? o.warmup : (cpu ? kCpuWarmup : kGpuWarmup);
   run.iters = o.iters > 0 ? o.iters : (cpu ? kCpuIters : kGpuIters);
   run.check_requests = std::min(o.check_requests, s.batch);
+  run.fault_checks = o.fault_checks;
+  if (o.fault_checks) {
+    run.notes.push_back(cpu ? "--fault-checks: the CPU reference checks every value anyway"
+                            : "--fault-checks: every op given a fault record (its kernels' checks of lengths, pages "
+                              "and slots timed too)");
+  }
   run.seed = o.seed;
   run.progress = o.progress;
 
@@ -413,6 +421,9 @@ void add_step_command(CLI::App& app) {
   cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(CLI::Range(1, 100000));
   cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the float64 reference (0: none)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--fault-checks", opt->fault_checks,
+                "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
+                "pages and slots they read (latentkv/device_fault.hpp), and the step fails on a bad one");
   cmd->add_option("--device", opt->device, "auto (a GPU when there is one), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables");

@@ -34,6 +34,7 @@ struct StepRun {
   std::vector<StrategySpec> strategies;
   int warmup = 0, iters = 0;
   int check_requests = 2;  // requests checked against the float64 reference (GPU run)
+  bool fault_checks = false;  // GPU: every op given the step's fault record, not only the appends
   std::uint64_t seed = 1;
   bool progress = true;
   std::vector<std::string> notes;  // copied into the report

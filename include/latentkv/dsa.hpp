@@ -37,6 +37,10 @@ struct DsaDecodeParams {
   // from call to call, and the indexer step takes them cleared (IndexerLogitsParams::
   // workspace_cleared). False: any content.
   bool workspace_cleared = false;
+  // Optional, device memory on a GPU backend (latentkv/device_fault.hpp): given to the indexer and
+  // the sparse decode steps. The indexer checks the lengths and pages that the top-k reads too, so
+  // the top-k step is not given it (its own check would be one more kernel).
+  DeviceFault* fault = nullptr;
 };
 
 // The backend of each step, normally from the resolved configuration (indexer, topk, sparse_decode;
@@ -105,6 +109,7 @@ struct DsaPrefillParams {
   int chunk_tokens = 0;      // new tokens per indexer chunk; 0 = the indexer backend's default
   void* workspace = nullptr;  // plan_dsa_prefill(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr;  // optional, given to both steps (latentkv/device_fault.hpp)
 };
 
 struct DsaPrefillSteps {

@@ -10,6 +10,12 @@
 //  * bf16 tensors hold uint16_t bit patterns, fp8 tensors uint8_t e4m3fn codes.
 //  * o is bf16 in the GPU backends; the reference also writes f32 or f64 outputs for testing.
 //  * lse is the natural log of sum_t exp(s_t) over the attended tokens; -inf when none.
+//  * Bad values (a slot, page or length outside what the pool and block table hold, a NaN or inf
+//    where the op needs a number): the reference throws before it writes anything. A GPU backend
+//    cannot see device-resident values before its kernels run: they skip what is out of range (a
+//    length is clamped to the block table's capacity, a page or slot outside the pool is not read,
+//    the append leaves a bad token unwritten), so that nothing outside the given buffers is read or
+//    written, and note such a fault in `fault` when one is given (latentkv/device_fault.hpp).
 #pragma once
 
 #include <cstddef>
@@ -27,10 +33,9 @@ inline constexpr int kMaxDecodeQLen = 4;
 inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
 
-// Quantize n new tokens and write them at their slots (a slot of -1 skips the token).
-// Bad values (a slot outside the pool, a NaN or inf in a token's latent or key): the reference
-// throws before it writes anything; a GPU backend leaves each such token unwritten in both caches,
-// writes the others, and notes one such fault in `fault` when one is given.
+// Quantize n new tokens and write them at their slots (a slot of -1 skips the token). A GPU backend
+// leaves a token with a slot outside the pool or a NaN or inf in its latent or key unwritten in both
+// caches and writes the others.
 struct AppendParams {
   LatentCache cache;            // written at `slots`
   TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values
@@ -57,6 +62,7 @@ struct MlaDecodeParams {
   int num_splits = 0;
   void* workspace = nullptr;    // device scratch of at least workspace_bytes
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Dense MLA prefill / extend: T new tokens in all, ragged over requests, over a cached prefix.
@@ -74,6 +80,7 @@ struct MlaPrefillParams {
   int num_splits = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Lightning-indexer logits: logit_t = sum_h w_h * relu(q_h . k_t) * kscale_t over visible t.
@@ -103,6 +110,7 @@ struct IndexerLogitsParams {
   // (and breaks the chained launch after the op before it). False: any content. (Counters that are
   // not zero when this says they are give wrong logits, never reads or writes outside the tensors.)
   bool workspace_cleared = false;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Top-k per query row over its visible logits, returned as physical slots.
@@ -121,6 +129,7 @@ struct TopkParams {
   // clearing its row state itself (on the GPU, a memset or a grid-wide barrier fewer). Only for a
   // call that follows such a clear: the selection's own calls leave the state dirty.
   bool workspace_cleared = false;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Indexer prefill: every new token's causal indexer logits over its request's key cache, then its
@@ -141,6 +150,7 @@ struct IndexerPrefillParams {
   int chunk_tokens = 0;         // new tokens per chunk; 0 = the backend's default for these shapes
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Sparse MLA decode: each query row attends only to the slots of its index row.
@@ -155,6 +165,7 @@ struct SparseMlaDecodeParams {
   int num_splits = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 // Sparse MLA prefill: every new token attends to its own selected slots.
@@ -169,6 +180,7 @@ struct SparseMlaPrefillParams {
   int num_splits = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
 }  // namespace latentkv

@@ -107,6 +107,8 @@ DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base)
   s.sparse.o = p.o;
   s.sparse.lse = p.lse;
   s.sparse.softmax_scale = p.softmax_scale;
+  s.indexer.fault = p.fault;  // the top-k reads the lengths and pages the indexer checks
+  s.sparse.fault = p.fault;
   return s;
 }
 
@@ -221,6 +223,8 @@ DsaPrefillSteps prefill_steps_at(const DsaPrefillParams& p, std::uint8_t* base) 
   s.sparse.o = p.o;
   s.sparse.lse = p.lse;
   s.sparse.softmax_scale = p.softmax_scale;
+  s.indexer.fault = p.fault;
+  s.sparse.fault = p.fault;
   return s;
 }
 

@@ -26,6 +26,42 @@ void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::in
        "a finite value");
 }
 
+void fail_seq_len(std::string_view op, std::int64_t request, std::int64_t len, std::int64_t max_pages,
+                  std::int64_t page_size) {
+  fail(op, "seq_lens[" + std::to_string(request) + "]", std::to_string(len),
+       "0 .. " + std::to_string(max_pages * page_size) + " (block table capacity: " + std::to_string(max_pages) +
+           " pages x " + std::to_string(page_size) + " tokens)");
+}
+
+void fail_seq_len_columns(std::string_view op, std::int64_t request, std::int64_t len, std::int64_t max_len) {
+  fail(op, "seq_lens[" + std::to_string(request) + "]", std::to_string(len),
+       "<= " + std::to_string(max_len) + " (the logits' max_len columns)");
+}
+
+void fail_block_table_page(std::string_view op, std::int64_t request, std::int64_t position, std::int64_t page,
+                           std::int64_t num_pages, std::int64_t len, std::int64_t page_size) {
+  const std::int64_t used = (len + page_size - 1) / page_size;
+  fail(op, "block_table[" + std::to_string(request) + "][" + std::to_string(position) + "]", std::to_string(page),
+       "a page id in 0 .. " + std::to_string(num_pages - 1) + " (request " + std::to_string(request) + " uses " +
+           std::to_string(used) + " pages for " + std::to_string(len) + " tokens)");
+}
+
+void fail_new_tokens_start(std::string_view op, std::int64_t first) {
+  fail(op, "cu_new_tokens[0]", std::to_string(first), "0");
+}
+
+void fail_new_tokens_count(std::string_view op, std::int64_t index, std::int64_t value, std::int64_t previous,
+                           std::int64_t len) {
+  fail(op, "cu_new_tokens[" + std::to_string(index) + "]", std::to_string(value),
+       std::to_string(previous) + " .. " + std::to_string(previous + len) + " (request " + std::to_string(index - 1) +
+           " has " + std::to_string(len) + " tokens in all)");
+}
+
+void fail_new_tokens_end(std::string_view op, std::int64_t index, std::int64_t value, std::int64_t rows) {
+  fail(op, "cu_new_tokens[" + std::to_string(index) + "]", std::to_string(value),
+       std::to_string(rows) + " (the rows of q)");
+}
+
 std::string describe(const TensorView& v) {
   if (!v.present()) return "absent";
   return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " +
@@ -123,33 +159,20 @@ void expect_paging(std::string_view op, const TensorView& block_table, const Ten
   expect_view(op, "seq_lens", seq_lens, {DType::kI32}, {batch}, {"B"}, device);
 }
 
-std::string index2(std::string_view name, std::int64_t a, std::int64_t b) {
-  return std::string(name) + "[" + std::to_string(a) + "][" + std::to_string(b) + "]";
-}
-
-// seq_lens within [min_len, capacity] and the block-table pages they use within the pool.
+// seq_lens within [0, capacity] and the block-table pages they use within the pool.
 void check_paging_values(std::string_view op, const TensorView& block_table, const TensorView& seq_lens,
-                         int page_size, std::int64_t num_pages, std::int64_t min_len_each) {
+                         int page_size, std::int64_t num_pages) {
   const std::int64_t batch = seq_lens.size(0);
   const std::int64_t max_pages = block_table.size(1);
   const auto* table = block_table.as<const std::int32_t>();
   const auto* lens = seq_lens.as<const std::int32_t>();
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t len = lens[b];
-    const std::int64_t capacity = max_pages * page_size;
-    if (len < min_len_each || len > capacity) {
-      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(len),
-           std::to_string(min_len_each) + " .. " + std::to_string(capacity) + " (block table capacity: " +
-               std::to_string(max_pages) + " pages x " + std::to_string(page_size) + " tokens)");
-    }
+    if (len < 0 || len > max_pages * page_size) fail_seq_len(op, b, len, max_pages, page_size);
     const std::int64_t used = (len + page_size - 1) / page_size;
     for (std::int64_t p = 0; p < used; ++p) {
       const std::int32_t page = table[b * max_pages + p];
-      if (page < 0 || page >= num_pages) {
-        fail(op, index2("block_table", b, p), std::to_string(page),
-             "a page id in 0 .. " + std::to_string(num_pages - 1) + " (request " + std::to_string(b) + " uses " +
-                 std::to_string(used) + " pages for " + std::to_string(len) + " tokens)");
-      }
+      if (page < 0 || page >= num_pages) fail_block_table_page(op, b, p, page, num_pages, len, page_size);
     }
   }
 }
@@ -174,19 +197,12 @@ void check_new_tokens(std::string_view op, const TensorView& cu_new_tokens, cons
   const auto* cu = cu_new_tokens.as<const std::int32_t>();
   const auto* lens = seq_lens.as<const std::int32_t>();
   const std::int64_t b = seq_lens.size(0);
-  if (cu[0] != 0) fail(op, "cu_new_tokens[0]", std::to_string(cu[0]), "0");
+  if (cu[0] != 0) fail_new_tokens_start(op, cu[0]);
   for (std::int64_t i = 0; i < b; ++i) {
     const std::int64_t n = static_cast<std::int64_t>(cu[i + 1]) - cu[i];
-    if (n < 0 || n > lens[i]) {
-      fail(op, "cu_new_tokens[" + std::to_string(i + 1) + "]", std::to_string(cu[i + 1]),
-           std::to_string(cu[i]) + " .. " + std::to_string(static_cast<std::int64_t>(cu[i]) + lens[i]) +
-               " (request " + std::to_string(i) + " has " + std::to_string(lens[i]) + " tokens in all)");
-    }
+    if (n < 0 || n > lens[i]) fail_new_tokens_count(op, i + 1, cu[i + 1], cu[i], lens[i]);
   }
-  if (cu[b] != rows) {
-    fail(op, "cu_new_tokens[" + std::to_string(b) + "]", std::to_string(cu[b]),
-         std::to_string(rows) + " (the rows of q)");
-  }
+  if (cu[b] != rows) fail_new_tokens_end(op, b, cu[b], rows);
 }
 
 void check_fp8_finite(std::string_view op, std::string_view arg, const TensorView& v) {
@@ -349,26 +365,23 @@ void validate_values(const AppendParams& p) {
 
 void validate_values(const MlaDecodeParams& p) {
   constexpr std::string_view op = "mla_decode";
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   check_finite_bf16(op, "q", p.q);
 }
 
 void validate_values(const MlaPrefillParams& p) {
   constexpr std::string_view op = "mla_prefill";
   check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   check_finite_bf16(op, "q", p.q);
 }
 
 void validate_values(const IndexerLogitsParams& p) {
   constexpr std::string_view op = "indexer_logits";
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   const auto* lens = p.seq_lens.as<const std::int32_t>();
   for (std::int64_t b = 0; b < p.seq_lens.size(0); ++b) {
-    if (lens[b] > p.logits.size(2)) {
-      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(lens[b]),
-           "<= " + std::to_string(p.logits.size(2)) + " (the logits' max_len columns)");
-    }
+    if (lens[b] > p.logits.size(2)) fail_seq_len_columns(op, b, lens[b], p.logits.size(2));
   }
   check_fp8_finite(op, "q", p.q);
   check_finite_f32(op, "weights", p.weights);
@@ -376,15 +389,12 @@ void validate_values(const IndexerLogitsParams& p) {
 
 void validate_values(const TopkParams& p) {
   constexpr std::string_view op = "topk";
-  check_paging_values(op, p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size, 0);
+  check_paging_values(op, p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size);
   const std::int64_t q_len = p.logits.size(1), max_len = p.logits.size(2);
   const auto* lens = p.seq_lens.as<const std::int32_t>();
   const auto* logits = p.logits.as<const float>();
   for (std::int64_t b = 0; b < p.seq_lens.size(0); ++b) {
-    if (lens[b] > max_len) {
-      fail(op, "seq_lens[" + std::to_string(b) + "]", std::to_string(lens[b]),
-           "<= " + std::to_string(max_len) + " (the logits' max_len columns)");
-    }
+    if (lens[b] > max_len) fail_seq_len_columns(op, b, lens[b], max_len);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t visible = std::max<std::int64_t>(0, lens[b] - q_len + i + 1);
       for (std::int64_t t = 0; t < visible; ++t) {
@@ -410,7 +420,7 @@ void validate_values(const SparseMlaPrefillParams& p) {
 void validate_values(const IndexerPrefillParams& p) {
   constexpr std::string_view op = "indexer_prefill";
   check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, 0);
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   check_fp8_finite(op, "q", p.q);
   check_finite_f32(op, "weights", p.weights);
 }

@@ -7,6 +7,7 @@ list(APPEND LKV_SOURCES
   src/cuda/indexer/prefill.cpp
 )
 set(LKV_CUDA_SOURCES
+  src/cuda/common/paging_check.cu
   src/cuda/common/prefill_rows.cu
   src/cuda/indexer/logits.cu
   src/cuda/kv_cache/append.cu

@@ -113,50 +113,6 @@ TEST(BadInput, AppendNanOrInfLatentOrKeys) {
   EXPECT_FALSE(c.unchanged());
 }
 
-// A GPU append's fault record, as a kernel writes it for the same bad input, throws the very Error
-// the reference throws.
-TEST(BadInput, DeviceFaultsThrowTheReferencesErrors) {
-  const auto message = [](auto&& call) {
-    try {
-      call();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  const auto fault = [](DeviceFaultCode code, std::int64_t index, std::int64_t value, std::int64_t bound) {
-    DeviceFault f;
-    f.code = static_cast<std::int32_t>(code);
-    f.index = index;
-    f.value = value;
-    f.bound = bound;
-    return f;
-  };
-  AppendCase c;
-  const std::int64_t num_slots = c.f.num_pages() * c.f.page_size;
-  c.slots.data<std::int32_t>()[1] = static_cast<std::int32_t>(num_slots + 3);
-  AppendParams p = c.params();
-  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendSlot, 1, num_slots + 3, num_slots)); }),
-            message([&] { cpu::append(p); }));
-  c.slots.data<std::int32_t>()[1] = -1;
-
-  const std::int64_t element = kQkDim + 570;  // in the rope part
-  c.latent.data<std::uint16_t>()[element] = kBf16Inf;
-  p = c.params();
-  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendLatent, element, kBf16Inf, 0)); }),
-            message([&] { cpu::append(p); }));
-  c.latent.data<std::uint16_t>()[element] = 0;
-
-  c.keys.data<std::uint16_t>()[2 * kIndexerDim + 5] = kBf16Nan;
-  p = c.params();
-  EXPECT_EQ(message([&] { throw_device_fault(fault(DeviceFaultCode::kAppendIndexerKey, 2 * kIndexerDim + 5, kBf16Nan, 0)); }),
-            message([&] { cpu::append(p); }));
-
-  EXPECT_NO_THROW(throw_device_fault(DeviceFault{}));  // a zeroed record: no fault
-  EXPECT_TRUE(throws_error([&] { throw_device_fault(fault(static_cast<DeviceFaultCode>(77), 0, 0, 0)); },
-                           "device fault", "code", "77"));
-}
-
 TEST(BadInput, AppendMismatchedIndexerCache) {
   AppendCase c;
   AppendParams p = c.params();
@@ -323,6 +279,99 @@ TEST(BadInput, SparseIndexOutsideThePool) {
   idxp.data<std::int32_t>()[1] = -1;
   EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(pp); }, "sparse_mla_prefill", "q element 3", "nan"));
   EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
+}
+
+// A GPU op's fault record, as a kernel writes it for a bad input, throws the very Error the
+// reference throws for the same input: every code, for the ops that report it.
+DeviceFault record(DeviceFaultOp op, DeviceFaultCode code, DeviceFault fields) {
+  fields.code = static_cast<std::int32_t>(code);
+  fields.op = static_cast<std::int32_t>(op);
+  return fields;
+}
+std::string record_error(const DeviceFault& f) {
+  return error_of([&] { throw_device_fault(f); });
+}
+
+TEST(BadInput, DeviceFaultsThrowTheReferencesErrors) {
+  using Op = DeviceFaultOp;
+  using Code = DeviceFaultCode;
+  AppendCase a;
+  const std::int64_t num_slots = a.f.num_pages() * a.f.page_size;
+  a.slots.data<std::int32_t>()[1] = static_cast<std::int32_t>(num_slots + 3);
+  EXPECT_EQ(record_error(record(Op::kAppend, Code::kSlot, {.index = 1, .value = num_slots + 3, .bound = num_slots})),
+            error_of([&] { cpu::append(a.params()); }));
+  a.slots.data<std::int32_t>()[1] = -1;
+  const std::int64_t element = kQkDim + 570;  // in the rope part
+  a.latent.data<std::uint16_t>()[element] = kBf16Inf;
+  EXPECT_EQ(record_error(record(Op::kAppend, Code::kLatent, {.index = element, .value = kBf16Inf})),
+            error_of([&] { cpu::append(a.params()); }));
+  a.latent.data<std::uint16_t>()[element] = 0;
+  a.keys.data<std::uint16_t>()[2 * kIndexerDim + 5] = kBf16Nan;
+  EXPECT_EQ(record_error(record(Op::kAppend, Code::kIndexerKey, {.index = 2 * kIndexerDim + 5, .value = kBf16Nan})),
+            error_of([&] { cpu::append(a.params()); }));
+
+  DecodeCase c;
+  const std::int64_t pages = c.f.max_pages, page_size = c.f.page_size, capacity = pages * page_size;
+  c.lens[1] = static_cast<std::int32_t>(capacity + 1);
+  EXPECT_EQ(record_error(record(Op::kMlaDecode, Code::kSeqLen,
+                                {.index = 1, .value = capacity + 1, .pages = pages, .page_size = page_size})),
+            error_of([&] { cpu::mla_decode(c.params()); }));
+  c.lens = c.f.seq_lens;
+  c.table[2] = -4;  // request 0 (9 tokens): its third page
+  EXPECT_EQ(record_error(record(Op::kMlaDecode, Code::kBlockTablePage,
+                                {.index = 0, .position = 2, .value = -4, .bound = c.f.num_pages(), .length = 9,
+                                 .page_size = page_size})),
+            error_of([&] { cpu::mla_decode(c.params()); }));
+  c.table = c.f.block_table;
+
+  HostTensor idx = i32_tensor({2, 1, 3}, {0, -1, 1, 2, -7, -1});
+  SparseMlaDecodeParams sp;
+  sp.q = c.q.view();
+  sp.cache = c.f.cache();
+  sp.indices = idx.view();
+  sp.o = c.o.view();
+  sp.lse = c.lse.view();
+  sp.softmax_scale = 0.0625f;
+  EXPECT_EQ(record_error(record(Op::kSparseMlaDecode, Code::kSlot, {.index = 4, .value = -7, .bound = c.f.num_pages() * page_size})),
+            error_of([&] { cpu::sparse_mla_decode(sp); }));
+
+  HostTensor q = random_bf16(c.rng, {4, 4, kQkDim});
+  HostTensor o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim}), lse = sentinel_tensor(DType::kF32, {4, 4});
+  std::vector<std::int32_t> cu;
+  MlaPrefillParams pp;
+  pp.q = q.view();
+  pp.cache = c.f.cache();
+  pp.block_table = c.f.block_table_view();
+  pp.seq_lens = c.f.seq_lens_view();
+  pp.o = o.view();
+  pp.lse = lse.view();
+  pp.softmax_scale = 0.0625f;
+  const auto prefill_error = [&](std::vector<std::int32_t> offsets) {
+    cu = std::move(offsets);
+    pp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
+    return error_of([&] { cpu::mla_prefill(pp); });
+  };
+  EXPECT_EQ(record_error(record(Op::kMlaPrefill, Code::kNewTokensStart, {.value = 1})), prefill_error({1, 4, 4}));
+  EXPECT_EQ(record_error(record(Op::kMlaPrefill, Code::kNewTokensCount, {.index = 2, .value = 4, .bound = 0, .length = 3})),
+            prefill_error({0, 0, 4}));
+  EXPECT_EQ(record_error(record(Op::kMlaPrefill, Code::kNewTokensEnd, {.index = 2, .value = 3, .bound = 4})),
+            prefill_error({0, 1, 3}));
+
+  HostTensor logits = random_f32(c.rng, {2, 1, 8}, -1, 1);  // 8 columns: request 0's 9 tokens do not fit
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams tp;
+  tp.logits = logits.view();
+  tp.block_table = c.f.block_table_view();
+  tp.seq_lens = c.f.seq_lens_view();
+  tp.page_size = c.f.page_size;
+  tp.k = 4;
+  tp.slots = slots.view();
+  EXPECT_EQ(record_error(record(Op::kTopk, Code::kSeqLenColumns, {.index = 0, .value = 9, .bound = 8})),
+            error_of([&] { cpu::topk(tp); }));
+
+  EXPECT_EQ(record_error(DeviceFault{}), "");  // a zeroed record: no fault
+  EXPECT_TRUE(throws_error([&] { throw_device_fault(record(Op::kTopk, static_cast<Code>(77), {})); }, "device fault", "code", "77"));
+  EXPECT_TRUE(throws_error([&] { throw_device_fault(record(static_cast<Op>(0), Code::kSlot, {})); }, "device fault", "op", "0"));
 }
 
 TEST(BadInput, TopkKOutOfRange) {

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "latentkv/backend.hpp"
+#include "latentkv/device_fault.hpp"
+#include "support/expect_error.hpp"
 
 namespace latentkv::testing {
 
@@ -73,6 +75,29 @@ class DeviceBuffer {
  private:
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+};
+
+// A zeroed fault record (latentkv/device_fault.hpp) to give a call, and what the calls left in it.
+class FaultRecord {
+ public:
+  FaultRecord() : buffer_(sizeof(DeviceFault)) { clear(); }
+  DeviceFault* get() const { return buffer_.get<DeviceFault>(); }
+  void clear() {
+    if (cudaMemset(buffer_.get(), 0, sizeof(DeviceFault)) != cudaSuccess) throw std::runtime_error("fault record memset");
+  }
+  DeviceFault read() const {
+    DeviceFault f;
+    buffer_.download(&f, sizeof f);
+    return f;
+  }
+  // The message of the Error throw_device_fault raises for the record, or "" when it holds none.
+  std::string message() const {
+    const DeviceFault f = read();
+    return error_of([&] { throw_device_fault(f); });
+  }
+
+ private:
+  DeviceBuffer buffer_;
 };
 
 }  // namespace latentkv::testing

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gpu/device.hpp"
+#include "support/expect_error.hpp"
 #include "gpu/topk_check.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/dsa.hpp"
@@ -93,6 +94,7 @@ class DeviceDsa {
     params_.softmax_scale = kScale;
     params_.topk = topk;
     params_.max_len = max_len;
+    params_.fault = fault_.get();
     plan_ = plan_dsa_decode(backends_, params_, device_);
     workspace_ = DeviceBuffer(plan_.workspace_bytes);
     params_.workspace = workspace_.get();
@@ -101,6 +103,8 @@ class DeviceDsa {
   }
 
   const DsaSteps& steps() const { return steps_; }
+  // The message of what the calls so far noted in their fault record, "" for nothing.
+  std::string fault() const { return fault_.message(); }
 
   void set_lengths(const std::vector<std::int32_t>& lengths) {
     lens_.upload(lengths.data(), lengths.size() * sizeof(std::int32_t));
@@ -150,6 +154,7 @@ class DeviceDsa {
 
   DsaBackends backends_;
   DeviceInfo device_;
+  FaultRecord fault_;
   DeviceBuffer cache_, indexer_, table_, lens_, q_, q_idx_, weights_, o_, lse_, workspace_;
   HostTensor o_host_, lse_host_;  // sentinel-filled, shaped as the outputs
   DsaDecodeParams params_;
@@ -220,6 +225,25 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   d.run();
   check_cuda(cudaDeviceSynchronize());
   check_stages(f, in, d.download(), c.topk);
+  EXPECT_EQ(d.fault(), "") << "a fault noted for good input";
+  EXPECT_EQ(d.steps().topk.fault, nullptr) << "the indexer checks what the top-k reads";
+}
+
+// A page outside the pool in the block table that all three steps read: the indexer notes it first,
+// and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
+TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {5000, 40}, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
+  f.block_table[60] = static_cast<std::int32_t>(f.num_pages() + 1);
+  const std::string expected = error_of([&] { reference_indexer_logits(f, in.q_idx, in.weights, f.max_len()); });
+  ASSERT_NE(expected, "");
+  DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  EXPECT_EQ(d.fault(), expected);
 }
 
 // Requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the

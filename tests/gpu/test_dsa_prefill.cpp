@@ -114,6 +114,7 @@ class DeviceDsaPrefill {
     params_.softmax_scale = kScale;
     params_.topk = topk;
     params_.chunk_tokens = chunk_tokens;
+    params_.fault = fault_.get();
     plan_ = plan_dsa_prefill(backends_, params_, device_);
     workspace_ = DeviceBuffer(plan_.workspace_bytes);
     params_.workspace = workspace_.get();
@@ -142,17 +143,20 @@ class DeviceDsaPrefill {
     return r;
   }
 
-  // Sentinels, one call on the default stream, what it left.
+  // Sentinels, one call on the default stream, what it left; good input must leave the fault
+  // record empty.
   DsaPrefillResult call() {
     fill_sentinels();
     run();
     check_cuda(cudaDeviceSynchronize());
+    EXPECT_EQ(fault_.message(), "") << "a fault noted for good input";
     return download();
   }
 
  private:
   DsaBackends backends_;
   DeviceInfo device_;
+  FaultRecord fault_;
   DeviceBuffer cache_, indexer_, table_, lens_, cu_, q_, q_idx_, weights_;
   HostTensor o_host_, lse_host_;  // sentinel-filled, shaped as the outputs
   DeviceBuffer o_, lse_, workspace_;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -19,6 +20,7 @@
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
 #include "support/compare.hpp"
+#include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
 
@@ -53,9 +55,11 @@ std::string to_string(Workspace w) {
 // The CUDA backend's logits [B, q_len, max_len] over the fixture's indexer cache, one tensor per call
 // in `logits`: each call writes its own sentinel-filled buffer, and the calls run back to back on
 // one stream, so that a call that counts on the one before (its counters) is checked on its own
-// output. `clear` / `clear_bytes` are passed through.
+// output. `clear` / `clear_bytes` are passed through. The calls share a fault record: with `fault`
+// its message goes there, else it must be empty.
 void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len, std::vector<HostTensor>& logits,
-                void* clear = nullptr, std::size_t clear_bytes = 0, Workspace workspace = Workspace::kGarbage) {
+                void* clear = nullptr, std::size_t clear_bytes = 0, Workspace workspace = Workspace::kGarbage,
+                std::string* fault = nullptr) {
   const int calls = workspace == Workspace::kCleared ? 3 : 1;
   const HostTensor sentinel = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
   DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
@@ -71,6 +75,8 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
   p.logits = sentinel.view_of(d_logits[0].get(), Device::cuda());
   p.clear = clear;
   p.clear_bytes = clear_bytes;
+  FaultRecord record;
+  p.fault = record.get();
   const Backend& cuda = *find_backend("cuda");
   DeviceBuffer d_workspace;
   const Plan plan = cuda.plan(p, detect_device());
@@ -87,6 +93,8 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
     run(cuda, p);
   }
   LKV_CUDA_OK(cudaDeviceSynchronize());
+  if (fault != nullptr) *fault = record.message();
+  else EXPECT_EQ(record.message(), "") << "a fault noted for good input";
   logits.assign(static_cast<std::size_t>(calls), sentinel);
   for (int i = 0; i < calls; ++i) {
     const auto k = static_cast<std::size_t>(i);
@@ -158,8 +166,53 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
     }
 
     std::vector<HostTensor> logits;
-    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits));
+    std::string fault;
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
     EXPECT_TRUE(compare("logits, page size " + std::to_string(page_size), logits.at(0), expected, kLogitsTolerance));
+    EXPECT_EQ(fault.rfind("indexer_logits: argument 'block_table[0][", 0), 0u) << "noted: " << fault;  // either page
+  }
+}
+
+// Bad lengths and pages, one at a time, on pages of 64 (on sm_90 the wgmma kernel) and 17 (the
+// mma.sync kernel): the record throws the reference's own Error for the same input. Request 1 uses
+// every column of the block table, so that its length past the capacity is its only fault; the
+// request with 40 pages checks its pages over more CTAs than one.
+TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  struct Bad {
+    const char* what;
+    std::function<void(PagedFixture&, std::int64_t&)> spoil;  // the fixture and max_len
+  };
+  const std::vector<Bad> bad = {
+      {"a page past the pool", [](PagedFixture& f, std::int64_t&) { f.block_table[f.max_pages + 39] = static_cast<std::int32_t>(f.num_pages()); }},
+      {"a negative page", [](PagedFixture& f, std::int64_t&) { f.block_table[2] = -5; }},
+      {"a length past the block table", [](PagedFixture& f, std::int64_t& max_len) {
+         f.seq_lens[1] = f.max_pages * f.page_size + 1;
+         max_len = f.seq_lens[1];
+       }},
+      {"a negative length", [](PagedFixture& f, std::int64_t&) { f.seq_lens[0] = -2; }},
+      {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.seq_lens[1] - 1; }},
+  };
+  for (const int page_size : {64, 17}) {
+    for (const Bad& b : bad) {
+      SCOPED_TRACE("page size " + std::to_string(page_size) + ": " + b.what);
+      Rng rng = test_rng();
+      PagedFixtureOptions opt;
+      opt.page_size = page_size;
+      opt.lengths = {5 * page_size + 3, 40 * page_size, 7};
+      opt.spare_columns = 0;
+      PagedFixture f = make_paged_fixture(opt, rng);
+      HostTensor q = random_fp8(rng, {f.batch(), 1, 32, 128});
+      HostTensor w = random_f32(rng, {f.batch(), 1, 32}, -1.0, 1.0);
+      std::int64_t max_len = f.max_len();
+      b.spoil(f, max_len);
+      const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      std::vector<HostTensor> logits;
+      std::string fault;
+      ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
+      EXPECT_EQ(fault, expected);
+    }
   }
 }
 
@@ -189,7 +242,9 @@ TEST(GpuIndexerLogitsClaims, MixedBatchMatchesReference) {
             -std::numeric_limits<float>::infinity());
   for (const Workspace workspace : {Workspace::kGarbage, Workspace::kCleared}) {
     std::vector<HostTensor> logits;
-    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, workspace));
+    std::string fault;  // four lengths past max_len and the page: any of them
+    ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, workspace, &fault));
+    EXPECT_EQ(fault.rfind("indexer_logits: argument '", 0), 0u) << "noted: " << fault;
     for (std::size_t i = 0; i < logits.size(); ++i) {
       EXPECT_TRUE(compare("logits, " + to_string(workspace) + ", call " + std::to_string(i + 1), logits[i], expected,
                           kLogitsTolerance));

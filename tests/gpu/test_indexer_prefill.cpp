@@ -77,7 +77,11 @@ class DevicePrefill {
     if (workspace_.bytes() > 0) check_cuda(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
     params.workspace = workspace_.get();
     params.workspace_bytes = workspace_.bytes();
+    params.fault = fault_.get();
   }
+
+  // The message of what the calls so far noted in their fault record, "" for nothing.
+  std::string fault() const { return fault_.message(); }
 
   void fill_sentinels() {
     const std::vector<std::int32_t> sentinels(slots_.bytes() / sizeof(std::int32_t), kSentinelI32);
@@ -117,6 +121,7 @@ class DevicePrefill {
   DeviceBuffer cache_, table_, lens_, cu_, q_, w_;
   DeviceBuffer slots_;  // [T, k] i32, then kGuardSlots sentinels
   DeviceBuffer workspace_;
+  FaultRecord fault_;
 };
 
 // ---- against the reference -------------------------------------------------------------------
@@ -175,6 +180,28 @@ TEST_P(GpuIndexerPrefill, MatchesReference) {
   EXPECT_TRUE(check_prefill_slots(in.f, rows, x, got))
       << c << ": " << gpu.plan.chunk_tokens << " new tokens per chunk, " << gpu.plan.workspace_bytes
       << " workspace bytes";
+  EXPECT_EQ(gpu.fault(), "") << "a fault noted for good input";
+}
+
+// A bad page and a bad offset, one at a time, with chunks of 7 new tokens (the check runs with the
+// first chunk and covers every request): the record throws the reference's own Error.
+TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  for (const char* what : {"page", "offset"}) {
+    SCOPED_TRACE(what);
+    Rng rng = test_rng();
+    Inputs in = make_inputs({{3000, 10, 0}, {20, 30, 5}}, 64, 32, -1.0, rng);
+    if (std::string(what) == "page") {
+      in.f.block_table[static_cast<std::size_t>(2 * in.f.max_pages)] = static_cast<std::int32_t>(in.f.num_pages() + 4);
+    } else {
+      in.f.seq_lens[1] = 29;  // request 1 has 30 new tokens
+    }
+    const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048, 7);
+    gpu.call();
+    EXPECT_EQ(gpu.fault(), expected);
+  }
 }
 
 std::vector<PrefillCase> prefill_cases() {

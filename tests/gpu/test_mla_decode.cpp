@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
 #include "support/compare.hpp"
+#include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
 
@@ -48,6 +50,7 @@ struct DecodeRun {
 struct DeviceDecode {
   DeviceBuffer cache, table, lens, q, o, lse, workspace;
   HostTensor o_host, lse_host;
+  FaultRecord fault;  // given to the call: good input must leave it empty
   MlaDecodeParams params;
 
   DeviceDecode(PagedFixture& f, const HostTensor& queries, float scale, const std::vector<std::int32_t>& lengths = {})
@@ -65,6 +68,7 @@ struct DeviceDecode {
     params.o = o_host.view_of(o.get(), Device::cuda());
     params.lse = lse_host.view_of(lse.get(), Device::cuda());
     params.softmax_scale = scale;
+    params.fault = fault.get();
   }
 
   // The backend's schedule (for a forced split count when one is given) and its workspace.
@@ -106,6 +110,7 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   d.plan(backend, device, c.splits);
   run(backend, d.params, {}, device);
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
+  EXPECT_EQ(d.fault.message(), "") << "a fault noted for good input";
   d.download();
   r.o = std::move(d.o_host);
   r.lse = std::move(d.lse_host);
@@ -195,6 +200,51 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
       SCOPED_TRACE(std::string(kernel) + ", H " + std::to_string(heads));
       EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
       EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+    }
+  }
+}
+
+// Bad lengths and pages in device memory, one at a time, on the narrow kernel, the many-heads one
+// (wgmma on sm_90) and the bf16 one: the kernels skip what they cannot read and note the fault, and
+// the record throws the reference's own Error for the same input. Request 1 uses every column of the
+// block table, so that its length past the capacity is its only fault.
+TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  struct Kernel {
+    KvDtype dtype;
+    int heads;
+  };
+  struct Bad {
+    const char* what;
+    std::function<void(PagedFixture&)> spoil;
+  };
+  const std::vector<Bad> bad = {
+      {"a page past the pool", [](PagedFixture& f) { f.block_table[f.max_pages + 5] = static_cast<std::int32_t>(f.num_pages() + 2); }},
+      {"a negative page", [](PagedFixture& f) { f.block_table[4] = -3; }},
+      {"the last page of a length", [](PagedFixture& f) { f.block_table[2 * f.max_pages + 2] = static_cast<std::int32_t>(f.num_pages()); }},
+      {"a length past the block table", [](PagedFixture& f) { f.seq_lens[1] = f.max_pages * f.page_size + 1; }},
+      {"a negative length", [](PagedFixture& f) { f.seq_lens[2] = -1; }},
+  };
+  for (const Kernel k : {Kernel{KvDtype::kFp8E4M3, 8}, Kernel{KvDtype::kFp8E4M3, 64}, Kernel{KvDtype::kBf16, 8}}) {
+    for (const Bad& b : bad) {
+      SCOPED_TRACE(std::string(kv_dtype_name(k.dtype)) + ", H " + std::to_string(k.heads) + ": " + b.what);
+      Rng rng = test_rng();
+      PagedFixtureOptions opt;
+      opt.lengths = {300, 1000, 129};
+      opt.kv_dtype = k.dtype;
+      opt.spare_columns = 0;
+      opt.with_indexer = false;
+      PagedFixture f = make_paged_fixture(opt, rng);
+      HostTensor q = random_bf16(rng, {f.batch(), 1, k.heads, 576});
+      b.spoil(f);
+      const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      DeviceDecode d(f, q, 0.0625f);
+      const Backend& backend = *find_backend("cuda");
+      d.plan(backend, detect_device());
+      run(backend, d.params);
+      LKV_CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(d.fault.message(), expected);
     }
   }
 }

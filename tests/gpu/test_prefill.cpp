@@ -16,6 +16,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +26,7 @@
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
 #include "support/compare.hpp"
+#include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
 
@@ -70,9 +72,10 @@ struct DeviceOutputs {
   }
 };
 
-// Plans `p` on the cuda backend, hands it the planned workspace, runs it and waits for it.
+// Plans `p` on the cuda backend, hands it the planned workspace and a fault record, runs it and
+// waits for it; `fault` gets the record's message ("" for none).
 template <typename Params>
-Plan plan_and_run(Params& p) {
+Plan plan_and_run(Params& p, std::string& fault) {
   const Backend* found = find_backend("cuda");
   if (found == nullptr) throw std::runtime_error("this build has no backend named cuda");
   const Backend& cuda = *found;
@@ -82,14 +85,18 @@ Plan plan_and_run(Params& p) {
   p.num_splits = plan.num_splits;
   p.workspace = workspace.get();
   p.workspace_bytes = workspace.bytes();
+  FaultRecord record;
+  p.fault = record.get();
   run(cuda, p, {}, device);
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
+  fault = record.message();
   return plan;
 }
 
 struct GpuOutputs {
   HostTensor o, lse;  // what the GPU wrote: o [T, H, 512] bf16, lse [T, H] f32
   Plan plan;
+  std::string fault;  // what the call noted in its fault record, "" for nothing
 };
 
 // Dense prefill of q [T, H, 576] on the GPU over device copies of the fixture.
@@ -106,9 +113,10 @@ GpuOutputs gpu_mla_prefill(const PagedFixture& f, const HostTensor& q, const std
   p.o = out.o_view();
   p.lse = out.lse_view();
   p.softmax_scale = kScale;
-  const Plan plan = plan_and_run(p);
+  std::string fault;
+  const Plan plan = plan_and_run(p, fault);
   out.download();
-  return {std::move(out.o), std::move(out.lse), plan};
+  return {std::move(out.o), std::move(out.lse), plan, std::move(fault)};
 }
 
 // Sparse prefill of q [T, H, 576] over indices [T, topk] on the GPU.
@@ -122,9 +130,10 @@ GpuOutputs gpu_sparse_prefill(const PagedFixture& f, const HostTensor& q, const 
   p.o = out.o_view();
   p.lse = out.lse_view();
   p.softmax_scale = kScale;
-  const Plan plan = plan_and_run(p);
+  std::string fault;
+  const Plan plan = plan_and_run(p, fault);
   out.download();
-  return {std::move(out.o), std::move(out.lse), plan};
+  return {std::move(out.o), std::move(out.lse), plan, std::move(fault)};
 }
 
 // ---- dense prefill ---------------------------------------------------------------------------
@@ -154,6 +163,41 @@ TEST_P(GpuMlaPrefill, MatchesReference) {
   const GpuOutputs got = gpu_mla_prefill(f, q, cu);
   EXPECT_TRUE(compare("o", got.o, ref.o, Tolerance::bf16_output())) << got.plan.num_splits << " splits";
   EXPECT_TRUE(compare("lse", got.lse, ref.lse, Tolerance::lse())) << got.plan.num_splits << " splits";
+  EXPECT_EQ(got.fault, "") << "a fault noted for good input";
+}
+
+// Bad offsets, lengths and pages, one at a time: the prefill's own check of its requests notes the
+// fault, and the record throws the reference's own Error for the same input. The last request's
+// pages fill its block-table row (its spare column holds a real page), so that its length past the
+// capacity is its only fault.
+TEST(GpuMlaPrefillFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  struct Bad {
+    const char* what;
+    std::function<void(PagedFixture&, std::vector<std::int32_t>&)> spoil;
+  };
+  const std::vector<Bad> bad = {
+      {"offsets not from 0", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu[0] = 1; }},
+      {"more new tokens than a length", [](PagedFixture& f, std::vector<std::int32_t>& cu) { f.seq_lens[1] = cu[2] - cu[1] - 1; }},
+      {"offsets short of the rows", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu.back() -= 1; }},
+      {"a page past the pool", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[2] = static_cast<std::int32_t>(f.num_pages()); }},
+      {"a negative page", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[f.max_pages] = -9; }},
+      {"a length past the block table", [](PagedFixture& f, std::vector<std::int32_t>&) { f.seq_lens[2] = f.max_pages * f.page_size + 1; }},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    Rng rng = test_rng();
+    const Batch batch = {{200, 0, 900}, {5, 40, 100}};
+    PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+    const std::int64_t last = f.batch() - 1;
+    f.block_table[static_cast<std::size_t>((last + 1) * f.max_pages - 1)] = f.block_table[static_cast<std::size_t>(last * f.max_pages)];
+    std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+    const HostTensor q = random_bf16(rng, {cu.back(), 8, kQkDim});
+    b.spoil(f, cu);
+    const std::string expected = error_of([&] { reference_mla_prefill(f, q, cu, kScale); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    EXPECT_EQ(gpu_mla_prefill(f, q, cu).fault, expected);
+  }
 }
 
 std::vector<DenseCase> dense_cases() {
@@ -307,6 +351,15 @@ TEST(GpuPrefillLarge, MoreNewTokensThanAGridColumn) {
   const GpuOutputs sparse = gpu_sparse_prefill(f, q, indices);
   EXPECT_TRUE(compare("sparse o", sparse.o, sparse_ref.o, Tolerance::bf16_output()));
   EXPECT_TRUE(compare("sparse lse", sparse.lse, sparse_ref.lse, Tolerance::lse()));
+  EXPECT_EQ(dense.fault + sparse.fault, "") << "a fault noted for good input";
+
+  // A slot past the pool in the second slice's rows: the record names its element in the caller's
+  // [T, topk] indices, as the reference does.
+  HostTensor spoiled = indices;
+  spoiled.data<std::int32_t>()[65600 * 8 + 3] = static_cast<std::int32_t>(f.num_pages() * f.page_size + 1);
+  const std::string expected = error_of([&] { reference_sparse_prefill(f, q, spoiled, kScale); });
+  ASSERT_NE(expected, "");
+  EXPECT_EQ(gpu_sparse_prefill(f, q, spoiled).fault, expected);
 }
 
 std::vector<SparseCase> sparse_cases() {

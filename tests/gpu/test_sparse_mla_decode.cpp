@@ -6,12 +6,15 @@
 #include <cstdint>
 #include <ostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
 #include "support/compare.hpp"
+#include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
 
@@ -54,6 +57,47 @@ HostTensor make_indices(const PagedFixture& f, int q_len, int cols, Rng& rng) {
   return t;
 }
 
+// One GPU call over device copies of the fixture's cache, q and indices, with sentinel outputs and
+// a fault record: its outputs, its split count and what it left in the record.
+struct SparseRun {
+  HostTensor o, lse;
+  int num_splits = 0;
+  std::string fault;  // the record's message, "" when it holds none
+};
+SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const HostTensor& q, const HostTensor& indices,
+                     int splits = 0) {
+  const auto& shape = q.shape();  // [B, q_len, H, 576]
+  SparseRun r;
+  r.o = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
+  r.lse = sentinel_tensor(DType::kF32, {shape[0], shape[1], shape[2]});
+  DeviceBuffer d_cache(f.cache_bytes), d_q(q.raw(), q.bytes()), d_idx(indices.raw(), indices.bytes());
+  DeviceBuffer d_o(r.o.raw(), r.o.bytes()), d_lse(r.lse.raw(), r.lse.bytes());
+  FaultRecord fault;
+  SparseMlaDecodeParams p;
+  p.q = q.view_of(d_q.get(), Device::cuda());
+  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
+  p.indices = indices.view_of(d_idx.get(), Device::cuda());
+  p.o = r.o.view_of(d_o.get(), Device::cuda());
+  p.lse = r.lse.view_of(d_lse.get(), Device::cuda());
+  p.softmax_scale = 0.0625f;
+  p.fault = fault.get();
+  const Backend& backend = *find_backend(backend_name);
+  const DeviceInfo device = detect_device();
+  p.num_splits = splits;
+  const Plan plan = backend.plan(p, device);
+  if (splits > 0) EXPECT_EQ(plan.num_splits, splits) << "the plan keeps an asked count";
+  DeviceBuffer workspace(plan.workspace_bytes);
+  p.num_splits = r.num_splits = plan.num_splits;
+  p.workspace = workspace.get();
+  p.workspace_bytes = workspace.bytes();
+  run(backend, p, {}, device);
+  if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
+  d_o.download(r.o.raw(), r.o.bytes());
+  d_lse.download(r.lse.raw(), r.lse.bytes());
+  r.fault = fault.message();
+  return r;
+}
+
 class GpuSparseMlaDecode : public ::testing::TestWithParam<SparseCase> {};
 
 TEST_P(GpuSparseMlaDecode, MatchesReference) {
@@ -66,39 +110,39 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
   PagedFixture f = make_paged_fixture(opt, rng);
-  const std::int64_t batch = f.batch();
-  HostTensor q = random_bf16(rng, {batch, c.q_len, c.heads, 576});
+  HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
-  const float scale = 0.0625f;
+  const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
+  const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits);
+  EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output())) << r.num_splits << " splits";
+  EXPECT_TRUE(compare("lse", r.lse, ref.lse, Tolerance::lse()));
+  EXPECT_EQ(r.fault, "") << "a fault noted for good input (-1 entries, a duplicate)";
+}
 
-  const AttentionOutputs ref = reference_sparse_decode(f, q, indices, scale);
-
-  HostTensor o = sentinel_tensor(DType::kBF16, {batch, c.q_len, c.heads, 512});
-  HostTensor lse = sentinel_tensor(DType::kF32, {batch, c.q_len, c.heads});
-  DeviceBuffer d_cache(f.cache_bytes), d_q(q.raw(), q.bytes()), d_idx(indices.raw(), indices.bytes());
-  DeviceBuffer d_o(o.raw(), o.bytes()), d_lse(lse.raw(), lse.bytes());
-  SparseMlaDecodeParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.cache = f.cache(d_cache.get<std::uint8_t>(), Device::cuda());
-  p.indices = indices.view_of(d_idx.get(), Device::cuda());
-  p.o = o.view_of(d_o.get(), Device::cuda());
-  p.lse = lse.view_of(d_lse.get(), Device::cuda());
-  p.softmax_scale = scale;
-  const Backend& backend = *find_backend(c.backend);
-  const DeviceInfo device = detect_device();
-  p.num_splits = c.splits;
-  const Plan plan = backend.plan(p, device);
-  if (c.splits > 0) EXPECT_EQ(plan.num_splits, c.splits) << "the plan keeps an asked count";
-  DeviceBuffer workspace(plan.workspace_bytes);
-  p.num_splits = plan.num_splits;
-  p.workspace = workspace.get();
-  p.workspace_bytes = workspace.bytes();
-  run(backend, p, {}, device);
-  LKV_CUDA_OK(cudaDeviceSynchronize());
-  d_o.download(o.raw(), o.bytes());
-  d_lse.download(lse.raw(), lse.bytes());
-  EXPECT_TRUE(compare("o", o, ref.o, Tolerance::bf16_output())) << plan.num_splits << " splits";
-  EXPECT_TRUE(compare("lse", lse, ref.lse, Tolerance::lse()));
+// An index outside the pool (past it, or below -1), one at a time, in the last query token's row,
+// on the narrow, the many-heads and the bf16 kernels: the kernels skip it and note it, and the record
+// throws the reference's own Error for the same indices.
+TEST(GpuSparseMlaDecodeFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  for (const auto& [dtype, heads] : {std::pair{KvDtype::kFp8E4M3, 8}, std::pair{KvDtype::kFp8E4M3, 64},
+                                     std::pair{KvDtype::kBf16, 8}}) {
+    Rng rng = test_rng();
+    PagedFixtureOptions opt;
+    opt.lengths = {300, 1000};
+    opt.kv_dtype = dtype;
+    opt.with_indexer = false;
+    PagedFixture f = make_paged_fixture(opt, rng);
+    HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
+    const std::int64_t num_slots = f.num_pages() * f.page_size, element = (1 * 2 + 1) * 256 + 200;
+    for (const std::int32_t slot : {static_cast<std::int32_t>(num_slots), static_cast<std::int32_t>(num_slots + 9), -2}) {
+      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", slot " + std::to_string(slot));
+      HostTensor indices = make_indices(f, 2, 256, rng);
+      indices.data<std::int32_t>()[element] = slot;
+      const std::string expected = error_of([&] { reference_sparse_decode(f, q, indices, 0.0625f); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      EXPECT_EQ(gpu_sparse("cuda", f, q, indices).fault, expected);
+    }
+  }
 }
 
 std::vector<SparseCase> sparse_cases() {

@@ -16,6 +16,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <ostream>
 #include <stdexcept>
@@ -25,6 +26,7 @@
 #include "gpu/device.hpp"
 #include "gpu/topk_check.hpp"
 #include "latentkv/backend.hpp"
+#include "support/expect_error.hpp"
 #include "support/host_tensor.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
@@ -186,12 +188,14 @@ class DeviceTopk {
     if (workspace_.bytes() > 0) check(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
     params_.workspace = workspace_.get();
     params_.workspace_bytes = workspace_.bytes();
+    params_.fault = fault_.get();
   }
 
   // One call on `logits` with `seq_lens`; returns the slots [B, q_len, k]. A write past the slots
   // output (into the guard) fails the test. `cleared`: the plan's cleared_bytes of the workspace
   // zeroed before the call, and the call told so.
   HostTensor call(const HostTensor& logits, const std::vector<std::int32_t>& seq_lens, bool cleared = false) {
+    fault_.clear();
     if (cleared) {
       EXPECT_GT(cleared_bytes_, 0u) << "the GPU top-k should take its row state cleared";
       check(cudaMemset(workspace_.get(), 0, cleared_bytes_));
@@ -211,6 +215,8 @@ class DeviceTopk {
         << "the kernel wrote past the end of the slots output";
     return slots;
   }
+  // The message of the fault the last call noted, "" for none.
+  std::string fault() const { return fault_.message(); }
 
  private:
   static void check(cudaError_t status) {
@@ -225,6 +231,7 @@ class DeviceTopk {
   DeviceBuffer slots_;   // [B, q_len, k] i32, then kGuardSlots sentinels
   DeviceBuffer workspace_;
   std::size_t cleared_bytes_ = 0;
+  FaultRecord fault_;
   TopkParams params_;
 };
 
@@ -242,6 +249,7 @@ TEST_P(GpuTopk, MatchesReference) {
   DeviceTopk gpu(f, c.q_len, max_len, c.k);
   const HostTensor got = gpu.call(logits, f.seq_lens);
   EXPECT_TRUE(check_topk_rows(f, logits, got, want)) << c;
+  EXPECT_EQ(gpu.fault(), "") << "a fault noted for good input";
   const HostTensor got_cleared = gpu.call(logits, f.seq_lens, true);
   EXPECT_TRUE(check_topk_rows(f, logits, got_cleared, want)) << c << ", row state cleared before the call";
 }
@@ -325,6 +333,49 @@ TEST(GpuTopkReuse, WorkspaceReusedAsLengthsGrow) {
     const HostTensor got = gpu.call(logits, f.seq_lens);
     EXPECT_TRUE(check_topk_rows(f, logits, got, want))
         << "call " << s << ": lengths " << steps[s][0] << ", " << steps[s][1] << ", " << steps[s][2];
+  }
+}
+
+// Bad lengths and pages, one at a time: given a fault record, the top-k checks them (a kernel of its
+// own) and the record throws the reference's own Error for the same input. Its pages may be any id
+// whose slots fit int32 (the top-k knows no pool). The block tables' spare column holds a real page,
+// so that a length past the capacity is the only fault.
+TEST(GpuTopkFaults, RecordTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  struct Bad {
+    const char* what;
+    std::function<void(PagedFixture&, std::int64_t&)> spoil;  // the tables and max_len
+  };
+  const std::vector<Bad> bad = {
+      {"a negative page", [](PagedFixture& f, std::int64_t&) { f.block_table[1] = -3; }},
+      {"a page whose slots pass int32", [](PagedFixture& f, std::int64_t&) {
+         f.block_table[f.max_pages + 2] = INT32_MAX / f.page_size;
+       }},
+      {"a length past the block table", [](PagedFixture& f, std::int64_t& max_len) {
+         f.seq_lens[1] = f.max_pages * f.page_size + 1;
+         max_len = f.seq_lens[1];
+       }},
+      {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.seq_lens[1] - 1; }},
+      {"a negative length", [](PagedFixture& f, std::int64_t&) { f.seq_lens[0] = -1; }},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    Rng rng = test_rng();
+    PagedFixture f = make_tables(64, {3000, 9000}, rng);
+    for (std::int64_t r = 0; r < f.batch(); ++r) {  // the spare column: the request's first page
+      f.block_table[static_cast<std::size_t>((r + 1) * f.max_pages - 1)] = f.block_table[static_cast<std::size_t>(r * f.max_pages)];
+    }
+    std::int64_t max_len = f.max_len();
+    b.spoil(f, max_len);
+    const std::vector<std::int32_t> spoiled = f.seq_lens;
+    for (std::int32_t& l : f.seq_lens) l = static_cast<std::int32_t>(std::clamp<std::int64_t>(l, 0, max_len));  // the logits' rows
+    const HostTensor logits = make_logits(f, 1, max_len, Fill::kNormal, kMaxTopk, rng);
+    f.seq_lens = spoiled;
+    const std::string expected = error_of([&] { reference_topk(f, logits, kMaxTopk); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    DeviceTopk gpu(f, 1, max_len, kMaxTopk);
+    gpu.call(logits, f.seq_lens);
+    EXPECT_EQ(gpu.fault(), expected);
   }
 }
 

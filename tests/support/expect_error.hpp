@@ -3,7 +3,8 @@
 //   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "block_table[0][1]", "99"));
 //
 // passes when the call throws latentkv::Error whose op() is `op`, whose argument() contains
-// `argument` and whose value() contains `value`, and whose what() names all three.
+// `argument` and whose value() contains `value`, and whose what() names all three. error_of(call)
+// is the message itself.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -36,6 +37,18 @@ template <typename F>
     return ::testing::AssertionFailure() << "threw a non-latentkv exception: " << e.what();
   }
   return ::testing::AssertionFailure() << "did not throw (expected " << op << ": '" << argument << "' = " << value << ")";
+}
+
+// The message of the latentkv::Error `call` throws, or "" when it throws none: for comparing two
+// ways to the same error (a GPU fault record and the reference's check of the same input).
+template <typename F>
+std::string error_of(F&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
 }
 
 }  // namespace latentkv::testing

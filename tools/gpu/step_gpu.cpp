@@ -201,18 +201,21 @@ class StrategyOps {
     return op == StepOp::kSparseDecode || op == StepOp::kDenseDecode ? *decode_ : *native_;
   }
   int num_splits() const { return spec_.dense ? dense_plan_.num_splits : dsa_plan_.sparse.num_splits; }
-  // Throws the Error of a token the layers' appends refused since bind() (a bad slot, a NaN or inf
-  // in its inputs: the first one recorded); returns when there was none.
-  void throw_append_fault() const {
+  // Throws the Error of the first bad value the layers' ops noted since bind() (a token an append
+  // refused, a length or page outside the block table or pool, a slot outside the pool); returns
+  // when there was none.
+  void throw_fault() const {
     DeviceFault f;
-    cuda_ok(cudaMemcpy(&f, append_fault_.get(), sizeof f, cudaMemcpyDeviceToHost), "the appends' fault record");
+    cuda_ok(cudaMemcpy(&f, fault_.get(), sizeof f, cudaMemcpyDeviceToHost), "the step's fault record");
     throw_device_fault(f);
   }
 
   // Binds every layer's ops to its caches and the buffers, with a workspace of workspace_bytes().
-  void bind(const StepBuffers& buffers, const std::vector<std::unique_ptr<DevicePool>>& pools) {
+  // `fault_checks`: every op gets the fault record, not only the appends.
+  void bind(const StepBuffers& buffers, const std::vector<std::unique_ptr<DevicePool>>& pools, bool fault_checks) {
     workspace_ = DeviceMemory::zeroed(workspace_bytes_);
-    append_fault_ = DeviceMemory::zeroed(sizeof(DeviceFault));
+    fault_ = DeviceMemory::zeroed(sizeof(DeviceFault));
+    DeviceFault* const checked = fault_checks ? fault_.get<DeviceFault>() : nullptr;
     for (int l = 0; l < s_.layers; ++l) {
       const DevicePool& pool = *pools[static_cast<std::size_t>(l)];
       AppendParams a;
@@ -221,17 +224,19 @@ class StrategyOps {
       a.latent = buffers.latent(l);
       a.indexer_keys = buffers.keys(l);
       a.slots = buffers.new_slots();
-      a.fault = append_fault_.get<DeviceFault>();
+      a.fault = fault_.get<DeviceFault>();
       appends_.push_back(a);
       if (spec_.dense) {
         MlaDecodeParams d = dense_args(buffers, l, pool.cache());
         d.num_splits = dense_plan_.num_splits;
         d.workspace = workspace_.get();
         d.workspace_bytes = workspace_.bytes();
+        d.fault = checked;
         dense_.push_back(d);
       } else {
-        sparse_.push_back(dsa_steps(
-            dsa_params(buffers, l, pool.cache(), pool.indexer(), workspace_.get(), workspace_.bytes()), dsa_plan_));
+        DsaDecodeParams p = dsa_params(buffers, l, pool.cache(), pool.indexer(), workspace_.get(), workspace_.bytes());
+        p.fault = checked;
+        sparse_.push_back(dsa_steps(p, dsa_plan_));
       }
     }
   }
@@ -364,7 +369,7 @@ class StrategyOps {
   Plan dense_plan_;
   std::size_t workspace_bytes_ = 0;
   DeviceMemory workspace_;              // shared by the layers: they run one after another
-  DeviceMemory append_fault_;           // the layers' appends' fault record (a token they refused)
+  DeviceMemory fault_;                  // the step's fault record: the appends', and with --fault-checks every op's
   std::vector<AppendParams> appends_;   // per layer
   std::vector<DsaSteps> sparse_;        // per layer (sparse path), views into workspace_
   std::vector<MlaDecodeParams> dense_;  // per layer (dense path)
@@ -536,11 +541,11 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
   cudaStream_t stream = setup.stream;
   const std::string what = result.name + ": ";
   setup.progress.update(what + "capturing the step");
-  ops.bind(setup.buffers, setup.pools);
+  ops.bind(setup.buffers, setup.pools, setup.job.fault_checks);
   ops.launch_step(stream);  // once eagerly: errors surface here, outside any capture
   cuda_ok(cudaStreamSynchronize(stream), ("the step of " + result.name).c_str());
   try {
-    ops.throw_append_fault();
+    ops.throw_fault();
   } catch (const Error& e) {
     result.status = std::string("FAIL: ") + e.what();
     return;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/paging_check.cuh"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
@@ -13,11 +14,43 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// The reference's checks of request b (validate.cpp: check_new_tokens, check_paging_values), by a
+// whole CTA: its new tokens within its length, its length within the block table, the pages that
+// length uses within the pool. A fault goes to in.fault.
+__device__ void check_request(const PrefillRows& in, int b) {
+  if (threadIdx.x == 0) {
+    const std::int32_t lo = in.cu_new_tokens[b], hi = in.cu_new_tokens[b + 1], len = in.seq_lens[b];
+    const std::int64_t n = static_cast<std::int64_t>(hi) - lo;
+    if (n < 0 || n > len) {
+      record_fault(in.fault, DeviceFaultCode::kNewTokensCount, {.index = b + 1, .value = hi, .bound = lo, .length = len});
+    }
+  }
+  PagingCheck paging;
+  paging.block_table = in.block_table;
+  paging.seq_lens = in.seq_lens;
+  paging.batch = in.batch;
+  paging.max_pages = in.max_pages;
+  paging.page_size = in.page_size;
+  paging.num_pages = in.num_pages;
+  paging.fault = in.fault;
+  check_request_paging(paging, b);
+}
+
 // One CTA per new token first + blockIdx.x: its request b (the last b with cu[b] <= r), its length,
 // and request b's block-table row.
 __global__ void __launch_bounds__(kThreads)
     prefill_rows_kernel(const PrefillRows in, std::int64_t first, std::int32_t* row_lens, std::int32_t* row_table) {
   __shared__ int request;
+  if (first == 0 && in.fault.record != nullptr) {  // the first launch checks every request
+    for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const std::int32_t start = in.cu_new_tokens[0], end = in.cu_new_tokens[in.batch];
+      if (start != 0) record_fault(in.fault, DeviceFaultCode::kNewTokensStart, {.value = start});
+      if (end != in.new_tokens) {
+        record_fault(in.fault, DeviceFaultCode::kNewTokensEnd, {.index = in.batch, .value = end, .bound = in.new_tokens});
+      }
+    }
+  }
   const std::int64_t r = first + blockIdx.x;
   if (threadIdx.x == 0) {
     int lo = 0, hi = in.batch;

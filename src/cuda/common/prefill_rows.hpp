@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/device_fault.hpp"
+
 namespace latentkv::cuda {
 
 struct PrefillRows {
@@ -19,11 +21,16 @@ struct PrefillRows {
   int batch = 0;                      // >= 1
   int max_pages = 0;
   int page_size = 1;
+  std::int64_t num_pages = 0;         // the pool's pages
+  std::int64_t new_tokens = 0;        // T, the rows of q: what cu_new_tokens[batch] must be
+  FaultSink fault;                    // the prefill's record and op
 };
 
 // For new tokens first .. first + rows - 1: row_lens [rows] and row_table [rows, max_pages]. Bad
-// device data (cu not ascending, lengths beyond the table) gives clamped, in-bounds values. `op`
-// names the calling op in launch errors.
+// device data (cu not ascending, lengths beyond the table) gives clamped, in-bounds values; the
+// launch for first = 0 checks every request as the reference does (cu_new_tokens, lengths, the
+// pages the lengths use) and notes a fault in `in.fault`, so that the kernels the rows feed need
+// not. `op` names the calling op in launch errors.
 void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
                          std::int32_t* row_table, cudaStream_t stream, const char* op);
 

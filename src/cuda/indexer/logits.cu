@@ -46,6 +46,7 @@
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/paging_check.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/indexer/launch.hpp"
@@ -85,7 +86,8 @@ struct LogitsArgs {
   int span;                          // one CTA's positions: 16-token tiles (mma.sync) or 64-token turns (wgmma)
 };
 
-// The request's length, clamped to [0, capacity of its block-table row].
+// The request's length, clamped to [0, capacity of its block-table row] (check_request notes one
+// outside it).
 __device__ __forceinline__ int request_length(const LogitsArgs& a, int b) {
   const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   return static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
@@ -101,6 +103,43 @@ __device__ __forceinline__ int page_offset(const LogitsArgs& a, int t, int index
 __device__ __forceinline__ const std::uint8_t* page_base(const LogitsArgs& a, std::int32_t page) {
   if (page < 0 || page >= a.num_pages) return nullptr;
   return a.cache + static_cast<std::int64_t>(page) * a.page_size * 132;
+}
+
+// The reference's checks of request b's length and of the pages it uses (validate.cpp), shared out
+// over the request's CTAs: CTA c's thread i looks at pages c x kThreads + i + k x (all the request's
+// threads), the first round's entry loaded ahead (one round covers every request whose pages are no
+// more than its CTAs' threads). The kernels load it right after their first loads go out (the
+// entries are those the first turns need, or near them) and compare after staging the queries; a
+// fault goes to the call's record. The kernels themselves only skip a page outside the pool. Each
+// kernel comes in two instances, with these checks (a call given a fault record) and without.
+struct RequestCheck {
+  static constexpr int kAhead = 1;
+  std::int32_t len;
+  std::int32_t entry[kAhead];
+};
+__device__ __forceinline__ RequestCheck load_request_check(const LogitsArgs& a, int b, int len) {
+  RequestCheck c{};
+  c.len = a.seq_lens[b];
+  const int used = (len + a.page_size - 1) / a.page_size;
+  const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+#pragma unroll
+  for (int k = 0; k < RequestCheck::kAhead; ++k) {
+    const int p = (k * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
+    c.entry[k] = p < used ? row[p] : 0;
+  }
+  return c;
+}
+__device__ __forceinline__ void check_request(const LogitsArgs& a, const FaultSink& fault, int b, int len,
+                                              const RequestCheck& c) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) check_length(fault, b, c.len, a.max_pages, a.page_size, a.max_len);
+  const int used = (len + a.page_size - 1) / a.page_size;
+  const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+  for (int k = 0;; ++k) {
+    const int p = (k * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
+    if (p >= used) break;
+    const std::int32_t page = k < RequestCheck::kAhead ? c.entry[k] : row[p];
+    check_page(fault, b, p, page, a.num_pages, c.len, a.page_size);
+  }
 }
 
 // One token's 32 key bytes for this lane (dims 16*tig .. and 64 + 16*tig ..) and its scale; false
@@ -294,8 +333,8 @@ __device__ __forceinline__ bool walk(const LogitsArgs& a, int tile, int live_end
 // Grid (CTAs per request, B). A CTA stages every query row of its request in shared memory once (as
 // f16), then its warps walk the CTA's span of tiles, each loading its next tile while computing this one.
 // At most 128 registers (4 CTAs, 16 warps per SM): the kernel fits them without spilling.
-template <bool kAligned16>
-__global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a) {
+template <bool kAligned16, bool kChecks>
+__global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a, const FaultSink fault) {
   extern __shared__ __align__(16) std::uint8_t q_s[];  // [q_len, padded heads, 128] f16, then [q_len, padded] weights
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
@@ -312,6 +351,8 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
   Tile t0, t1, t2;
   if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, t0);
   if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, t1);
+  RequestCheck check{};
+  if constexpr (kChecks) check = load_request_check(a, b, len);
   clear_scratch(a);
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
@@ -335,6 +376,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a)
     }
   }
   stage_weights(a, b, padded, w_s);
+  if constexpr (kChecks) check_request(a, fault, b, len, check);
   __syncthreads();
 
   const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s, 0};
@@ -471,8 +513,8 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // (turn_s); -1 ends the CTA's walk. Every CTA of the request ends its claims with exactly one claim
 // past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
 // so that every call leaves the counters as it needs them.
-template <int kPass>
-__global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a) {
+template <int kPass, bool kChecks>
+__global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a, const FaultSink fault) {
   // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
   // its barriers, its stages' presence flags and turns.
   extern __shared__ __align__(16) std::uint8_t smem[];
@@ -510,6 +552,8 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   }
   QueryBatch batch;
   load_query_batch(a, b, padded, 0, batch);
+  RequestCheck check{};
+  if constexpr (kChecks) check = load_request_check(a, b, len);
   constexpr int kWeightsPerThread = kMaxDecodeQLen * kMaxIndexerHeads / kThreads;  // q_len x padded at most
   static_assert(kWeightsPerThread * kThreads == kMaxDecodeQLen * kMaxIndexerHeads);
   const int weight_count = a.q_len * padded;
@@ -586,6 +630,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     const int j = e * kThreads + static_cast<int>(threadIdx.x);
     if (j < weight_count) w_s[j] = weight[e];
   }
+  if constexpr (kChecks) check_request(a, fault, b, len, check);
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, weights, barriers and first stages' turns and presence flags published
 
@@ -655,9 +700,9 @@ int spread(Kernel* kernel, LogitsArgs& a, int batch, int units, int most_per_req
 
 constexpr int kBytesPerHead = 2 * kDim + static_cast<int>(sizeof(float));  // f16 queries and the weight
 
-template <bool kAligned16>
-void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
-  const auto kernel = logits_kernel<kAligned16>;
+template <bool kAligned16, bool kChecks>
+void launch_mma(LogitsArgs a, const FaultSink& fault, int batch, cudaStream_t stream) {
+  const auto kernel = logits_kernel<kAligned16, kChecks>;
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kHeadGroup) * kBytesPerHead;
   // The most any call takes (64 heads x 4 rows: 66.5 KB, within the 99 KB every target allows),
   // allowed once per device the first time a call needs more than the default 48 KB.
@@ -668,7 +713,7 @@ void launch_mma(LogitsArgs a, int batch, cudaStream_t stream) {
   const int tiles = (a.max_len + 15) / 16;
   const int ctas = spread(kernel, a, batch, tiles, (tiles + kWarps - 1) / kWarps, smem);
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
-                 stream, false, a);
+                 stream, false, a, fault);
 }
 
 // Claims (logits_wgmma_kernel) from spans of this many turns: each CTA streams 3/4 of its span, then
@@ -682,9 +727,10 @@ static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's pro
 // `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a launch that
 // claims zeroes them first with a memset (a kernel that claims leaves them zero, one that does not
 // leaves them alone).
-template <int kPass>
-void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, bool cleared, cudaStream_t stream) {
-  const auto kernel = logits_wgmma_kernel<kPass>;
+template <int kPass, bool kChecks>
+void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
+                  cudaStream_t stream) {
+  const auto kernel = logits_wgmma_kernel<kPass, kChecks>;
   // Alignment slack, the ring, its barriers, presence flags and turns.
   constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
@@ -706,20 +752,24 @@ void launch_wgmma(LogitsArgs a, int batch, unsigned* claimed, bool cleared, cuda
     }
   }
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
-                 stream, false, a);
+                 stream, false, a, fault);
 }
 
 // The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one; `claimed` (a counter
 // per request, or null; zero on entry when `cleared`) lets the wgmma kernel balance long spans.
-void launch_for_device(const LogitsArgs& a, int batch, unsigned* claimed, bool cleared, cudaStream_t stream) {
+// The instance with checks when the call has a fault record.
+template <bool kChecks>
+void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
+                       cudaStream_t stream) {
   if (!indexer_uses_wgmma(a.page_size)) {
-    if (a.page_size % 4 == 0) return launch_mma<true>(a, batch, stream);  // 132 x page_size bytes: keys 16-byte aligned
-    return launch_mma<false>(a, batch, stream);
+    // 132 x page_size bytes: keys 16-byte aligned
+    if (a.page_size % 4 == 0) return launch_mma<true, kChecks>(a, fault, batch, stream);
+    return launch_mma<false, kChecks>(a, fault, batch, stream);
   }
   switch (wgmma_pass_heads(a.heads)) {
-    case 8: return launch_wgmma<8>(a, batch, claimed, cleared, stream);
-    case 16: return launch_wgmma<16>(a, batch, claimed, cleared, stream);
-    default: return launch_wgmma<32>(a, batch, claimed, cleared, stream);
+    case 8: return launch_wgmma<8, kChecks>(a, fault, batch, claimed, cleared, stream);
+    case 16: return launch_wgmma<16, kChecks>(a, fault, batch, claimed, cleared, stream);
+    default: return launch_wgmma<32, kChecks>(a, fault, batch, claimed, cleared, stream);
   }
 }
 
@@ -786,7 +836,9 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     check_aligned("indexer_logits", "workspace", p.workspace, 4);
     claimed = static_cast<unsigned*>(p.workspace);
   }
-  launch_for_device(a, batch, claimed, p.workspace_cleared, stream);
+  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerLogits, "indexer_logits");
+  if (fault.record != nullptr) launch_for_device<true>(a, fault, batch, claimed, p.workspace_cleared, stream);
+  else launch_for_device<false>(a, fault, batch, claimed, p.workspace_cleared, stream);
 }
 
 }  // namespace latentkv::cuda

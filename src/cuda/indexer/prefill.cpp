@@ -127,6 +127,9 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
   requests.batch = static_cast<int>(p.seq_lens.size(0));
   requests.max_pages = static_cast<int>(p.block_table.size(1));
   requests.page_size = p.cache.page_size;
+  requests.num_pages = p.cache.num_pages;
+  requests.new_tokens = t;
+  requests.fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   for (std::int64_t first = 0; first < t; first += chunk) {
     const std::int64_t rows = std::min(chunk, t - first);

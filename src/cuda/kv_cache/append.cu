@@ -7,6 +7,7 @@
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/device_fault.cuh"
 #include "cuda/kv_cache/launch.hpp"
 
 namespace latentkv::cuda {
@@ -25,7 +26,7 @@ struct AppendArgs {
   int page_size;
   bool fp8;
   bool pow2;
-  DeviceFault* fault;                 // or null
+  FaultSink fault;
 };
 
 __device__ __forceinline__ float abs_max_over(float v, int width) {
@@ -59,17 +60,6 @@ __device__ int first_nonfinite(const uint4& c, std::uint32_t& bits) {
   return -1;
 }
 
-// Notes a fault in the record unless it holds one already (the first stays).
-__device__ void record_fault(DeviceFault* f, DeviceFaultCode code, std::int64_t index, std::int64_t value,
-                             std::int64_t bound) {
-  if (f == nullptr) return;
-  if (atomicCAS(&f->code, 0, static_cast<std::int32_t>(code)) == 0) {
-    f->index = index;
-    f->value = value;
-    f->bound = bound;
-  }
-}
-
 // A token with a non-finite value: its lowest such element over the warp (each lane's candidate
 // `element`, -1 for none, with its bits) recorded with `code` by the lane that holds it. True when
 // there is one.
@@ -78,7 +68,7 @@ __device__ bool record_nonfinite(const AppendArgs& a, DeviceFaultCode code, std:
   if (__ballot_sync(0xffffffffu, element >= 0) == 0) return false;
   int lowest = element >= 0 ? element : INT32_MAX;
   for (int off = 16; off > 0; off /= 2) lowest = min(lowest, __shfl_xor_sync(0xffffffffu, lowest, off));
-  if (element == lowest) record_fault(a.fault, code, row * width + element, bits, 0);
+  if (element == lowest) record_fault(a.fault, code, {.index = row * width + element, .value = bits});
   return true;
 }
 
@@ -97,9 +87,9 @@ __device__ void refuse(const AppendArgs& a, std::int64_t token, int lane, const 
       bits = b;
     }
   }
-  if (record_nonfinite(a, DeviceFaultCode::kAppendLatent, token, 576, element, bits)) return;
+  if (record_nonfinite(a, DeviceFaultCode::kLatent, token, 576, element, bits)) return;
   const int i = first_nonfinite(make_uint4(key.x, key.y, 0u, 0u), bits);
-  record_nonfinite(a, DeviceFaultCode::kAppendIndexerKey, token, 128, i >= 0 ? 4 * lane + i : -1, bits);
+  record_nonfinite(a, DeviceFaultCode::kIndexerKey, token, 128, i >= 0 ? 4 * lane + i : -1, bits);
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs a) {
@@ -145,7 +135,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     }
   }
   if (slot < -1 || slot >= a.num_slots) {
-    if (lane == 0) record_fault(a.fault, DeviceFaultCode::kAppendSlot, token, slot, a.num_slots);
+    if (lane == 0) record_fault(a.fault, DeviceFaultCode::kSlot, {.index = token, .value = slot, .bound = a.num_slots});
     return;
   }
   if (!finite) {  // noted whatever the slot, -1 too: the reference checks every token's values
@@ -199,8 +189,7 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   a.page_size = p.cache.page_size;
   a.fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   a.pow2 = p.scale_mode == ScaleMode::kPow2;
-  a.fault = p.fault;
-  if (a.fault != nullptr) check_aligned("append", "fault", a.fault, 8);
+  a.fault = fault_sink(p.fault, DeviceFaultOp::kAppend, "append");
   if (a.n == 0) return;
   const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
   launch_chained("append", append_kernel, blocks, kWarpsPerBlock * 32, 0, stream, false, a);

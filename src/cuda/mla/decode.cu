@@ -28,9 +28,9 @@ struct TokenFormat {
   static constexpr int kChunks = kBytes / 16;  // 41 or 72 sixteen-byte chunks
 };
 
-template <bool kFp8, int kGroups>
+template <bool kFp8, int kGroups, bool kChecks>
 __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
-    decode_kernel(const DecodeArgs a) {
+    decode_kernel(const DecodeArgs a, const FaultSink fault) {
   using Smem = DecodeSmem<kGroups>;
   using Fmt = TokenFormat<kFp8>;
   constexpr int kThreads = kGroups * kWarpsPerGroup * 32;
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
   const int row_base = blockIdx.x * kGroups * kRowsPerGroup;
 
   wait_for_previous_kernels();
-  const SplitRange range = split_range(a, b, split, kTileTokens);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTileTokens);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // Queries of this CTA's rows into shared memory (rows past the last are zero).
   for (int c = tid; c < kGroups * kRowsPerGroup * 72; c += kThreads) {
@@ -68,9 +68,10 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     }
     *reinterpret_cast<uint4*>(q_s + r * kRowStride + piece * 8) = v;
   }
+  int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTileTokens) {
-    slot_s[tid] = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
-    slot_s[kTileTokens + tid] = num_tiles > 1 ? token_slot(a, b, begin + kTileTokens + tid, end) : -1;
+    slot_s[tid] = num_tiles > 0 ? token_slot(a, b, begin + tid, end, bad_token) : -1;
+    slot_s[kTileTokens + tid] = num_tiles > 1 ? token_slot(a, b, begin + kTileTokens + tid, end, bad_token) : -1;
   }
   __syncthreads();
 
@@ -261,12 +262,13 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
       }
     }
     if (tid < kTileTokens && tile + 2 < num_tiles) {  // read by issue_loads(tile + 2), after sync (A)
-      slot_s[(tile & 1) * kTileTokens + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry) : -1;
+      slot_s[(tile & 1) * kTileTokens + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry, bad_token) : -1;
     }
   }
 
   // ---- epilogue: normalise and write this split's rows ----
   allow_next_kernel();
+  note_bad_entry<kChecks>(a, fault, b, bad_token);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
@@ -400,26 +402,31 @@ void launch_combine(const DecodeArgs& a, const char* op, cudaStream_t stream) {
 
 int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
 
-template <bool kFp8, int kGroups>
+template <bool kFp8, int kGroups, bool kChecks = false>
 int configure() {
   constexpr int kSmem = static_cast<int>(DecodeSmem<kGroups>::kBytes);
-  return allow_dynamic_smem(decode_kernel<kFp8, kGroups>, kSmem, "mla_decode");
+  return allow_dynamic_smem(decode_kernel<kFp8, kGroups, kChecks>, kSmem, "mla_decode");
 }
 
-template <bool kFp8, int kGroups>
-void launch_instance(const DecodeArgs& a, cudaStream_t stream) {
-  const int smem_bytes = configure<kFp8, kGroups>();
+template <bool kFp8, int kGroups, bool kChecks>
+void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  const int smem_bytes = configure<kFp8, kGroups, kChecks>();
   const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", decode_kernel<kFp8, kGroups>, grid, kGroups * kWarpsPerGroup * 32, smem_bytes, stream,
-                 false, a);
+  launch_chained("mla_decode", decode_kernel<kFp8, kGroups, kChecks>, grid, kGroups * kWarpsPerGroup * 32, smem_bytes,
+                 stream, false, a, fault);
+}
+template <bool kFp8, int kGroups>
+void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  if (fault.record != nullptr) launch_instance<kFp8, kGroups, true>(a, fault, stream);
+  else launch_instance<kFp8, kGroups, false>(a, fault, stream);
 }
 
 template <bool kFp8, int kGroups>
 int wide_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_kernel<kFp8, kGroups>, kGroups * kWarpsPerGroup * 32, configure<kFp8, kGroups>(),
-                              "mla_decode");
+  return resident_ctas_per_sm(decode_kernel<kFp8, kGroups, false>, kGroups * kWarpsPerGroup * 32,
+                              configure<kFp8, kGroups>(), "mla_decode");
 }
 
 // The kernel a call runs, decided in one place for planning, launching and naming.
@@ -489,8 +496,8 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 }
 
 // Checks the schedule and scratch, then runs the kernel these shapes take and the split combine.
-void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::size_t workspace_bytes, const char* op,
-                cudaStream_t stream) {
+void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
+                std::size_t workspace_bytes, const char* op, cudaStream_t stream) {
   a.num_splits = num_splits;
   if (a.num_splits < 1 || a.num_splits > kMaxSplits) {
     throw Error(op, "num_splits", std::to_string(num_splits),
@@ -515,12 +522,12 @@ void run_decode(DecodeArgs a, bool fp8, int num_splits, void* workspace, std::si
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows);
   bool merged = false;  // the splits merged by the kernel itself
-  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, stream);
-  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, stream);
-  else if (fp8 && groups == 1) launch_instance<true, 1>(a, stream);
-  else if (fp8) launch_instance<true, 2>(a, stream);
-  else if (groups == 1) launch_instance<false, 1>(a, stream);
-  else launch_instance<false, 2>(a, stream);
+  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, stream);
+  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, fault, stream);
+  else if (fp8 && groups == 1) launch_instance<true, 1>(a, fault, stream);
+  else if (fp8) launch_instance<true, 2>(a, fault, stream);
+  else if (groups == 1) launch_instance<false, 1>(a, fault, stream);
+  else launch_instance<false, 2>(a, fault, stream);
   if (a.num_splits > 1 && !merged) {
     if (a.num_splits <= 32) {
       launch_combine<128>(a, op, stream);
@@ -556,7 +563,8 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   a.heads = static_cast<int>(p.q.size(2));
   a.rows = a.q_len * a.heads;
   a.scale_log2 = p.softmax_scale * kLog2e;
-  run_decode(a, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
+  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaDecode, "mla_decode");
+  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
 // Sparse decode is the same kernels over each query token's own index row: the B x q_len query
@@ -567,7 +575,7 @@ Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors,
                           mla::kMinTokensPerSparseSplit, p.num_splits, op);
 }
 
-void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream) {
+void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream, const SparseDecodeCaller& caller) {
   using namespace mla;
   DecodeArgs a{};
   a.q = p.q.as<const std::uint16_t>();
@@ -583,8 +591,9 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
   a.heads = static_cast<int>(p.q.size(2));
   a.rows = a.heads;
   a.scale_log2 = p.softmax_scale * kLog2e;
-  run_decode(a, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
-             "sparse_mla_decode", stream);
+  FaultSink fault = fault_sink(p.fault, caller.fault_op, caller.op);
+  fault.row_base = caller.first_row;
+  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, caller.op, stream);
 }
 
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {

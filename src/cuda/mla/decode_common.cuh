@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/common/convert.cuh"
+#include "cuda/common/paging_check.cuh"
 
 namespace latentkv::cuda::mla {
 
@@ -106,17 +107,25 @@ struct DecodeArgs {
 };
 
 // The tokens [begin, end) of request b that split `split` covers: the request's length (clamped to
-// its block table's capacity) cut into num_splits chunks of whole tiles. Read on the device, so a
-// captured step follows the lengths as they grow.
+// its block table's capacity; a length outside it is noted by split 0's first thread) cut into
+// num_splits chunks of whole tiles. Read on the device, so a captured step follows the lengths as
+// they grow.
 // Sparse decode has no lengths: a row's tokens are the index_cols entries of its index row.
 struct SplitRange {
   int len, begin, end, num_tiles;
 };
-__device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, int b, int split, int tile_tokens) {
+template <bool kChecks>
+__device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, const FaultSink& fault, int b, int split,
+                                                  int tile_tokens) {
   const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   SplitRange s;
   s.len = a.indices != nullptr ? a.index_cols
                                : static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  if constexpr (kChecks) {
+    if (a.indices == nullptr && split == 0 && threadIdx.x == 0) {
+      check_length(fault, b, a.seq_lens[b], a.max_pages, a.page_size);
+    }
+  }
   int chunk = (s.len + a.num_splits - 1) / a.num_splits;
   chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
   s.begin = min(split * chunk, s.len);
@@ -135,23 +144,46 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, int len, int 
 // (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the
 // global load can be issued early and used late. A slot outside the pool, or -1, gives -1: the
 // kernels read nothing for it and mask it out of the softmax.
+//
+// An entry outside the pool (but -1 in an index row) is a fault. The tile loops only remember the
+// last such token of each thread in `bad` (-1: none; a register and a select, nothing that would
+// disturb the loop's scheduling); the kernel notes it in the call's record after the loop. Every
+// kernel comes in two instances, with these checks (a call given a fault record) and without, so
+// that a call without a record runs exactly the unchecked code.
 __device__ __forceinline__ std::int32_t load_token_entry(const DecodeArgs& a, int b, int t) {
   return a.indices != nullptr ? a.indices[static_cast<std::int64_t>(b) * a.index_cols + t]
                               : a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
 }
-__device__ __forceinline__ std::int32_t entry_to_slot(const DecodeArgs& a, int t, std::int32_t entry) {
-  if (a.indices != nullptr) return entry >= 0 && entry < a.num_pages * a.page_size ? entry : -1;
-  return entry >= 0 && entry < a.num_pages ? entry * a.page_size + t % a.page_size : -1;
+__device__ __forceinline__ std::int32_t entry_to_slot(const DecodeArgs& a, int t, std::int32_t entry, int& bad) {
+  std::int32_t slot;
+  if (a.indices != nullptr) slot = entry >= 0 && entry < a.num_pages * a.page_size ? entry : -1;
+  else slot = entry >= 0 && entry < a.num_pages ? entry * a.page_size + t % a.page_size : -1;
+  if (slot < 0 && (a.indices == nullptr || entry != -1)) bad = t;
+  return slot;
 }
-__device__ __forceinline__ std::int32_t token_slot(const DecodeArgs& a, int b, int t, int end) {
-  return t < end ? entry_to_slot(a, t, load_token_entry(a, b, t)) : -1;
+__device__ __forceinline__ std::int32_t token_slot(const DecodeArgs& a, int b, int t, int end, int& bad) {
+  return t < end ? entry_to_slot(a, t, load_token_entry(a, b, t), bad) : -1;
+}
+// Notes token `bad` of request b (-1: none), its entry loaded again. Nothing in a kernel instance
+// without checks (kChecks false: no fault record given), where `bad` and its selects then compile
+// away.
+template <bool kChecks>
+__device__ __forceinline__ void note_bad_entry(const DecodeArgs& a, const FaultSink& fault, int b, int bad) {
+  if (!kChecks || bad < 0) return;
+  const std::int32_t entry = load_token_entry(a, b, bad);
+  if (a.indices != nullptr) {
+    const std::int64_t element = (fault.row_base + b) * a.index_cols + bad;
+    record_fault(fault, DeviceFaultCode::kSlot, {.index = element, .value = entry, .bound = a.num_pages * a.page_size});
+  } else {
+    check_page(fault, b, bad / a.page_size, entry, a.num_pages, a.seq_lens[b], a.page_size);
+  }
 }
 
 // Few query rows over an fp8 cache (rows <= kNarrowMaxRows): the transposed kernel of
 // decode_narrow.cu. Writes o/lse or, with splits, the partials, which it merges itself when its grid
 // is resident at once (returns true), else decode.cu's combine merges them (returns false).
 inline constexpr int kNarrowMaxRows = 16;
-bool launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream);
+bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream);
 // CTAs of the narrow kernel for `rows` and `batch` (which picks the pipeline depth) that one SM
 // holds at once (the occupancy API's answer).
 int narrow_blocks_per_sm(int rows, int batch);
@@ -164,7 +196,7 @@ inline constexpr int kWgmmaRows = 64;
 inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
 bool wgmma_decode_available();
-void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream);
+void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream);
 int wgmma_blocks_per_sm();
 
 }  // namespace latentkv::cuda::mla

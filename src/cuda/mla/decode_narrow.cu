@@ -172,8 +172,8 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
 
 // Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
 // file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages.
-template <int kNt, int kStages>
-__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_kernel(const DecodeArgs a) {
+template <int kNt, int kStages, bool kChecks>
+__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_kernel(const DecodeArgs a, const FaultSink fault) {
   using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
   const int b = blockIdx.y, split = blockIdx.x;
 
   wait_for_previous_kernels();
-  const SplitRange range = split_range(a, b, split, kTile);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // ---- the first tiles go out before the queries are staged, so that the two overlap: the
   // queries' loads, the slots of the first kStages tiles (all their entries loaded before any is
@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       if (lane < 8) q_rope[i] = src[64 + lane];
     }
   }
+  int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTile) {
     std::int32_t entry[kStages];
 #pragma unroll
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 #pragma unroll
     for (int t = 0; t < kStages; ++t) {
       const int pos = begin + t * kTile + tid;
-      slot_s[t * kTile + tid] = t < num_tiles && pos < end ? entry_to_slot(a, pos, entry[t]) : -1;
+      slot_s[t * kTile + tid] = t < num_tiles && pos < end ? entry_to_slot(a, pos, entry[t], bad_token) : -1;
     }
   }
   __syncthreads();
@@ -477,13 +478,14 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
       }
     }
     if (tid < kTile && tile + kStages < num_tiles) {  // read by issue_tile(tile + kStages) after sync (A)
-      slot_s[(tile % kStages) * kTile + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry) : -1;
+      slot_s[(tile % kStages) * kTile + tid] = ahead_t < end ? entry_to_slot(a, ahead_t, ahead_entry, bad_token) : -1;
     }
   }
 
   // ---- epilogue: o = unit x O / sum, back in natural dim order, staged in shared memory so that
   // the rows go out as whole 16-byte pieces (o, or the split's partial) ----
   allow_next_kernel();
+  note_bad_entry<kChecks>(a, fault, b, bad_token);
   __syncthreads();  // every warp is done with the last tile: its stage is free
   float* out_s = reinterpret_cast<float*>(stages);  // f32 [kRows][kOutStride]
 #pragma unroll
@@ -527,40 +529,47 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
-template <int kNt, int kStages>
+template <int kNt, int kStages, bool kChecks = false>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  return allow_dynamic_smem(narrow_kernel<kNt, kStages>, kSmem, "mla_decode");
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks>, kSmem, "mla_decode");
 }
 
-template <int kNt, int kStages>
+template <int kNt, int kStages, bool kChecks = false>
 int blocks_per_sm() {
-  return resident_ctas_per_sm(narrow_kernel<kNt, kStages>, kThreads, configure<kNt, kStages>(), "mla_decode");
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks>, kThreads, configure<kNt, kStages, kChecks>(),
+                              "mla_decode");
 }
 
 // The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
 // takes cooperative launches, the whole grid is resident at once and the merge's staging fits in the
 // tile stages.
-template <int kNt, int kStages>
-bool launch_instance(DecodeArgs a, cudaStream_t stream) {
-  const int smem_bytes = configure<kNt, kStages>();
+template <int kNt, int kStages, bool kChecks>
+bool launch_instance(DecodeArgs a, const FaultSink& fault, cudaStream_t stream) {
+  const int smem_bytes = configure<kNt, kStages, kChecks>();
   const DeviceLimits& device = current_device_limits("mla_decode");
   const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
   a.merge_splits = a.num_splits > 1 && device.cooperative &&
-                   ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages>()) * device.multiprocessors &&
+                   ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages, kChecks>()) * device.multiprocessors &&
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", narrow_kernel<kNt, kStages>, grid, kThreads, smem_bytes, stream, a.merge_splits, a);
+  launch_chained("mla_decode", narrow_kernel<kNt, kStages, kChecks>, grid, kThreads, smem_bytes, stream, a.merge_splits,
+                 a, fault);
   return a.merge_splits;
+}
+template <int kNt, int kStages>
+bool launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  return fault.record != nullptr ? launch_instance<kNt, kStages, true>(a, fault, stream)
+                                 : launch_instance<kNt, kStages, false>(a, fault, stream);
 }
 
 }  // namespace
 
-bool launch_decode_narrow(const DecodeArgs& a, cudaStream_t stream) {
+bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
   const bool shallow = a.batch >= kShallowFromBatch;
-  if (a.rows <= 8) return shallow ? launch_instance<1, 2>(a, stream) : launch_instance<1, 3>(a, stream);
-  return shallow ? launch_instance<2, 2>(a, stream) : launch_instance<2, 3>(a, stream);
+  if (a.rows <= 8) return shallow ? launch_instance<1, 2>(a, fault, stream) : launch_instance<1, 3>(a, fault, stream);
+  return shallow ? launch_instance<2, 2>(a, fault, stream) : launch_instance<2, 3>(a, fault, stream);
 }
 int narrow_blocks_per_sm(int rows, int batch) {
   const bool shallow = batch >= kShallowFromBatch;

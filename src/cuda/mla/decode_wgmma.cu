@@ -67,7 +67,8 @@ struct WgmmaSmem {
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
 
-__global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a) {
+template <bool kChecks>
+__global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault) {
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kRows;
   wait_for_previous_kernels();
-  const SplitRange range = split_range(a, b, split, kTile);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
 
   // Queries into the swizzled layout (rows past the last are zero): warp w takes rows 8w .. 8w + 7,
@@ -122,8 +123,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   }
   // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
   std::int32_t ahead_entry = -1;
+  int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTile) {
-    const std::int32_t slot = num_tiles > 0 ? token_slot(a, b, begin + tid, end) : -1;
+    const std::int32_t slot = num_tiles > 0 ? token_slot(a, b, begin + tid, end, bad_token) : -1;
     slot_s[tid] = slot;
     const bool all_read = __all_sync(0xffffffffu, slot >= 0);
     if (lane == 0) all_read_s[tid / 32] = all_read;
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     convert_tile();
     if (tid < kTile && tile + 1 < num_tiles) {
       const int t = begin + (tile + 1) * kTile + tid;
-      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry) : -1;
+      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry, bad_token) : -1;
       slot_s[((tile + 1) & 1) * kTile + tid] = slot;
       const bool all_read = __all_sync(0xffffffffu, slot >= 0);
       if (lane == 0) all_read_s[((tile + 1) & 1) * 2 + tid / 32] = all_read;
@@ -407,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 
   // ---- epilogue: row sums over the quad (each warpgroup saw every token), then this warpgroup's 256 dims ----
   allow_next_kernel();
+  note_bad_entry<kChecks>(a, fault, b, bad_token);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + r_of[h];
@@ -447,21 +450,26 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #endif
 }
 
-int configure() { return allow_dynamic_smem(decode_wgmma_kernel, WgmmaSmem::kAlloc, "mla_decode"); }
+template <bool kChecks = false>
+int configure() {
+  return allow_dynamic_smem(decode_wgmma_kernel<kChecks>, WgmmaSmem::kAlloc, "mla_decode");
+}
 
 }  // namespace
 
 bool wgmma_decode_available() { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL"); }
 
 int wgmma_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_wgmma_kernel, kThreads, configure(), "mla_decode");
+  return resident_ctas_per_sm(decode_wgmma_kernel<false>, kThreads, configure(), "mla_decode");
 }
 
-void launch_decode_wgmma(const DecodeArgs& a, cudaStream_t stream) {
-  const int smem_bytes = configure();
+void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  const bool checks = fault.record != nullptr;
+  const int smem_bytes = checks ? configure<true>() : configure<false>();
   const dim3 grid(static_cast<unsigned>((a.rows + kRows - 1) / kRows), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", decode_wgmma_kernel, grid, kThreads, smem_bytes, stream, false, a);
+  if (checks) launch_chained("mla_decode", decode_wgmma_kernel<true>, grid, kThreads, smem_bytes, stream, false, a, fault);
+  else launch_chained("mla_decode", decode_wgmma_kernel<false>, grid, kThreads, smem_bytes, stream, false, a, fault);
 }
 
 }  // namespace latentkv::cuda::mla

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 
 #include "latentkv/backend.hpp"
@@ -24,7 +25,15 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
 
 // Sparse MLA decode: the same kernels, each query token attending to its own index row.
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op = "sparse_mla_decode");
-void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream);
+// The op a sparse decode launch runs for (sparse prefill launches it on slices of its new tokens):
+// its name in errors and fault records, and the slice's first new token (a bad index's element).
+struct SparseDecodeCaller {
+  const char* op = "sparse_mla_decode";
+  DeviceFaultOp fault_op = DeviceFaultOp::kSparseMlaDecode;
+  std::int64_t first_row = 0;
+};
+void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream,
+                              const SparseDecodeCaller& caller = {});
 
 // Prefill / extend (prefill.cu): every new token a query row of its own on the decode kernels. Dense
 // prefill's workspace also holds each new token's block-table row and length.

@@ -75,6 +75,7 @@ SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
   d.num_splits = p.num_splits;
   d.workspace = p.workspace;
   d.workspace_bytes = p.workspace_bytes;
+  d.fault = p.fault;
   return d;
 }
 
@@ -106,6 +107,9 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   rows.batch = static_cast<int>(p.seq_lens.size(0));
   rows.max_pages = static_cast<int>(p.block_table.size(1));
   rows.page_size = p.cache.page_size;
+  rows.num_pages = p.cache.num_pages;
+  rows.new_tokens = t;
+  rows.fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
   launch_prefill_rows(rows, 0, t, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(), stream,
                       "mla_prefill");
   for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {
@@ -134,7 +138,7 @@ void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t str
     d.indices = leading_rows(d.indices, first, n);
     d.o = leading_rows(d.o, first, n);
     d.lse = leading_rows(d.lse, first, n);
-    launch_sparse_mla_decode(d, stream);
+    launch_sparse_mla_decode(d, stream, {"sparse_mla_prefill", DeviceFaultOp::kSparseMlaPrefill, first});
   }
 }
 

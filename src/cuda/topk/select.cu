@@ -39,6 +39,7 @@
 
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/paging_check.hpp"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"
 
@@ -93,6 +94,7 @@ struct TopkArgs {
   int chunks;                       // CTAs per row: ceil(max_len / chunk_len), at least 1
   int chunk_len;                    // logits per CTA: kThreads x kPer
   bool cleared;                     // the row states are zero on entry
+  std::int32_t page_bound;          // pages whose slots fit int32: INT32_MAX / page_size
 };
 
 __device__ __forceinline__ std::uint32_t order_key(float x) {
@@ -109,7 +111,7 @@ __device__ __forceinline__ int visible_count(const TopkArgs& a, int b, int i) {
 
 __device__ __forceinline__ std::int32_t slot_of(const TopkArgs& a, int b, int t) {
   const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
-  return page < 0 ? -1 : page * a.page_size + t % a.page_size;
+  return page < 0 || page >= a.page_bound ? -1 : page * a.page_size + t % a.page_size;
 }
 
 // The bin (counting down from the top) where the need-th largest key falls, and the keys above it,
@@ -636,6 +638,19 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.q_len = static_cast<int>(p.logits.size(1));
   a.k = p.k;
   a.cleared = p.workspace_cleared;
+  a.page_bound = INT32_MAX / a.page_size;
+  if (p.fault != nullptr) {  // the reference's checks of the lengths and pages, a kernel of their own
+    PagingCheck check;
+    check.block_table = a.block_table;
+    check.seq_lens = a.seq_lens;
+    check.batch = static_cast<int>(p.logits.size(0));
+    check.max_pages = a.max_pages;
+    check.page_size = a.page_size;
+    check.num_pages = a.page_bound;
+    check.max_len = a.max_len;
+    check.fault = fault_sink(p.fault, DeviceFaultOp::kTopk, "topk");
+    launch_paging_check(check, stream, "topk");
+  }
   const int sms = current_device_limits("topk").multiprocessors;
   const auto ctas_with = [&](int per) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);

@@ -1,0 +1,30 @@
+// src/cuda/common/paging_check.hpp - the reference's checks of lengths and block-table pages
+// (validate.cpp: check_paging_values), made on the device for ops whose own kernels do not make
+// them, with faults noted in the call's record (latentkv/device_fault.hpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_fault.hpp"
+
+namespace latentkv::cuda {
+
+struct PagingCheck {
+  const std::int32_t* block_table = nullptr;  // [batch, max_pages]
+  const std::int32_t* seq_lens = nullptr;     // [batch]
+  int batch = 0;
+  int max_pages = 0;
+  int page_size = 1;
+  std::int64_t num_pages = 0;  // a page id must be below it
+  std::int64_t max_len = -1;   // a length must not pass it (the logits' columns); -1: no such bound
+  FaultSink fault;
+};
+
+// One small kernel: request b's length within 0 .. max_pages x page_size (and max_len), and the
+// pages that length uses within 0 .. num_pages - 1, for every request. Nothing when the sink has no
+// record. `op` names the calling op in launch errors.
+void launch_paging_check(const PagingCheck& check, cudaStream_t stream, const char* op);
+
+}  // namespace latentkv::cuda
