@@ -37,7 +37,7 @@ enum class DeviceFaultCode : std::int32_t {
   kSlot = 1,             // element `index` of the slots (append) or indices (sparse ops) is `value`, outside -1 .. bound - 1
   kLatent = 2,           // append: latent element `index` (row-major [n, 576]) has bf16 bits `value`, not finite
   kIndexerKey = 3,       // append: indexer_keys element `index` ([n, 128]) has bf16 bits `value`, not finite
-  kSeqLen = 4,           // seq_lens[index] = value, outside 0 .. bound (the block table's `pages` pages x `page_size`)
+  kSeqLen = 4,           // seq_lens[index] = value, outside 0 .. `pages` x `page_size` (the block table's capacity)
   kSeqLenColumns = 5,    // seq_lens[index] = value, more than bound (the logits' max_len columns)
   kBlockTablePage = 6,   // block_table[index][position] = value, outside 0 .. bound - 1 (a page the request's `length` tokens use)
   kNewTokensStart = 7,   // cu_new_tokens[0] = value, not 0
@@ -48,9 +48,11 @@ enum class DeviceFaultCode : std::int32_t {
 // One record in device memory, owned by the caller and zeroed (all bytes 0: no fault) before the
 // first call that is given it. A call writes it only while it holds no fault, so the first fault
 // recorded stays until the caller zeroes the record again; one record may serve many calls (a whole
-// captured step). With one bad element the record names what the reference names; with several,
-// any one of them (the reference names the first it checks). GPU backends only: the reference
-// throws the Error itself.
+// captured step). With one bad value the record names what the reference names (a length past the
+// block table is one fault, whatever its row holds past the capacity; a bad offset of a prefill is
+// named as the reference names it, though it breaks two of its checks); with several, any one of
+// them (the reference names the first it checks). GPU backends only: the reference throws the Error
+// itself.
 struct DeviceFault {
   std::int32_t code = 0;       // a DeviceFaultCode
   std::int32_t op = 0;         // a DeviceFaultOp

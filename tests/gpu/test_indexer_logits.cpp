@@ -174,9 +174,9 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
 }
 
 // Bad lengths and pages, one at a time, on pages of 64 (on sm_90 the wgmma kernel) and 17 (the
-// mma.sync kernel): the record throws the reference's own Error for the same input. Request 1 uses
-// every column of the block table, so that its length past the capacity is its only fault; the
-// request with 40 pages checks its pages over more CTAs than one.
+// mma.sync kernel): the record throws the reference's own Error for the same input. The block table
+// has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold;
+// the request with 40 pages checks its pages over more CTAs than one.
 TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Bad {
@@ -200,7 +200,6 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       PagedFixtureOptions opt;
       opt.page_size = page_size;
       opt.lengths = {5 * page_size + 3, 40 * page_size, 7};
-      opt.spare_columns = 0;
       PagedFixture f = make_paged_fixture(opt, rng);
       HostTensor q = random_fp8(rng, {f.batch(), 1, 32, 128});
       HostTensor w = random_f32(rng, {f.batch(), 1, 32}, -1.0, 1.0);

@@ -206,8 +206,8 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
 
 // Bad lengths and pages in device memory, one at a time, on the narrow kernel, the many-heads one
 // (wgmma on sm_90) and the bf16 one: the kernels skip what they cannot read and note the fault, and
-// the record throws the reference's own Error for the same input. Request 1 uses every column of the
-// block table, so that its length past the capacity is its only fault.
+// the record throws the reference's own Error for the same input. The block table has its spare -1
+// column: a length past the capacity is one fault, whatever the pages past it hold.
 TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Kernel {
@@ -232,7 +232,6 @@ TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
       PagedFixtureOptions opt;
       opt.lengths = {300, 1000, 129};
       opt.kv_dtype = k.dtype;
-      opt.spare_columns = 0;
       opt.with_indexer = false;
       PagedFixture f = make_paged_fixture(opt, rng);
       HostTensor q = random_bf16(rng, {f.batch(), 1, k.heads, 576});

@@ -167,9 +167,10 @@ TEST_P(GpuMlaPrefill, MatchesReference) {
 }
 
 // Bad offsets, lengths and pages, one at a time: the prefill's own check of its requests notes the
-// fault, and the record throws the reference's own Error for the same input. The last request's
-// pages fill its block-table row (its spare column holds a real page), so that its length past the
-// capacity is its only fault.
+// fault, and the record throws the reference's own Error for the same input. Requests 0 and 1 are
+// fresh prompts (their new tokens are their lengths), so that one bad offset breaks two of the
+// reference's checks and the record must name the one the reference names first; the block table
+// has its spare -1 column, so a length past the capacity must be one fault.
 TEST(GpuMlaPrefillFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Bad {
@@ -177,20 +178,20 @@ TEST(GpuMlaPrefillFaults, RecordTheReferencesError) {
     std::function<void(PagedFixture&, std::vector<std::int32_t>&)> spoil;
   };
   const std::vector<Bad> bad = {
-      {"offsets not from 0", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu[0] = 1; }},
-      {"more new tokens than a length", [](PagedFixture& f, std::vector<std::int32_t>& cu) { f.seq_lens[1] = cu[2] - cu[1] - 1; }},
+      {"an offset 0 below 0 (request 0's count too)", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu[0] = -1; }},
+      {"an offset past the next one (two counts)", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu[1] = cu[2] + 1; }},
+      {"more new tokens than a length", [](PagedFixture& f, std::vector<std::int32_t>&) { f.seq_lens[1] -= 1; }},
       {"offsets short of the rows", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu.back() -= 1; }},
-      {"a page past the pool", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[2] = static_cast<std::int32_t>(f.num_pages()); }},
+      {"a last offset below the one before (a count and the rows)", [](PagedFixture&, std::vector<std::int32_t>& cu) { cu.back() = cu[2] - 1; }},
+      {"a page past the pool", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[2 * f.max_pages + 3] = static_cast<std::int32_t>(f.num_pages()); }},
       {"a negative page", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[f.max_pages] = -9; }},
       {"a length past the block table", [](PagedFixture& f, std::vector<std::int32_t>&) { f.seq_lens[2] = f.max_pages * f.page_size + 1; }},
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.what);
     Rng rng = test_rng();
-    const Batch batch = {{200, 0, 900}, {5, 40, 100}};
+    const Batch batch = {{0, 0, 900}, {5, 40, 100}};
     PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
-    const std::int64_t last = f.batch() - 1;
-    f.block_table[static_cast<std::size_t>((last + 1) * f.max_pages - 1)] = f.block_table[static_cast<std::size_t>(last * f.max_pages)];
     std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
     const HostTensor q = random_bf16(rng, {cu.back(), 8, kQkDim});
     b.spoil(f, cu);

@@ -338,8 +338,8 @@ TEST(GpuTopkReuse, WorkspaceReusedAsLengthsGrow) {
 
 // Bad lengths and pages, one at a time: given a fault record, the top-k checks them (a kernel of its
 // own) and the record throws the reference's own Error for the same input. Its pages may be any id
-// whose slots fit int32 (the top-k knows no pool). The block tables' spare column holds a real page,
-// so that a length past the capacity is the only fault.
+// whose slots fit int32 (the top-k knows no pool). The block tables keep their spare -1 column: a
+// length past the capacity is one fault, whatever the pages past it hold.
 TEST(GpuTopkFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Bad {
@@ -362,9 +362,6 @@ TEST(GpuTopkFaults, RecordTheReferencesError) {
     SCOPED_TRACE(b.what);
     Rng rng = test_rng();
     PagedFixture f = make_tables(64, {3000, 9000}, rng);
-    for (std::int64_t r = 0; r < f.batch(); ++r) {  // the spare column: the request's first page
-      f.block_table[static_cast<std::size_t>((r + 1) * f.max_pages - 1)] = f.block_table[static_cast<std::size_t>(r * f.max_pages)];
-    }
     std::int64_t max_len = f.max_len();
     b.spoil(f, max_len);
     const std::vector<std::int32_t> spoiled = f.seq_lens;

@@ -31,12 +31,19 @@ __device__ __forceinline__ void check_page(const FaultSink& sink, int b, std::in
   }
 }
 
+// The pages of a request of length `len` that the reference checks: those the length uses, none
+// for a length outside 0 .. max_pages x page_size (the reference stops at the length), so that one
+// bad length is one fault whatever the rest of its block-table row holds.
+__device__ __forceinline__ std::int64_t pages_to_check(std::int32_t len, int max_pages, int page_size) {
+  if (len < 0 || len > static_cast<std::int64_t>(max_pages) * page_size) return 0;
+  return (static_cast<std::int64_t>(len) + page_size - 1) / page_size;
+}
+
 // Request b's length and the pages it uses, by a whole CTA (its threads share the pages).
 __device__ __forceinline__ void check_request_paging(const PagingCheck& c, int b) {
-  const std::int64_t capacity = static_cast<std::int64_t>(c.max_pages) * c.page_size;
   const std::int32_t len = c.seq_lens[b];
   if (threadIdx.x == 0) check_length(c.fault, b, len, c.max_pages, c.page_size, c.max_len);
-  const std::int64_t used = (min(static_cast<std::int64_t>(max(len, 0)), capacity) + c.page_size - 1) / c.page_size;
+  const std::int64_t used = pages_to_check(len, c.max_pages, c.page_size);
   const std::int32_t* row = c.block_table + static_cast<std::int64_t>(b) * c.max_pages;
   for (std::int64_t p = threadIdx.x; p < used; p += blockDim.x) {
     check_page(c.fault, b, p, row[p], c.num_pages, len, c.page_size);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_fault.hpp"
+#include "latentkv/tensor.hpp"
 
 namespace latentkv::cuda {
 
@@ -21,6 +22,21 @@ struct PagingCheck {
   std::int64_t max_len = -1;   // a length must not pass it (the logits' columns); -1: no such bound
   FaultSink fault;
 };
+
+// The check of an op's block table [B, max_pages] and lengths [B] (device views, validated shapes).
+inline PagingCheck paging_check_of(const TensorView& block_table, const TensorView& seq_lens, int page_size,
+                                   std::int64_t num_pages, std::int64_t max_len, const FaultSink& fault) {
+  PagingCheck c;
+  c.block_table = block_table.as<const std::int32_t>();
+  c.seq_lens = seq_lens.as<const std::int32_t>();
+  c.batch = static_cast<int>(seq_lens.size(0));
+  c.max_pages = static_cast<int>(block_table.size(1));
+  c.page_size = page_size;
+  c.num_pages = num_pages;
+  c.max_len = max_len;
+  c.fault = fault;
+  return c;
+}
 
 // One small kernel: request b's length within 0 .. max_pages x page_size (and max_len), and the
 // pages that length uses within 0 .. num_pages - 1, for every request. Nothing when the sink has no

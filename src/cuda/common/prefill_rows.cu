@@ -14,15 +14,28 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// Whether request b's new tokens, cu[b + 1] - cu[b], are 0 .. its length.
+__device__ __forceinline__ bool count_ok(const PrefillRows& in, int b) {
+  const std::int64_t n = static_cast<std::int64_t>(in.cu_new_tokens[b + 1]) - in.cu_new_tokens[b];
+  return n >= 0 && n <= in.seq_lens[b];
+}
+
 // The reference's checks of request b (validate.cpp: check_new_tokens, check_paging_values), by a
 // whole CTA: its new tokens within its length, its length within the block table, the pages that
-// length uses within the pool. A fault goes to in.fault.
+// length uses within the pool; request 0's CTA checks cu[0], the last request's cu[B]. A fault goes
+// to in.fault. The reference names the first of these in its order, and one bad offset cu[b] breaks
+// two counts (requests b - 1 and b) or a count and cu[B]: a check defers to the one before it in
+// that order when that one fails too, so that one bad offset gives the reference's fault.
 __device__ void check_request(const PrefillRows& in, int b) {
   if (threadIdx.x == 0) {
     const std::int32_t lo = in.cu_new_tokens[b], hi = in.cu_new_tokens[b + 1], len = in.seq_lens[b];
-    const std::int64_t n = static_cast<std::int64_t>(hi) - lo;
-    if (n < 0 || n > len) {
+    if (b == 0 && lo != 0) record_fault(in.fault, DeviceFaultCode::kNewTokensStart, {.value = lo});
+    const bool ok = count_ok(in, b);
+    if (!ok && (b == 0 ? lo == 0 : count_ok(in, b - 1))) {
       record_fault(in.fault, DeviceFaultCode::kNewTokensCount, {.index = b + 1, .value = hi, .bound = lo, .length = len});
+    }
+    if (b == in.batch - 1 && hi != in.new_tokens && ok) {
+      record_fault(in.fault, DeviceFaultCode::kNewTokensEnd, {.index = in.batch, .value = hi, .bound = in.new_tokens});
     }
   }
   PagingCheck paging;
@@ -43,13 +56,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int request;
   if (first == 0 && in.fault.record != nullptr) {  // the first launch checks every request
     for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      const std::int32_t start = in.cu_new_tokens[0], end = in.cu_new_tokens[in.batch];
-      if (start != 0) record_fault(in.fault, DeviceFaultCode::kNewTokensStart, {.value = start});
-      if (end != in.new_tokens) {
-        record_fault(in.fault, DeviceFaultCode::kNewTokensEnd, {.index = in.batch, .value = end, .bound = in.new_tokens});
-      }
-    }
   }
   const std::int64_t r = first + blockIdx.x;
   if (threadIdx.x == 0) {

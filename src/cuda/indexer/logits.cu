@@ -47,6 +47,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/paging_check.cuh"
+#include "cuda/common/paging_check.hpp"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/indexer/launch.hpp"
@@ -117,10 +118,10 @@ struct RequestCheck {
   std::int32_t len;
   std::int32_t entry[kAhead];
 };
-__device__ __forceinline__ RequestCheck load_request_check(const LogitsArgs& a, int b, int len) {
+__device__ __forceinline__ RequestCheck load_request_check(const LogitsArgs& a, int b) {
   RequestCheck c{};
   c.len = a.seq_lens[b];
-  const int used = (len + a.page_size - 1) / a.page_size;
+  const std::int64_t used = pages_to_check(c.len, a.max_pages, a.page_size);
   const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
 #pragma unroll
   for (int k = 0; k < RequestCheck::kAhead; ++k) {
@@ -129,10 +130,10 @@ __device__ __forceinline__ RequestCheck load_request_check(const LogitsArgs& a, 
   }
   return c;
 }
-__device__ __forceinline__ void check_request(const LogitsArgs& a, const FaultSink& fault, int b, int len,
+__device__ __forceinline__ void check_request(const LogitsArgs& a, const FaultSink& fault, int b,
                                               const RequestCheck& c) {
   if (blockIdx.x == 0 && threadIdx.x == 0) check_length(fault, b, c.len, a.max_pages, a.page_size, a.max_len);
-  const int used = (len + a.page_size - 1) / a.page_size;
+  const std::int64_t used = pages_to_check(c.len, a.max_pages, a.page_size);
   const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
   for (int k = 0;; ++k) {
     const int p = (k * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
   if (tile < live_end) load_tile<kAligned16>(a, b, 16 * tile, len, g, tig, t0);
   if (tile + kWarps < live_end) load_tile<kAligned16>(a, b, 16 * (tile + kWarps), len, g, tig, t1);
   RequestCheck check{};
-  if constexpr (kChecks) check = load_request_check(a, b, len);
+  if constexpr (kChecks) check = load_request_check(a, b);
   clear_scratch(a);
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
@@ -376,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
     }
   }
   stage_weights(a, b, padded, w_s);
-  if constexpr (kChecks) check_request(a, fault, b, len, check);
+  if constexpr (kChecks) check_request(a, fault, b, check);
   __syncthreads();
 
   const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s, 0};
@@ -553,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   QueryBatch batch;
   load_query_batch(a, b, padded, 0, batch);
   RequestCheck check{};
-  if constexpr (kChecks) check = load_request_check(a, b, len);
+  if constexpr (kChecks) check = load_request_check(a, b);
   constexpr int kWeightsPerThread = kMaxDecodeQLen * kMaxIndexerHeads / kThreads;  // q_len x padded at most
   static_assert(kWeightsPerThread * kThreads == kMaxDecodeQLen * kMaxIndexerHeads);
   const int weight_count = a.q_len * padded;
@@ -630,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     const int j = e * kThreads + static_cast<int>(threadIdx.x);
     if (j < weight_count) w_s[j] = weight[e];
   }
-  if constexpr (kChecks) check_request(a, fault, b, len, check);
+  if constexpr (kChecks) check_request(a, fault, b, check);
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, weights, barriers and first stages' turns and presence flags published
 
@@ -815,8 +816,11 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.clear = static_cast<uint4*>(p.clear);
   a.clear_pieces = static_cast<std::int64_t>(p.clear_bytes / sizeof(uint4));  // validated: a multiple of 16
   const int batch = static_cast<int>(p.q.size(0));
-  if (batch == 0 || a.max_len == 0) {  // no kernel: the clear on its own
+  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerLogits, "indexer_logits");
+  if (batch == 0 || a.max_len == 0) {  // no kernel: the clear on its own, and the checks a kernel would make
     if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_logits", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
+    launch_paging_check(paging_check_of(p.block_table, p.seq_lens, a.page_size, a.num_pages, a.max_len, fault), stream,
+                        "indexer_logits");
     return;
   }
   if (batch > kMaxIndexerBatch) {  // one grid row per request
@@ -836,7 +840,6 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     check_aligned("indexer_logits", "workspace", p.workspace, 4);
     claimed = static_cast<unsigned*>(p.workspace);
   }
-  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerLogits, "indexer_logits");
   if (fault.record != nullptr) launch_for_device<true>(a, fault, batch, claimed, p.workspace_cleared, stream);
   else launch_for_device<false>(a, fault, batch, claimed, p.workspace_cleared, stream);
 }

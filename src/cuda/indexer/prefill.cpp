@@ -17,6 +17,7 @@
 
 #include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/paging_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
 #include "cuda/indexer/launch.hpp"
 #include "cuda/topk/launch.hpp"
@@ -110,7 +111,12 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
-  if (t == 0) return;  // nothing to select, no scratch needed
+  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
+  if (t == 0) {  // nothing to select, no scratch needed: the lengths' and pages' checks on their own
+    launch_paging_check(paging_check_of(p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, -1, fault),
+                        stream, kOp);
+    return;
+  }
   check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
   const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
   if (p.workspace == nullptr) throw Error(kOp, "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
@@ -129,7 +135,7 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
   requests.page_size = p.cache.page_size;
   requests.num_pages = p.cache.num_pages;
   requests.new_tokens = t;
-  requests.fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
+  requests.fault = fault;
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   for (std::int64_t first = 0; first < t; first += chunk) {
     const std::int64_t rows = std::min(chunk, t - first);

@@ -175,7 +175,10 @@ __device__ __forceinline__ void note_bad_entry(const DecodeArgs& a, const FaultS
     const std::int64_t element = (fault.row_base + b) * a.index_cols + bad;
     record_fault(fault, DeviceFaultCode::kSlot, {.index = element, .value = entry, .bound = a.num_pages * a.page_size});
   } else {
-    check_page(fault, b, bad / a.page_size, entry, a.num_pages, a.seq_lens[b], a.page_size);
+    const std::int32_t len = a.seq_lens[b];  // a page past what a bad length would use is not a fault of its own
+    if (bad / a.page_size < pages_to_check(len, a.max_pages, a.page_size)) {
+      check_page(fault, b, bad / a.page_size, entry, a.num_pages, len, a.page_size);
+    }
   }
 }
 

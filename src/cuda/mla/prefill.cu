@@ -19,6 +19,7 @@
 
 #include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/paging_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
@@ -99,7 +100,12 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   r.decode.workspace = scratch + r.table_bytes;
   r.decode.workspace_bytes = p.workspace_bytes - r.table_bytes;
   const std::int64_t t = p.q.size(0);
-  if (t == 0) return;
+  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
+  if (t == 0) {  // no rows to build: the lengths' and pages' checks on their own
+    launch_paging_check(paging_check_of(p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, -1, fault),
+                        stream, "mla_prefill");
+    return;
+  }
   PrefillRows rows;
   rows.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
   rows.seq_lens = p.seq_lens.as<const std::int32_t>();
@@ -109,7 +115,7 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   rows.page_size = p.cache.page_size;
   rows.num_pages = p.cache.num_pages;
   rows.new_tokens = t;
-  rows.fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
+  rows.fault = fault;
   launch_prefill_rows(rows, 0, t, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(), stream,
                       "mla_prefill");
   for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {

@@ -622,6 +622,11 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
   }
   check_aligned("topk", "workspace", p.workspace, 16);
+  if (p.fault != nullptr) {  // the reference's checks of the lengths and pages, a kernel of their own
+    const PagingCheck check = paging_check_of(p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size,
+                                              p.logits.size(2), fault_sink(p.fault, DeviceFaultOp::kTopk, "topk"));
+    launch_paging_check(check, stream, "topk");
+  }
   const std::int64_t rows = rows_of(p);
   if (rows == 0) return;
   TopkArgs a{};
@@ -639,18 +644,6 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.k = p.k;
   a.cleared = p.workspace_cleared;
   a.page_bound = INT32_MAX / a.page_size;
-  if (p.fault != nullptr) {  // the reference's checks of the lengths and pages, a kernel of their own
-    PagingCheck check;
-    check.block_table = a.block_table;
-    check.seq_lens = a.seq_lens;
-    check.batch = static_cast<int>(p.logits.size(0));
-    check.max_pages = a.max_pages;
-    check.page_size = a.page_size;
-    check.num_pages = a.page_bound;
-    check.max_len = a.max_len;
-    check.fault = fault_sink(p.fault, DeviceFaultOp::kTopk, "topk");
-    launch_paging_check(check, stream, "topk");
-  }
   const int sms = current_device_limits("topk").multiprocessors;
   const auto ctas_with = [&](int per) {
     return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
