@@ -155,6 +155,40 @@ struct DecodeCase {
     return p;
   }
   bool outputs_untouched() const { return is_sentinel(o) && is_sentinel(lse); }
+  // The other ops over the same fixture (its own block table and lengths for prefill and top-k).
+  SparseMlaDecodeParams sparse_params(HostTensor& indices) {
+    SparseMlaDecodeParams p;
+    p.q = q.view();
+    p.cache = f.cache();
+    p.indices = indices.view();
+    p.o = o.view();
+    p.lse = lse.view();
+    p.softmax_scale = 0.0625f;
+    return p;
+  }
+  MlaPrefillParams prefill_params(HostTensor& new_q, std::vector<std::int32_t>& cu, HostTensor& new_o,
+                                  HostTensor& new_lse) {
+    MlaPrefillParams p;
+    p.q = new_q.view();
+    p.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {static_cast<std::int64_t>(cu.size())});
+    p.cache = f.cache();
+    p.block_table = f.block_table_view();
+    p.seq_lens = f.seq_lens_view();
+    p.o = new_o.view();
+    p.lse = new_lse.view();
+    p.softmax_scale = 0.0625f;
+    return p;
+  }
+  TopkParams topk_params(HostTensor& logits, HostTensor& slots, int k) {
+    TopkParams p;
+    p.logits = logits.view();
+    p.block_table = f.block_table_view();
+    p.seq_lens = f.seq_lens_view();
+    p.page_size = f.page_size;
+    p.k = k;
+    p.slots = slots.view();
+    return p;
+  }
 };
 
 TEST(BadInput, DecodeBlockTableOutsideThePool) {
@@ -224,15 +258,7 @@ TEST(BadInput, PrefillRaggedOffsets) {
   HostTensor o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim});
   HostTensor lse = sentinel_tensor(DType::kF32, {4, 4});
   std::vector<std::int32_t> cu = {0, 4, 4};  // request 1 has 3 tokens; fine. Request 0: 4 of 9.
-  MlaPrefillParams p;
-  p.q = q.view();
-  p.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
-  p.cache = c.f.cache();
-  p.block_table = c.f.block_table_view();
-  p.seq_lens = c.f.seq_lens_view();
-  p.o = o.view();
-  p.lse = lse.view();
-  p.softmax_scale = 0.0625f;
+  MlaPrefillParams p = c.prefill_params(q, cu, o, lse);
   EXPECT_NO_THROW(cpu::mla_prefill(p));
   fill_sentinel(o);
   fill_sentinel(lse);
@@ -249,13 +275,7 @@ TEST(BadInput, SparseIndexOutsideThePool) {
   DecodeCase c;
   const std::int64_t num_slots = c.f.num_pages() * c.f.page_size;
   HostTensor idx = i32_tensor({2, 1, 3}, {0, -1, 1, 2, static_cast<std::int32_t>(num_slots), -1});
-  SparseMlaDecodeParams p;
-  p.q = c.q.view();
-  p.cache = c.f.cache();
-  p.indices = idx.view();
-  p.o = c.o.view();
-  p.lse = c.lse.view();
-  p.softmax_scale = 0.0625f;
+  const SparseMlaDecodeParams p = c.sparse_params(idx);
   EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "indices element 4", std::to_string(num_slots)));
   EXPECT_TRUE(c.outputs_untouched());
   idx.data<std::int32_t>()[4] = -7;
@@ -325,31 +345,14 @@ TEST(BadInput, DeviceFaultsThrowTheReferencesErrors) {
   c.table = c.f.block_table;
 
   HostTensor idx = i32_tensor({2, 1, 3}, {0, -1, 1, 2, -7, -1});
-  SparseMlaDecodeParams sp;
-  sp.q = c.q.view();
-  sp.cache = c.f.cache();
-  sp.indices = idx.view();
-  sp.o = c.o.view();
-  sp.lse = c.lse.view();
-  sp.softmax_scale = 0.0625f;
+  const SparseMlaDecodeParams sp = c.sparse_params(idx);
   EXPECT_EQ(record_error(record(Op::kSparseMlaDecode, Code::kSlot, {.index = 4, .value = -7, .bound = c.f.num_pages() * page_size})),
             error_of([&] { cpu::sparse_mla_decode(sp); }));
 
   HostTensor q = random_bf16(c.rng, {4, 4, kQkDim});
   HostTensor o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim}), lse = sentinel_tensor(DType::kF32, {4, 4});
-  std::vector<std::int32_t> cu;
-  MlaPrefillParams pp;
-  pp.q = q.view();
-  pp.cache = c.f.cache();
-  pp.block_table = c.f.block_table_view();
-  pp.seq_lens = c.f.seq_lens_view();
-  pp.o = o.view();
-  pp.lse = lse.view();
-  pp.softmax_scale = 0.0625f;
-  const auto prefill_error = [&](std::vector<std::int32_t> offsets) {
-    cu = std::move(offsets);
-    pp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
-    return error_of([&] { cpu::mla_prefill(pp); });
+  const auto prefill_error = [&](std::vector<std::int32_t> cu) {
+    return error_of([&] { cpu::mla_prefill(c.prefill_params(q, cu, o, lse)); });
   };
   EXPECT_EQ(record_error(record(Op::kMlaPrefill, Code::kNewTokensStart, {.value = 1})), prefill_error({1, 4, 4}));
   EXPECT_EQ(record_error(record(Op::kMlaPrefill, Code::kNewTokensCount, {.index = 2, .value = 4, .bound = 0, .length = 3})),
@@ -359,13 +362,7 @@ TEST(BadInput, DeviceFaultsThrowTheReferencesErrors) {
 
   HostTensor logits = random_f32(c.rng, {2, 1, 8}, -1, 1);  // 8 columns: request 0's 9 tokens do not fit
   HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
-  TopkParams tp;
-  tp.logits = logits.view();
-  tp.block_table = c.f.block_table_view();
-  tp.seq_lens = c.f.seq_lens_view();
-  tp.page_size = c.f.page_size;
-  tp.k = 4;
-  tp.slots = slots.view();
+  const TopkParams tp = c.topk_params(logits, slots, 4);
   EXPECT_EQ(record_error(record(Op::kTopk, Code::kSeqLenColumns, {.index = 0, .value = 9, .bound = 8})),
             error_of([&] { cpu::topk(tp); }));
 
@@ -379,26 +376,14 @@ TEST(BadInput, TopkKOutOfRange) {
   HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
   for (int k : {0, -3, 2049, 4096}) {
     HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, std::max(k, 1)});
-    TopkParams p;
-    p.logits = logits.view();
-    p.block_table = c.f.block_table_view();
-    p.seq_lens = c.f.seq_lens_view();
-    p.page_size = c.f.page_size;
-    p.k = k;
-    p.slots = slots.view();
+    const TopkParams p = c.topk_params(logits, slots, k);
     EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "k", std::to_string(k)));
     EXPECT_TRUE(is_sentinel(slots));
   }
   // A NaN among the visible logits.
   HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
   logits.data<float>()[12 + 2] = std::numeric_limits<float>::quiet_NaN();
-  TopkParams p;
-  p.logits = logits.view();
-  p.block_table = c.f.block_table_view();
-  p.seq_lens = c.f.seq_lens_view();
-  p.page_size = c.f.page_size;
-  p.k = 4;
-  p.slots = slots.view();
+  const TopkParams p = c.topk_params(logits, slots, 4);
   EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "logits[1][0][2]", "nan"));
   EXPECT_TRUE(is_sentinel(slots));
 }
