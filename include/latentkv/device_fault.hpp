@@ -11,6 +11,7 @@
 // reference raises for that bad element, e.g.
 //   append: argument 'latent element 1730' = nan: expected a finite value
 //   mla_decode: argument 'block_table[3][17]' = 900000: expected a page id in 0 .. 7733 (request 3 uses 512 pages for 32768 tokens)
+//   sparse_mla_decode: argument 'q element 4613' = inf: expected a finite value
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,10 @@ enum class DeviceFaultCode : std::int32_t {
   kNewTokensStart = 7,   // cu_new_tokens[0] = value, not 0
   kNewTokensCount = 8,   // cu_new_tokens[index] = value, outside bound .. bound + length (request index - 1 has `length` tokens)
   kNewTokensEnd = 9,     // cu_new_tokens[index] = value, not bound (the new tokens, the rows of q)
+  kQuery = 10,           // MLA ops: q element `index` (row-major, as its shape) has bf16 bits `value`, not finite
+  kIndexerQuery = 11,    // indexer ops: q element `index` (row-major fp8) is code `value`, a NaN (0x7F, 0xFF)
+  kWeight = 12,          // indexer ops: weights element `index` has float bits `value`, not finite
+  kLogit = 13,           // topk: logits[index][length][position] is NaN at a position its row sees
 };
 
 // One record in device memory, owned by the caller and zeroed (all bytes 0: no fault) before the
@@ -57,10 +62,10 @@ struct DeviceFault {
   std::int32_t code = 0;       // a DeviceFaultCode
   std::int32_t op = 0;         // a DeviceFaultOp
   std::int64_t index = 0;      // the element, or the request
-  std::int64_t position = 0;   // the page's place in the request's block-table row (kBlockTablePage)
-  std::int64_t value = 0;      // the bad value (bf16 bits for a non-finite element)
+  std::int64_t position = 0;   // the page's place in the request's block-table row (kBlockTablePage), the column (kLogit)
+  std::int64_t value = 0;      // the bad value (its bits or code for a non-finite element)
   std::int64_t bound = 0;      // the limit it broke, where there is one
-  std::int64_t length = 0;     // the request's length (kBlockTablePage, kNewTokensCount)
+  std::int64_t length = 0;     // the request's length (kBlockTablePage, kNewTokensCount); the query row (kLogit)
   std::int64_t pages = 0;      // the block table's pages per request (kSeqLen)
   std::int64_t page_size = 0;  // (kSeqLen, kBlockTablePage)
 };

@@ -1,6 +1,8 @@
 // throw_device_fault: a GPU op's fault record as the reference's Error for the same input.
 #include "latentkv/device_fault.hpp"
 
+#include <bit>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -55,6 +57,14 @@ void throw_device_fault(const DeviceFault& f) {
       detail::fail_new_tokens_count(op, f.index, f.value, f.bound, f.length);
     case DeviceFaultCode::kNewTokensEnd:
       detail::fail_new_tokens_end(op, f.index, f.value, f.bound);
+    case DeviceFaultCode::kQuery:
+      detail::fail_nonfinite_bf16(op, "q", f.index, static_cast<std::uint16_t>(f.value));
+    case DeviceFaultCode::kIndexerQuery:
+      detail::fail_nan_fp8(op, "q", f.index, static_cast<std::uint8_t>(f.value));
+    case DeviceFaultCode::kWeight:
+      detail::fail_nonfinite_f32(op, "weights", f.index, std::bit_cast<float>(static_cast<std::uint32_t>(f.value)));
+    case DeviceFaultCode::kLogit:
+      detail::fail_nan_logit(op, f.index, f.length, f.position);
     case DeviceFaultCode::kNone:
       break;
   }

@@ -26,6 +26,21 @@ void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::in
        "a finite value");
 }
 
+void fail_nonfinite_f32(std::string_view op, std::string_view argument, std::int64_t index, float x) {
+  fail(op, std::string(argument) + " element " + std::to_string(index), std::to_string(x), "a finite value");
+}
+
+void fail_nan_fp8(std::string_view op, std::string_view argument, std::int64_t index, std::uint8_t code) {
+  constexpr char kHex[] = "0123456789abcdef";
+  const std::string hex = {kHex[code >> 4], kHex[code & 15]};
+  fail(op, std::string(argument) + " element " + std::to_string(index), "nan (fp8 code 0x" + hex + ")", "a finite value");
+}
+
+void fail_nan_logit(std::string_view op, std::int64_t request, std::int64_t row, std::int64_t position) {
+  fail(op, "logits[" + std::to_string(request) + "][" + std::to_string(row) + "][" + std::to_string(position) + "]",
+       "nan", "a number (visible position)");
+}
+
 void fail_seq_len(std::string_view op, std::int64_t request, std::int64_t len, std::int64_t max_pages,
                   std::int64_t page_size) {
   fail(op, "seq_lens[" + std::to_string(request) + "]", std::to_string(len),
@@ -62,8 +77,16 @@ void fail_new_tokens_end(std::string_view op, std::int64_t index, std::int64_t v
        std::to_string(rows) + " (the rows of q)");
 }
 
+namespace {
+
+// A view with no elements needs no memory: PyTorch, for one, gives an empty tensor a null data
+// pointer. Any other view with null data is absent.
+bool empty_view(const TensorView& v) { return v.rank > 0 && v.numel() == 0; }
+
+}  // namespace
+
 std::string describe(const TensorView& v) {
-  if (!v.present()) return "absent";
+  if (!v.present() && !empty_view(v)) return "absent";
   return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " +
          std::string(device_kind_name(v.device.kind));
 }
@@ -83,15 +106,15 @@ std::string shape_text(std::initializer_list<std::int64_t> dims, std::initialize
   return s + "]";
 }
 
-// Checks a required view: present, one of `dtypes`, contiguous, on `device`, and shaped `dims`
-// (kAny matches any extent; `names` spell the dims out in the message).
+// Checks a required view: present (or empty), one of `dtypes`, contiguous, on `device`, and shaped
+// `dims` (kAny matches any extent; `names` spell the dims out in the message).
 void expect_view(std::string_view op, std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
                  std::initializer_list<std::int64_t> dims, std::initializer_list<const char*> names, Device device) {
   const std::string want_shape = shape_text(dims, names);
   std::string want_types;
   for (DType t : dtypes) want_types += (want_types.empty() ? "" : " or ") + std::string(dtype_name(t));
   const std::string expected = want_types + " " + want_shape + " on " + std::string(device_kind_name(device.kind));
-  if (!v.present()) fail(op, arg, "absent (null data)", expected);
+  if (!v.present() && !empty_view(v)) fail(op, arg, "absent (null data)", expected);
   bool type_ok = false;
   for (DType t : dtypes) type_ok |= v.dtype == t;
   if (!type_ok) fail(op, arg, describe(v), expected);
@@ -187,7 +210,7 @@ void check_finite_bf16(std::string_view op, std::string_view arg, const TensorVi
 void check_finite_f32(std::string_view op, std::string_view arg, const TensorView& v) {
   const auto* x = v.as<const float>();
   for (std::int64_t i = 0; i < v.numel(); ++i) {
-    if (!std::isfinite(x[i])) fail(op, std::string(arg) + " element " + std::to_string(i), std::to_string(x[i]), "a finite value");
+    if (!std::isfinite(x[i])) fail_nonfinite_f32(op, arg, i, x[i]);
   }
 }
 
@@ -208,7 +231,7 @@ void check_new_tokens(std::string_view op, const TensorView& cu_new_tokens, cons
 void check_fp8_finite(std::string_view op, std::string_view arg, const TensorView& v) {
   const auto* codes = v.as<const std::uint8_t>();
   for (std::int64_t i = 0; i < v.numel(); ++i) {
-    if ((codes[i] & 0x7F) == 0x7F) fail(op, std::string(arg) + " element " + std::to_string(i), "nan (fp8 code 0x7f)", "a finite value");
+    if ((codes[i] & 0x7F) == 0x7F) fail_nan_fp8(op, arg, i, codes[i]);
   }
 }
 
@@ -399,7 +422,7 @@ void validate_values(const TopkParams& p) {
       const std::int64_t visible = std::max<std::int64_t>(0, lens[b] - q_len + i + 1);
       for (std::int64_t t = 0; t < visible; ++t) {
         const float x = logits[(b * q_len + i) * max_len + t];
-        if (std::isnan(x)) fail(op, "logits[" + std::to_string(b) + "][" + std::to_string(i) + "][" + std::to_string(t) + "]", "nan", "a number (visible position)");
+        if (std::isnan(x)) fail_nan_logit(op, b, i, t);
       }
     }
   }

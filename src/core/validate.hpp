@@ -43,13 +43,17 @@ void validate_values(const IndexerPrefillParams& p);
 std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
 // The errors of the value checks, shared by the reference's checks and the GPU's fault records
 // (device_fault.cpp), so that both say the same for the same input: a bad slot (element `index` of
-// `argument`, outside -1 .. num_slots - 1), a non-finite bf16 element, a length outside its block
-// table's capacity or past the logits' columns, a block-table page outside the pool, and the three
-// ways cu_new_tokens can be wrong.
+// `argument`, outside -1 .. num_slots - 1), a non-finite bf16 or float element, a NaN fp8 code, a
+// NaN logit at a position its row sees, a length outside its block table's capacity or past the
+// logits' columns, a block-table page outside the pool, and the three ways cu_new_tokens can be
+// wrong.
 [[noreturn]] void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
                             std::int64_t num_slots);
 [[noreturn]] void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index,
                                       std::uint16_t bits);
+[[noreturn]] void fail_nonfinite_f32(std::string_view op, std::string_view argument, std::int64_t index, float x);
+[[noreturn]] void fail_nan_fp8(std::string_view op, std::string_view argument, std::int64_t index, std::uint8_t code);
+[[noreturn]] void fail_nan_logit(std::string_view op, std::int64_t request, std::int64_t row, std::int64_t position);
 [[noreturn]] void fail_seq_len(std::string_view op, std::int64_t request, std::int64_t len, std::int64_t max_pages,
                                std::int64_t page_size);
 [[noreturn]] void fail_seq_len_columns(std::string_view op, std::int64_t request, std::int64_t len,

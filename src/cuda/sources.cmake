@@ -9,6 +9,7 @@ list(APPEND LKV_SOURCES
 set(LKV_CUDA_SOURCES
   src/cuda/common/paging_check.cu
   src/cuda/common/prefill_rows.cu
+  src/cuda/common/value_check.cu
   src/cuda/indexer/logits.cu
   src/cuda/kv_cache/append.cu
   src/cuda/kv_cache/cast.cu

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -429,6 +430,57 @@ TEST(BadInput, IndexerWeightsAndQuery) {
   p.weights = w65.view();
   p.logits = t.logits.view();
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "indexer heads", "65"));
+}
+
+// An empty tensor needs no memory (PyTorch gives one a null data pointer): a prefill of no new
+// tokens takes q, o and lse of no rows, and still checks its offsets.
+TEST(BadInput, EmptyViewsNeedNoMemory) {
+  DecodeCase c;
+  HostTensor q(DType::kBF16, {0, 4, kQkDim}), o(DType::kBF16, {0, 4, kLatentDim}), lse(DType::kF32, {0, 4});
+  ASSERT_EQ(q.view().data, nullptr);
+  std::vector<std::int32_t> cu = {0, 0, 0};
+  EXPECT_EQ(error_of([&] { cpu::mla_prefill(c.prefill_params(q, cu, o, lse)); }), "");
+  cu = {1, 0, 0};
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(c.prefill_params(q, cu, o, lse)); }, "mla_prefill", "cu_new_tokens[0]", "1"));
+  MlaDecodeParams p = c.params();
+  p.q = TensorView::contiguous(nullptr, DType::kBF16, {2, 1, 4, kQkDim});  // elements, no memory: absent
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q", "absent"));
+}
+
+// The value faults a GPU op records (a non-finite q, a NaN query code, a non-finite weight, a NaN
+// logit a row sees) throw the reference's own Error for the same input.
+TEST(BadInput, DeviceValueFaultsThrowTheReferencesErrors) {
+  using Op = DeviceFaultOp;
+  using Code = DeviceFaultCode;
+  DecodeCase c;
+  const std::int64_t element = 1 * kQkDim + 571;  // row 1, a rope dim
+  c.q.data<std::uint16_t>()[element] = kBf16Nan | 0x8000u;
+  EXPECT_EQ(record_error(record(Op::kMlaDecode, Code::kQuery, {.index = element, .value = kBf16Nan | 0x8000u})),
+            error_of([&] { cpu::mla_decode(c.params()); }));
+  c.q.data<std::uint16_t>()[element] = kBf16Inf;
+  EXPECT_EQ(record_error(record(Op::kMlaDecode, Code::kQuery, {.index = element, .value = kBf16Inf})),
+            error_of([&] { cpu::mla_decode(c.params()); }));
+
+  IndexerCase t;
+  for (const std::uint8_t code : {std::uint8_t{0x7F}, std::uint8_t{0xFF}}) {
+    t.q.data<std::uint8_t>()[300] = code;
+    EXPECT_EQ(record_error(record(Op::kIndexerLogits, Code::kIndexerQuery, {.index = 300, .value = code})),
+              error_of([&] { cpu::indexer_logits(t.params()); }));
+  }
+  t.q.data<std::uint8_t>()[300] = 0;
+  for (const float w : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    t.w.data<float>()[5] = w;
+    EXPECT_EQ(record_error(record(Op::kIndexerLogits, Code::kWeight, {.index = 5, .value = std::bit_cast<std::uint32_t>(w)})),
+              error_of([&] { cpu::indexer_logits(t.params()); }));
+  }
+
+  HostTensor logits = random_f32(c.rng, {2, 2, 12}, -1, 1);  // q_len 2: request 1 (3 tokens) row 1 sees 3
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 2, 4});
+  logits.data<float>()[(1 * 2 + 0) * 12 + 2] = std::numeric_limits<float>::quiet_NaN();  // row 0 sees 2: not checked
+  logits.data<float>()[(1 * 2 + 1) * 12 + 2] = std::numeric_limits<float>::quiet_NaN();
+  const TopkParams tp = c.topk_params(logits, slots, 4);
+  EXPECT_EQ(record_error(record(Op::kTopk, Code::kLogit, {.index = 1, .position = 2, .length = 1})),
+            error_of([&] { cpu::topk(tp); }));
 }
 
 TEST(BadInput, IndexerClearRange) {

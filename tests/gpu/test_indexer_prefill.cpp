@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ostream>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -201,6 +202,37 @@ TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
     DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048, 7);
     gpu.call();
     EXPECT_EQ(gpu.fault(), expected);
+  }
+}
+
+// A NaN query code and an infinite weight (a kernel of their own checks them: the chunks' indexer
+// runs without the record), and a prefill of no new tokens with bad offsets: the record throws the
+// reference's own Error.
+TEST(GpuIndexerPrefillFaults, QueriesWeightsAndEmptyPrefillsAreTheReferencesErrors) {
+  LKV_REQUIRE_GPU();
+  for (const char* what : {"query", "weight"}) {
+    SCOPED_TRACE(what);
+    Rng rng = test_rng();
+    Inputs in = make_inputs({{3000, 10, 0}, {20, 30, 5}}, 64, 32, -1.0, rng);
+    if (std::string(what) == "query") in.q.raw()[(40 * 32 + 3) * 128 + 9] = 0xFF;
+    else in.w.set(54 * 32 + 31, std::numeric_limits<double>::infinity());
+    const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048, 7);
+    gpu.call();
+    EXPECT_EQ(gpu.fault(), expected);
+  }
+  for (const std::vector<std::int32_t>& cu : {std::vector<std::int32_t>{0, 0, 0}, std::vector<std::int32_t>{0, 1, 0},
+                                              std::vector<std::int32_t>{1, 0, 0}}) {
+    Rng rng = test_rng();
+    Inputs in = make_inputs({{3000, 10}, {0, 0}}, 64, 32, -1.0, rng);
+    in.cu = cu;
+    const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
+    if (cu == std::vector<std::int32_t>{0, 0, 0}) ASSERT_EQ(expected, "") << "no new tokens, good offsets";
+    else ASSERT_NE(expected, "") << "the reference takes the input";
+    DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048, 7);
+    gpu.call();
+    EXPECT_EQ(gpu.fault(), expected) << "cu_new_tokens " << cu[0] << ", " << cu[1] << ", " << cu[2];
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -236,6 +237,41 @@ TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
       PagedFixture f = make_paged_fixture(opt, rng);
       HostTensor q = random_bf16(rng, {f.batch(), 1, k.heads, 576});
       b.spoil(f);
+      const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      DeviceDecode d(f, q, 0.0625f);
+      const Backend& backend = *find_backend("cuda");
+      d.plan(backend, detect_device());
+      run(backend, d.params);
+      LKV_CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(d.fault.message(), expected);
+    }
+  }
+}
+
+// A query value that is not finite, one at a time (a NaN in a latent dim of the last row, inf and
+// -inf in rope dims of other rows and requests), on the narrow, wgmma and bf16 kernels, with the
+// splits of the plan: the kernels stage q as before and note the value, and the record throws the
+// reference's own Error for the same q.
+TEST(GpuMlaDecodeFaults, NonFiniteQueriesAreTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (const auto& [dtype, heads] : {std::pair{KvDtype::kFp8E4M3, 8}, std::pair{KvDtype::kFp8E4M3, 64},
+                                     std::pair{KvDtype::kBf16, 8}}) {
+    const std::int64_t row = 576, last_row = (1 * 2 + 1) * heads + heads - 1;  // request 1, q position 1, last head
+    for (const auto& [element, value] : {std::pair{last_row * row + 300, std::nan("")},
+                                         std::pair{(2 * 2 * heads + 3) * row + 570, kInf},
+                                         std::pair{std::int64_t{5} * row + 512, -kInf}}) {
+      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", element " +
+                   std::to_string(element) + " = " + std::to_string(value));
+      Rng rng = test_rng();
+      PagedFixtureOptions opt;
+      opt.lengths = {300, 1000, 129};
+      opt.kv_dtype = dtype;
+      opt.with_indexer = false;
+      PagedFixture f = make_paged_fixture(opt, rng);
+      HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
+      q.set(element, value);
       const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
       ASSERT_NE(expected, "") << "the reference takes the input";
       DeviceDecode d(f, q, 0.0625f);

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -361,6 +362,48 @@ TEST(GpuPrefillLarge, MoreNewTokensThanAGridColumn) {
   const std::string expected = error_of([&] { reference_sparse_prefill(f, q, spoiled, kScale); });
   ASSERT_NE(expected, "");
   EXPECT_EQ(gpu_sparse_prefill(f, q, spoiled).fault, expected);
+
+  // An inf in q in the second slice: both prefills name its element in the caller's [T, 1, 576] q.
+  HostTensor bad_q = q;
+  bad_q.set(65700 * kQkDim + 13, std::numeric_limits<double>::infinity());
+  const std::string dense_expected = error_of([&] { reference_mla_prefill(f, bad_q, cu, kScale); });
+  const std::string sparse_expected = error_of([&] { reference_sparse_prefill(f, bad_q, indices, kScale); });
+  ASSERT_NE(dense_expected, "");
+  ASSERT_NE(sparse_expected, "");
+  EXPECT_EQ(gpu_mla_prefill(f, bad_q, cu).fault, dense_expected);
+  EXPECT_EQ(gpu_sparse_prefill(f, bad_q, indices).fault, sparse_expected);
+}
+
+// A NaN in q (a kernel of its own checks the dense prefill's q; the sparse one's kernels check it as
+// they stage it), and a prefill of no new tokens whose offsets are wrong: the record throws the
+// reference's own Error for the same input.
+TEST(GpuMlaPrefillFaults, NonFiniteQueriesAndEmptyPrefillsAreTheReferencesErrors) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  const Batch batch = {{0, 40, 300}, {5, 40, 100}};
+  PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+  const std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+  for (const int heads : {8, 128}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    HostTensor q = random_bf16(rng, {cu.back(), heads, kQkDim});
+    q.set((100 * heads + heads - 1) * kQkDim + 520, std::nan(""));
+    std::string expected = error_of([&] { reference_mla_prefill(f, q, cu, kScale); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    EXPECT_EQ(gpu_mla_prefill(f, q, cu).fault, expected);
+    const HostTensor indices = make_prefill_indices(f, batch.new_tokens, 64, rng);
+    expected = error_of([&] { reference_sparse_prefill(f, q, indices, kScale); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    EXPECT_EQ(gpu_sparse_prefill(f, q, indices).fault, expected);
+  }
+  // No new tokens: cu_new_tokens must be all zeros; each bad case breaks one of the reference's checks.
+  const HostTensor none = random_bf16(rng, {0, 8, kQkDim});
+  EXPECT_EQ(gpu_mla_prefill(f, none, {0, 0, 0, 0}).fault, "") << "a fault noted for good input";
+  for (const std::vector<std::int32_t>& bad : {std::vector<std::int32_t>{1, 0, 0, 0}, std::vector<std::int32_t>{0, 0, 2, 0},
+                                               std::vector<std::int32_t>{0, 0, 0, 3}}) {
+    const std::string expected = error_of([&] { reference_mla_prefill(f, none, bad, kScale); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    EXPECT_EQ(gpu_mla_prefill(f, none, bad).fault, expected);
+  }
 }
 
 std::vector<SparseCase> sparse_cases() {

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -138,6 +140,32 @@ TEST(GpuSparseMlaDecodeFaults, RecordTheReferencesError) {
       SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", slot " + std::to_string(slot));
       HostTensor indices = make_indices(f, 2, 256, rng);
       indices.data<std::int32_t>()[element] = slot;
+      const std::string expected = error_of([&] { reference_sparse_decode(f, q, indices, 0.0625f); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      EXPECT_EQ(gpu_sparse("cuda", f, q, indices).fault, expected);
+    }
+  }
+}
+
+// A query value that is not finite (NaN in the last query token's last head, inf in a rope dim of
+// the first), one at a time, on the narrow, the many-heads and the bf16 kernels: the record throws
+// the reference's own Error for the same q.
+TEST(GpuSparseMlaDecodeFaults, NonFiniteQueriesAreTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  for (const auto& [dtype, heads] : {std::pair{KvDtype::kFp8E4M3, 8}, std::pair{KvDtype::kFp8E4M3, 64},
+                                     std::pair{KvDtype::kBf16, 8}}) {
+    for (const auto& [element, value] : {std::pair{std::int64_t{(3 * heads + heads - 1) * 576 + 17}, std::nan("")},
+                                         std::pair{std::int64_t{2 * 576 + 575}, std::numeric_limits<double>::infinity()}}) {
+      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", element " + std::to_string(element));
+      Rng rng = test_rng();
+      PagedFixtureOptions opt;
+      opt.lengths = {300, 1000};
+      opt.kv_dtype = dtype;
+      opt.with_indexer = false;
+      PagedFixture f = make_paged_fixture(opt, rng);
+      HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
+      q.set(element, value);
+      const HostTensor indices = make_indices(f, 2, 256, rng);
       const std::string expected = error_of([&] { reference_sparse_decode(f, q, indices, 0.0625f); });
       ASSERT_NE(expected, "") << "the reference takes the input";
       EXPECT_EQ(gpu_sparse("cuda", f, q, indices).fault, expected);

@@ -21,6 +21,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gpu/device.hpp"
@@ -371,6 +372,26 @@ TEST(GpuTopkFaults, RecordTheReferencesError) {
     const std::string expected = error_of([&] { reference_topk(f, logits, kMaxTopk); });
     ASSERT_NE(expected, "") << "the reference takes the input";
     DeviceTopk gpu(f, 1, max_len, kMaxTopk);
+    gpu.call(logits, f.seq_lens);
+    EXPECT_EQ(gpu.fault(), expected);
+  }
+}
+
+// A NaN logit at a position its row sees (the first, one in the middle, the last of a causal row),
+// one at a time: given a fault record, the top-k's check names it as the reference does. The columns
+// no row sees are NaN in every case (make_logits), and must not be noted.
+TEST(GpuTopkFaults, ANanLogitARowSeesIsTheReferencesError) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_tables(64, {3000, 9000}, rng);
+  const std::int64_t max_len = f.max_len();
+  for (const auto& [b, i, t] : {std::tuple{0, 0, 0}, std::tuple{1, 1, 4500}, std::tuple{1, 0, 8998}, std::tuple{0, 1, 2999}}) {
+    SCOPED_TRACE("logits[" + std::to_string(b) + "][" + std::to_string(i) + "][" + std::to_string(t) + "]");
+    HostTensor logits = make_logits(f, 2, max_len, Fill::kNormal, kMaxTopk, rng);
+    logits.data<float>()[(b * 2 + i) * max_len + t] = std::numeric_limits<float>::quiet_NaN();
+    const std::string expected = error_of([&] { reference_topk(f, logits, kMaxTopk); });
+    ASSERT_NE(expected, "") << "the reference takes the input";
+    DeviceTopk gpu(f, 2, max_len, kMaxTopk);
     gpu.call(logits, f.seq_lens);
     EXPECT_EQ(gpu.fault(), expected);
   }

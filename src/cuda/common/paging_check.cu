@@ -13,8 +13,24 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The logits request b's rows see, when its length is one the reference goes on to scan with.
+__device__ void check_visible_logits(const PagingCheck& c, int b) {
+  const std::int32_t len = c.seq_lens[b];
+  if (len < 0 || len > static_cast<std::int64_t>(c.max_pages) * c.page_size || len > c.max_len) return;
+  for (int i = 0; i < c.q_len; ++i) {
+    const float* row = c.logits + (static_cast<std::int64_t>(b) * c.q_len + i) * c.max_len;
+    const int visible = max(len - c.q_len + i + 1, 0);
+    for (int t = threadIdx.x; t < visible; t += kThreads) {
+      if (isnan(row[t])) record_fault(c.fault, DeviceFaultCode::kLogit, {.index = b, .position = t, .length = i});
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) paging_check_kernel(const PagingCheck c) {
-  for (int b = blockIdx.x; b < c.batch; b += gridDim.x) check_request_paging(c, b);
+  for (int b = blockIdx.x; b < c.batch; b += gridDim.x) {
+    check_request_paging(c, b);
+    if (c.logits != nullptr) check_visible_logits(c, b);
+  }
 }
 
 }  // namespace

@@ -20,6 +20,10 @@ struct PagingCheck {
   int page_size = 1;
   std::int64_t num_pages = 0;  // a page id must be below it
   std::int64_t max_len = -1;   // a length must not pass it (the logits' columns); -1: no such bound
+  // The top-k's logits [batch, q_len, max_len], or null: no NaN at a position a row sees (positions
+  // t < L - q_len + i + 1 of row i), for the requests whose length passed its checks.
+  const float* logits = nullptr;
+  int q_len = 1;
   FaultSink fault;
 };
 
@@ -38,9 +42,9 @@ inline PagingCheck paging_check_of(const TensorView& block_table, const TensorVi
   return c;
 }
 
-// One small kernel: request b's length within 0 .. max_pages x page_size (and max_len), and the
-// pages that length uses within 0 .. num_pages - 1, for every request. Nothing when the sink has no
-// record. `op` names the calling op in launch errors.
+// One small kernel: request b's length within 0 .. max_pages x page_size (and max_len), the pages
+// that length uses within 0 .. num_pages - 1 and, given logits, the logits its rows see, for every
+// request. Nothing when the sink has no record. `op` names the calling op in launch errors.
 void launch_paging_check(const PagingCheck& check, cudaStream_t stream, const char* op);
 
 }  // namespace latentkv::cuda

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common/cuda_check.hpp"
@@ -78,7 +79,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int p = threadIdx.x; p < in.max_pages; p += kThreads) to[p] = from[p];
 }
 
+__global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillRows in) {
+  for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
+}
+
 }  // namespace
+
+void launch_prefill_checks(const PrefillRows& in, cudaStream_t stream, const char* op) {
+  if (in.fault.record == nullptr || in.batch < 1) return;
+  prefill_checks_kernel<<<static_cast<unsigned>(std::min(in.batch, 65535)), kThreads, 0, stream>>>(in);
+  LKV_CUDA_CHECK_LAUNCH(op);
+}
 
 void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
                          std::int32_t* row_table, cudaStream_t stream, const char* op) {

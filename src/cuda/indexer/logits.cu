@@ -48,6 +48,8 @@
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/paging_check.cuh"
 #include "cuda/common/paging_check.hpp"
+#include "cuda/common/value_check.cuh"
+#include "cuda/common/value_check.hpp"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/indexer/launch.hpp"
@@ -289,12 +291,56 @@ __device__ __forceinline__ void clear_scratch(const LogitsArgs& a) {
   }
 }
 
+// The first element of head h's query (row i of request b) in q, and its weight's in weights.
+__device__ __forceinline__ std::int64_t weight_element(const LogitsArgs& a, int b, int i, int h) {
+  return (static_cast<std::int64_t>(b) * a.q_len + i) * a.heads + h;
+}
+__device__ __forceinline__ std::int64_t query_element(const LogitsArgs& a, int b, int i, int h) {
+  return weight_element(a, b, i, h) * kDim;
+}
+// The reference also refuses NaN query codes and non-finite weights: the first CTA of each request
+// checks them as it stages them (the instances with checks only), each value once. The staging only
+// remembers the last bad value a thread met; the kernel notes it once, after the staging.
+struct BadValue {
+  std::int64_t element = -1;  // -1: none
+  std::uint32_t bits = 0;     // the fp8 code or the float's bits
+  DeviceFaultCode code = DeviceFaultCode::kNone;
+};
+template <bool kChecks>
+__device__ __forceinline__ void look_at_query_codes(const LogitsArgs& a, int b, int i, int h, int chunk,
+                                                    const uint4& codes, BadValue& bad) {
+  if constexpr (kChecks) {
+    std::uint32_t code = 0;
+    const int e = first_nan_fp8x16(codes, code);
+    if (e >= 0 && blockIdx.x == 0 && h < a.heads) {
+      bad = {query_element(a, b, i, h) + 16 * chunk + e, code, DeviceFaultCode::kIndexerQuery};
+    }
+  }
+}
+template <bool kChecks>
+__device__ __forceinline__ void look_at_weight(const LogitsArgs& a, int b, int i, int h, float w, BadValue& bad) {
+  if constexpr (kChecks) {
+    if (nonfinite_f32(w) && blockIdx.x == 0 && h < a.heads) {
+      bad = {weight_element(a, b, i, h), __float_as_uint(w), DeviceFaultCode::kWeight};
+    }
+  }
+}
+template <bool kChecks>
+__device__ __forceinline__ void note_bad_value(const FaultSink& fault, const BadValue& bad) {
+  if constexpr (kChecks) {
+    if (bad.element >= 0) record_fault(fault, bad.code, {.index = bad.element, .value = bad.bits});
+  }
+}
+
 // Request b's weights [q_len, padded] in shared memory, zeros for padded heads.
-__device__ __forceinline__ void stage_weights(const LogitsArgs& a, int b, int padded, float* w_s) {
+template <bool kChecks>
+__device__ __forceinline__ void stage_weights(const LogitsArgs& a, int b, int padded, float* w_s, BadValue& bad) {
   const float* w = a.weights + static_cast<std::int64_t>(b) * a.q_len * a.heads;
   for (int j = threadIdx.x; j < a.q_len * padded; j += kThreads) {
     const int i = j / padded, h = j % padded;
-    w_s[j] = h < a.heads ? w[i * a.heads + h] : 0.0f;
+    const float x = h < a.heads ? w[i * a.heads + h] : 0.0f;
+    look_at_weight<kChecks>(a, b, i, h, x, bad);
+    w_s[j] = x;
   }
 }
 
@@ -355,6 +401,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
   RequestCheck check{};
   if constexpr (kChecks) check = load_request_check(a, b);
   clear_scratch(a);
+  BadValue bad;
   {
     // 16 codes (8 f16 pairs: two 16-byte pieces) per thread and step; zeros for padded heads.
     const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
@@ -362,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
     for (int j = threadIdx.x; j < a.q_len * padded * kChunks; j += kThreads) {
       const int i = j / (padded * kChunks), h = j / kChunks % padded, c = j % kChunks;
       const uint4 codes = h < a.heads ? q[(i * a.heads + h) * kChunks + c] : make_uint4(0, 0, 0, 0);
+      look_at_query_codes<kChecks>(a, b, i, h, c, codes, bad);
       const std::uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
       std::uint32_t halves[8];
 #pragma unroll
@@ -376,7 +424,8 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
       *reinterpret_cast<uint4*>(q_s + q_offset(row_head, h, quarter, piece + 1)) = make_uint4(halves[4], halves[5], halves[6], halves[7]);
     }
   }
-  stage_weights(a, b, padded, w_s);
+  stage_weights<kChecks>(a, b, padded, w_s, bad);
+  note_bad_value<kChecks>(fault, bad);
   if constexpr (kChecks) check_request(a, fault, b, check);
   __syncthreads();
 
@@ -471,6 +520,18 @@ __device__ __forceinline__ void load_query_batch(const LogitsArgs& a, int b, int
     const int j = from + e * kThreads + static_cast<int>(threadIdx.x);
     const int row_head = j / (kDim / 16), i = row_head / padded, h = row_head - i * padded;
     batch.codes[e] = j < chunks && h < a.heads ? q[(i * a.heads + h) * (kDim / 16) + j % (kDim / 16)] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <bool kChecks>
+__device__ __forceinline__ void look_at_query_batch(const LogitsArgs& a, int b, int padded, int from,
+                                                    const QueryBatch& batch, BadValue& bad) {
+  const int chunks = a.q_len * padded * (kDim / 16);
+#pragma unroll
+  for (int e = 0; e < kQueryBatch; ++e) {
+    const int j = from + e * kThreads + static_cast<int>(threadIdx.x);
+    const int row_head = j / (kDim / 16), i = row_head / padded, h = row_head - i * padded;
+    if (j < chunks) look_at_query_codes<kChecks>(a, b, i, h, j % (kDim / 16), batch.codes[e], bad);
   }
 }
 
@@ -621,16 +682,23 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   }
   clear_scratch(a);
   const int chunks = a.q_len * padded * (kDim / 16);
+  BadValue bad;
+  look_at_query_batch<kChecks>(a, b, padded, 0, batch, bad);
   store_query_batch<kPass>(a, padded, 0, batch, q_s);
   for (int from = kQueryBatch * kThreads; from < chunks; from += kQueryBatch * kThreads) {  // more than 64 row-heads
     load_query_batch(a, b, padded, from, batch);
+    look_at_query_batch<kChecks>(a, b, padded, from, batch, bad);
     store_query_batch<kPass>(a, padded, from, batch, q_s);
   }
 #pragma unroll
   for (int e = 0; e < kWeightsPerThread; ++e) {
     const int j = e * kThreads + static_cast<int>(threadIdx.x);
-    if (j < weight_count) w_s[j] = weight[e];
+    if (j < weight_count) {
+      look_at_weight<kChecks>(a, b, j / padded, j % padded, weight[e], bad);
+      w_s[j] = weight[e];
+    }
   }
+  note_bad_value<kChecks>(fault, bad);
   if constexpr (kChecks) check_request(a, fault, b, check);
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, weights, barriers and first stages' turns and presence flags published
@@ -821,6 +889,8 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_logits", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
     launch_paging_check(paging_check_of(p.block_table, p.seq_lens, a.page_size, a.num_pages, a.max_len, fault), stream,
                         "indexer_logits");
+    launch_value_check(value_check_of(p.q, DeviceFaultCode::kIndexerQuery, fault), stream, "indexer_logits");
+    launch_value_check(value_check_of(p.weights, DeviceFaultCode::kWeight, fault), stream, "indexer_logits");
     return;
   }
   if (batch > kMaxIndexerBatch) {  // one grid row per request

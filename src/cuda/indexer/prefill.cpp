@@ -17,8 +17,8 @@
 
 #include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
-#include "cuda/common/paging_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
+#include "cuda/common/value_check.hpp"
 #include "cuda/indexer/launch.hpp"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"
@@ -112,9 +112,18 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
-  if (t == 0) {  // nothing to select, no scratch needed: the lengths' and pages' checks on their own
-    launch_paging_check(paging_check_of(p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, -1, fault),
-                        stream, kOp);
+  PrefillRows requests;
+  requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
+  requests.seq_lens = p.seq_lens.as<const std::int32_t>();
+  requests.block_table = p.block_table.as<const std::int32_t>();
+  requests.batch = static_cast<int>(p.seq_lens.size(0));
+  requests.max_pages = static_cast<int>(p.block_table.size(1));
+  requests.page_size = p.cache.page_size;
+  requests.num_pages = p.cache.num_pages;
+  requests.new_tokens = t;
+  requests.fault = fault;
+  if (t == 0) {  // nothing to select, no scratch needed: the offsets', lengths' and pages' checks on their own
+    launch_prefill_checks(requests, stream, kOp);
     return;
   }
   check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
@@ -126,16 +135,11 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
                     " new tokens (Backend::plan for these shapes and chunk_tokens)");
   }
   check_aligned(kOp, "workspace", p.workspace, kWorkspaceAlign);
-  PrefillRows requests;
-  requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
-  requests.seq_lens = p.seq_lens.as<const std::int32_t>();
-  requests.block_table = p.block_table.as<const std::int32_t>();
-  requests.batch = static_cast<int>(p.seq_lens.size(0));
-  requests.max_pages = static_cast<int>(p.block_table.size(1));
-  requests.page_size = p.cache.page_size;
-  requests.num_pages = p.cache.num_pages;
-  requests.new_tokens = t;
-  requests.fault = fault;
+  // The chunks' indexer and top-k launches run without the record (prefill_rows checks the
+  // requests; the top-k reads what the indexer wrote), so q and the weights are checked by kernels of
+  // their own.
+  launch_value_check(value_check_of(p.q, DeviceFaultCode::kIndexerQuery, fault), stream, kOp);
+  launch_value_check(value_check_of(p.weights, DeviceFaultCode::kWeight, fault), stream, kOp);
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   for (std::int64_t first = 0; first < t; first += chunk) {
     const std::int64_t rows = std::min(chunk, t - first);

@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     if (row < a.rows) {
       v = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk)[piece];
     }
+    note_nonfinite_q<kChecks>(a, fault, b, split, row, piece, v);
     *reinterpret_cast<uint4*>(q_s + r * kRowStride + piece * 8) = v;
   }
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)

@@ -10,6 +10,7 @@
 
 #include "cuda/common/convert.cuh"
 #include "cuda/common/paging_check.cuh"
+#include "cuda/common/value_check.cuh"
 
 namespace latentkv::cuda::mla {
 
@@ -179,6 +180,18 @@ __device__ __forceinline__ void note_bad_entry(const DecodeArgs& a, const FaultS
     if (bad / a.page_size < pages_to_check(len, a.max_pages, a.page_size)) {
       check_page(fault, b, bad / a.page_size, entry, a.num_pages, len, a.page_size);
     }
+  }
+}
+
+// Notes a non-finite query value (the reference refuses q with one) among the 8 bf16 of 16-byte
+// piece `piece` (0 .. 71) of query row `row` of request b, as the kernels stage it: in the CTAs of
+// split 0 only, so that each element is looked at once. Nothing in an instance without checks.
+template <bool kChecks>
+__device__ __forceinline__ void note_nonfinite_q(const DecodeArgs& a, const FaultSink& fault, int b, int split, int row,
+                                                 int piece, const uint4& v) {
+  if constexpr (kChecks) {
+    if (split != 0 || row >= a.rows) return;
+    note_nonfinite_bf16x8(fault, DeviceFaultCode::kQuery, ((fault.row_base + b) * a.rows + row) * 576 + piece * 8, v);
   }
 }
 

@@ -259,6 +259,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = warp + 4 * i;
     std::uint32_t packed[8];
+    note_nonfinite_q<kChecks>(a, fault, b, split, row, 2 * lane, q_latent[i][0]);
+    note_nonfinite_q<kChecks>(a, fault, b, split, row, 2 * lane + 1, q_latent[i][1]);
+    if (lane < 8) note_nonfinite_q<kChecks>(a, fault, b, split, row, 64 + lane, q_rope[i]);
     const float undo = latent_row_to_f16(q_latent[i][0], q_latent[i][1], packed);
     unsigned char* dst = q_s + row * kQStride + lane * 32;
     *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);

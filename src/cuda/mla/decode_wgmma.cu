@@ -110,6 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
       w1 = __ldg(src + 2 * lane + 1);
       if (lane < 8) rope = __ldg(src + 64 + lane);
     }
+    note_nonfinite_q<kChecks>(a, fault, b, split, row, 2 * lane, w0);
+    note_nonfinite_q<kChecks>(a, fault, b, split, row, 2 * lane + 1, w1);
+    if (lane < 8) note_nonfinite_q<kChecks>(a, fault, b, split, row, 64 + lane, rope);
     std::uint32_t h[8];
     const float undo = latent_row_to_f16(w0, w1, h);
 #pragma unroll

@@ -19,8 +19,8 @@
 
 #include "core/workspace.hpp"
 #include "cuda/common/cuda_check.hpp"
-#include "cuda/common/paging_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
+#include "cuda/common/value_check.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
 
@@ -89,23 +89,8 @@ Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
 }
 
 void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
-  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
-  if (p.workspace == nullptr || p.workspace_bytes < table_bytes) {
-    throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
-                ">= " + std::to_string(table_bytes) + " for the per-token block tables (see plan())");
-  }
-  auto* scratch = static_cast<std::uint8_t*>(p.workspace);
-  PerToken r = per_token(p, scratch);
-  r.decode.num_splits = p.num_splits;
-  r.decode.workspace = scratch + r.table_bytes;
-  r.decode.workspace_bytes = p.workspace_bytes - r.table_bytes;
   const std::int64_t t = p.q.size(0);
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
-  if (t == 0) {  // no rows to build: the lengths' and pages' checks on their own
-    launch_paging_check(paging_check_of(p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages, -1, fault),
-                        stream, "mla_prefill");
-    return;
-  }
   PrefillRows rows;
   rows.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
   rows.seq_lens = p.seq_lens.as<const std::int32_t>();
@@ -116,6 +101,23 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   rows.num_pages = p.cache.num_pages;
   rows.new_tokens = t;
   rows.fault = fault;
+  if (t == 0) {  // no rows to build, no workspace needed: the offsets', lengths' and pages' checks on their own
+    launch_prefill_checks(rows, stream, "mla_prefill");
+    return;
+  }
+  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
+  if (p.workspace == nullptr || p.workspace_bytes < table_bytes) {
+    throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(table_bytes) + " for the per-token block tables (see plan())");
+  }
+  auto* scratch = static_cast<std::uint8_t*>(p.workspace);
+  PerToken r = per_token(p, scratch);
+  r.decode.num_splits = p.num_splits;
+  r.decode.workspace = scratch + r.table_bytes;
+  r.decode.workspace_bytes = p.workspace_bytes - r.table_bytes;
+  // The per-token decode runs without the record (prefill_rows checks the requests), so q's values
+  // are checked by a kernel of their own.
+  launch_value_check(value_check_of(p.q, DeviceFaultCode::kQuery, fault), stream, "mla_prefill");
   launch_prefill_rows(rows, 0, t, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(), stream,
                       "mla_prefill");
   for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {

@@ -622,9 +622,11 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
   }
   check_aligned("topk", "workspace", p.workspace, 16);
-  if (p.fault != nullptr) {  // the reference's checks of the lengths and pages, a kernel of their own
-    const PagingCheck check = paging_check_of(p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size,
-                                              p.logits.size(2), fault_sink(p.fault, DeviceFaultOp::kTopk, "topk"));
+  if (p.fault != nullptr) {  // the reference's checks of the lengths, pages and logits, a kernel of their own
+    PagingCheck check = paging_check_of(p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size,
+                                        p.logits.size(2), fault_sink(p.fault, DeviceFaultOp::kTopk, "topk"));
+    check.logits = p.logits.as<const float>();
+    check.q_len = static_cast<int>(p.logits.size(1));
     launch_paging_check(check, stream, "topk");
   }
   const std::int64_t rows = rows_of(p);
