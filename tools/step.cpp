@@ -137,7 +137,7 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   if (o.fault_checks) {
     run.notes.push_back(cpu ? "--fault-checks: the CPU reference checks every value anyway"
                             : "--fault-checks: every op given a fault record (its kernels' checks of lengths, pages, "
-                              "slots and query values timed too)");
+                              "slots and values timed too)");
   }
   run.seed = o.seed;
   run.progress = o.progress;
@@ -423,7 +423,8 @@ void add_step_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--fault-checks", opt->fault_checks,
                 "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
-                "pages, slots and query values they read (latentkv/device_fault.hpp), and the step fails on a bad one");
+                "pages, slots and values (q, weights) they read (latentkv/device_fault.hpp), and the step fails "
+                "on a bad one");
   cmd->add_option("--device", opt->device, "auto (a GPU when there is one), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables");

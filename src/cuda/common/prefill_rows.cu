@@ -80,14 +80,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillRows in) {
+  if (in.batch == 0) {  // no requests: cu_new_tokens is [cu[0]], which must be 0 (its start and its end)
+    const std::int32_t start = in.cu_new_tokens[0];
+    if (threadIdx.x == 0 && start != 0) record_fault(in.fault, DeviceFaultCode::kNewTokensStart, {.value = start});
+    return;
+  }
   for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
 }
 
 }  // namespace
 
 void launch_prefill_checks(const PrefillRows& in, cudaStream_t stream, const char* op) {
-  if (in.fault.record == nullptr || in.batch < 1) return;
-  prefill_checks_kernel<<<static_cast<unsigned>(std::min(in.batch, 65535)), kThreads, 0, stream>>>(in);
+  if (in.fault.record == nullptr) return;
+  prefill_checks_kernel<<<static_cast<unsigned>(std::clamp(in.batch, 1, 65535)), kThreads, 0, stream>>>(in);
   LKV_CUDA_CHECK_LAUNCH(op);
 }
 

@@ -35,7 +35,8 @@ void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t
                          std::int32_t* row_table, cudaStream_t stream, const char* op);
 
 // The same checks of every request without building rows, for a prefill of no new tokens (whose
-// cu_new_tokens must then be all zeros). Nothing when in.fault has no record.
+// cu_new_tokens must then be all zeros; with no requests, the one offset). Nothing when in.fault
+// has no record.
 void launch_prefill_checks(const PrefillRows& in, cudaStream_t stream, const char* op);
 
 }  // namespace latentkv::cuda

@@ -17,7 +17,9 @@ __device__ __forceinline__ bool nonfinite_f32(float x) { return (__float_as_uint
 
 // The e4m3 NaN codes (0x7F, 0xFF) among a word's four codes: the top bit of each such byte. Low 7
 // bits all ones carry into the top bit when one is added, and no byte carries into the next.
-__device__ __forceinline__ std::uint32_t fp8_nan_bytes(std::uint32_t w) { return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; }
+__device__ __forceinline__ std::uint32_t fp8_nan_bytes(std::uint32_t w) {
+  return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
 
 // The first non-finite value among the 8 bf16 of `v` (its place 0 .. 7, its bits in `bits`), or -1.
 __device__ __forceinline__ int first_nonfinite_bf16x8(const uint4& v, std::uint32_t& bits) {
@@ -65,7 +67,8 @@ __device__ __forceinline__ void note_nan_fp8x16(const FaultSink& sink, DeviceFau
 }
 
 // Notes float element `index` when it is not finite.
-__device__ __forceinline__ void note_nonfinite_f32(const FaultSink& sink, DeviceFaultCode code, std::int64_t index, float x) {
+__device__ __forceinline__ void note_nonfinite_f32(const FaultSink& sink, DeviceFaultCode code, std::int64_t index,
+                                                   float x) {
   if (nonfinite_f32(x)) record_fault(sink, code, {.index = index, .value = __float_as_uint(x)});
 }
 

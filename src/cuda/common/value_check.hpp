@@ -1,7 +1,8 @@
 // src/cuda/common/value_check.hpp - the reference's check of an input tensor's values (no
 // non-finite bf16 or float, no NaN fp8 code), as a small kernel of its own, for the ops whose
-// kernels do not check that input as they stage it (the prefills; the indexer when it has no
-// logits columns to compute). Faults go to the call's record (latentkv/device_fault.hpp).
+// kernels do not check that input as they stage it (mla_prefill and indexer_prefill, whose
+// per-token kernels run without the record; the indexer when it has no logits columns to
+// compute). Faults go to the call's record (latentkv/device_fault.hpp).
 #pragma once
 
 #include <cuda_runtime_api.h>

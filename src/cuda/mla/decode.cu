@@ -504,6 +504,7 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
     throw Error(op, "num_splits", std::to_string(num_splits),
                 "1 to " + std::to_string(kMaxSplits) + ", from the backend's plan()");
   }
+  if (a.batch == 0) return;  // nothing to compute, no workspace needed
   if (a.num_splits > 1) {
     const std::size_t need = partial_bytes(a.batch, a.rows, a.num_splits);
     if (workspace == nullptr || workspace_bytes < need) {
@@ -513,7 +514,6 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
     a.o_part = static_cast<float*>(workspace);
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
   }
-  if (a.batch == 0) return;
   check_aligned(op, "q", a.q, 16);  // read as 16-byte pieces of rows
   check_aligned(op, "o", a.o, 8);   // written as 4- to 8-byte pieces
   if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
