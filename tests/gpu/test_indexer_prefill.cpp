@@ -184,18 +184,24 @@ TEST_P(GpuIndexerPrefill, MatchesReference) {
   EXPECT_EQ(gpu.fault(), "") << "a fault noted for good input";
 }
 
-// A bad page and a bad offset, one at a time, with chunks of 7 new tokens (the check runs with the
-// first chunk and covers every request): the record throws the reference's own Error.
+// A bad page, a bad offset, a NaN query code and an infinite weight, one at a time, with chunks of 7
+// new tokens (the requests' check runs with the first chunk and covers every request; q and the
+// weights are checked by a kernel of their own, the chunks' indexer running without the record): the
+// record throws the reference's own Error.
 TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
-  for (const char* what : {"page", "offset"}) {
+  for (const std::string what : {"page", "offset", "query", "weight"}) {
     SCOPED_TRACE(what);
     Rng rng = test_rng();
     Inputs in = make_inputs({{3000, 10, 0}, {20, 30, 5}}, 64, 32, -1.0, rng);
-    if (std::string(what) == "page") {
+    if (what == "page") {
       in.f.block_table[static_cast<std::size_t>(2 * in.f.max_pages)] = static_cast<std::int32_t>(in.f.num_pages() + 4);
-    } else {
+    } else if (what == "offset") {
       in.f.seq_lens[1] = 29;  // request 1 has 30 new tokens
+    } else if (what == "query") {
+      in.q.raw()[(40 * 32 + 3) * 128 + 9] = 0xFF;
+    } else {
+      in.w.set(54 * 32 + 31, std::numeric_limits<double>::infinity());
     }
     const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
     ASSERT_NE(expected, "") << "the reference takes the input";
@@ -205,23 +211,9 @@ TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
   }
 }
 
-// A NaN query code and an infinite weight (a kernel of their own checks them: the chunks' indexer
-// runs without the record), and a prefill of no new tokens with bad offsets: the record throws the
-// reference's own Error.
-TEST(GpuIndexerPrefillFaults, QueriesWeightsAndEmptyPrefillsAreTheReferencesErrors) {
+// A prefill of no new tokens checks its offsets too: the record throws the reference's own Error.
+TEST(GpuIndexerPrefillFaults, EmptyPrefillsCheckTheirOffsets) {
   LKV_REQUIRE_GPU();
-  for (const char* what : {"query", "weight"}) {
-    SCOPED_TRACE(what);
-    Rng rng = test_rng();
-    Inputs in = make_inputs({{3000, 10, 0}, {20, 30, 5}}, 64, 32, -1.0, rng);
-    if (std::string(what) == "query") in.q.raw()[(40 * 32 + 3) * 128 + 9] = 0xFF;
-    else in.w.set(54 * 32 + 31, std::numeric_limits<double>::infinity());
-    const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
-    ASSERT_NE(expected, "") << "the reference takes the input";
-    DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048, 7);
-    gpu.call();
-    EXPECT_EQ(gpu.fault(), expected);
-  }
   for (const std::vector<std::int32_t>& cu : {std::vector<std::int32_t>{0, 0, 0}, std::vector<std::int32_t>{0, 1, 0},
                                               std::vector<std::int32_t>{1, 0, 0}}) {
     Rng rng = test_rng();

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -205,6 +206,25 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   }
 }
 
+// The fault tests' cache: three requests (300, 1000 and 129 tokens) of `dtype`.
+PagedFixture fault_fixture(KvDtype dtype, Rng& rng) {
+  PagedFixtureOptions opt;
+  opt.lengths = {300, 1000, 129};
+  opt.kv_dtype = dtype;
+  opt.with_indexer = false;
+  return make_paged_fixture(opt, rng);
+}
+
+// What decode of q over f on the cuda backend, with the plan's splits, leaves in its fault record.
+std::string gpu_decode_fault(PagedFixture& f, const HostTensor& q) {
+  DeviceDecode d(f, q, 0.0625f);
+  const Backend& backend = *find_backend("cuda");
+  d.plan(backend, detect_device());
+  run(backend, d.params);
+  if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
+  return d.fault.message();
+}
+
 // Bad lengths and pages in device memory, one at a time, on the narrow kernel, the many-heads one
 // (wgmma on sm_90) and the bf16 one: the kernels skip what they cannot read and note the fault, and
 // the record throws the reference's own Error for the same input. The block table has its spare -1
@@ -230,21 +250,12 @@ TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
     for (const Bad& b : bad) {
       SCOPED_TRACE(std::string(kv_dtype_name(k.dtype)) + ", H " + std::to_string(k.heads) + ": " + b.what);
       Rng rng = test_rng();
-      PagedFixtureOptions opt;
-      opt.lengths = {300, 1000, 129};
-      opt.kv_dtype = k.dtype;
-      opt.with_indexer = false;
-      PagedFixture f = make_paged_fixture(opt, rng);
+      PagedFixture f = fault_fixture(k.dtype, rng);
       HostTensor q = random_bf16(rng, {f.batch(), 1, k.heads, 576});
       b.spoil(f);
       const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
       ASSERT_NE(expected, "") << "the reference takes the input";
-      DeviceDecode d(f, q, 0.0625f);
-      const Backend& backend = *find_backend("cuda");
-      d.plan(backend, detect_device());
-      run(backend, d.params);
-      LKV_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(d.fault.message(), expected);
+      EXPECT_EQ(gpu_decode_fault(f, q), expected);
     }
   }
 }
@@ -265,21 +276,12 @@ TEST(GpuMlaDecodeFaults, NonFiniteQueriesAreTheReferencesError) {
       SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", element " +
                    std::to_string(element) + " = " + std::to_string(value));
       Rng rng = test_rng();
-      PagedFixtureOptions opt;
-      opt.lengths = {300, 1000, 129};
-      opt.kv_dtype = dtype;
-      opt.with_indexer = false;
-      PagedFixture f = make_paged_fixture(opt, rng);
+      PagedFixture f = fault_fixture(dtype, rng);
       HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
       q.set(element, value);
       const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
       ASSERT_NE(expected, "") << "the reference takes the input";
-      DeviceDecode d(f, q, 0.0625f);
-      const Backend& backend = *find_backend("cuda");
-      d.plan(backend, detect_device());
-      run(backend, d.params);
-      LKV_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(d.fault.message(), expected);
+      EXPECT_EQ(gpu_decode_fault(f, q), expected);
     }
   }
 }

@@ -121,6 +121,15 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   if (c.backend == "cuda") EXPECT_EQ(r.fault, "") << "a fault noted for good input (-1 entries, a duplicate)";
 }
 
+// The fault tests' cache: two requests (300 and 1000 tokens) of `dtype`.
+PagedFixture fault_fixture(KvDtype dtype, Rng& rng) {
+  PagedFixtureOptions opt;
+  opt.lengths = {300, 1000};
+  opt.kv_dtype = dtype;
+  opt.with_indexer = false;
+  return make_paged_fixture(opt, rng);
+}
+
 // An index outside the pool (past it, or below -1), one at a time, in the last query token's row,
 // on the narrow, the many-heads and the bf16 kernels: the kernels skip it and note it, and the record
 // throws the reference's own Error for the same indices.
@@ -129,11 +138,7 @@ TEST(GpuSparseMlaDecodeFaults, RecordTheReferencesError) {
   for (const auto& [dtype, heads] : {std::pair{KvDtype::kFp8E4M3, 8}, std::pair{KvDtype::kFp8E4M3, 64},
                                      std::pair{KvDtype::kBf16, 8}}) {
     Rng rng = test_rng();
-    PagedFixtureOptions opt;
-    opt.lengths = {300, 1000};
-    opt.kv_dtype = dtype;
-    opt.with_indexer = false;
-    PagedFixture f = make_paged_fixture(opt, rng);
+    PagedFixture f = fault_fixture(dtype, rng);
     HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
     const std::int64_t num_slots = f.num_pages() * f.page_size, element = (1 * 2 + 1) * 256 + 200;
     for (const std::int32_t slot : {static_cast<std::int32_t>(num_slots), static_cast<std::int32_t>(num_slots + 9), -2}) {
@@ -158,11 +163,7 @@ TEST(GpuSparseMlaDecodeFaults, NonFiniteQueriesAreTheReferencesError) {
                                          std::pair{std::int64_t{2 * 576 + 575}, std::numeric_limits<double>::infinity()}}) {
       SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", element " + std::to_string(element));
       Rng rng = test_rng();
-      PagedFixtureOptions opt;
-      opt.lengths = {300, 1000};
-      opt.kv_dtype = dtype;
-      opt.with_indexer = false;
-      PagedFixture f = make_paged_fixture(opt, rng);
+      PagedFixture f = fault_fixture(dtype, rng);
       HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
       q.set(element, value);
       const HostTensor indices = make_indices(f, 2, 256, rng);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_fault.hpp"
+#include "latentkv/tensor.hpp"
 
 namespace latentkv::cuda {
 
@@ -25,6 +26,24 @@ struct PrefillRows {
   std::int64_t new_tokens = 0;        // T, the rows of q: what cu_new_tokens[batch] must be
   FaultSink fault;                    // the prefill's record and op
 };
+
+// The requests of a prefill with `new_tokens` new tokens: cu_new_tokens [B + 1], seq_lens [B] and
+// block_table [B, max_pages] (device views, validated shapes), over a pool of num_pages pages.
+inline PrefillRows prefill_rows_of(const TensorView& cu_new_tokens, const TensorView& seq_lens,
+                                   const TensorView& block_table, int page_size, std::int64_t num_pages,
+                                   std::int64_t new_tokens, const FaultSink& fault) {
+  PrefillRows in;
+  in.cu_new_tokens = cu_new_tokens.as<const std::int32_t>();
+  in.seq_lens = seq_lens.as<const std::int32_t>();
+  in.block_table = block_table.as<const std::int32_t>();
+  in.batch = static_cast<int>(seq_lens.size(0));
+  in.max_pages = static_cast<int>(block_table.size(1));
+  in.page_size = page_size;
+  in.num_pages = num_pages;
+  in.new_tokens = new_tokens;
+  in.fault = fault;
+  return in;
+}
 
 // For new tokens first .. first + rows - 1: row_lens [rows] and row_table [rows, max_pages]. Bad
 // device data (cu not ascending, lengths beyond the table) gives clamped, in-bounds values; the

@@ -112,16 +112,8 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
-  PrefillRows requests;
-  requests.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
-  requests.seq_lens = p.seq_lens.as<const std::int32_t>();
-  requests.block_table = p.block_table.as<const std::int32_t>();
-  requests.batch = static_cast<int>(p.seq_lens.size(0));
-  requests.max_pages = static_cast<int>(p.block_table.size(1));
-  requests.page_size = p.cache.page_size;
-  requests.num_pages = p.cache.num_pages;
-  requests.new_tokens = t;
-  requests.fault = fault;
+  const PrefillRows requests =
+      prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages, t, fault);
   if (t == 0) {  // nothing to select, no scratch needed: the offsets', lengths' and pages' checks on their own
     launch_prefill_checks(requests, stream, kOp);
     return;

@@ -91,16 +91,8 @@ Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
 void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
   const std::int64_t t = p.q.size(0);
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
-  PrefillRows rows;
-  rows.cu_new_tokens = p.cu_new_tokens.as<const std::int32_t>();
-  rows.seq_lens = p.seq_lens.as<const std::int32_t>();
-  rows.block_table = p.block_table.as<const std::int32_t>();
-  rows.batch = static_cast<int>(p.seq_lens.size(0));
-  rows.max_pages = static_cast<int>(p.block_table.size(1));
-  rows.page_size = p.cache.page_size;
-  rows.num_pages = p.cache.num_pages;
-  rows.new_tokens = t;
-  rows.fault = fault;
+  const PrefillRows rows =
+      prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages, t, fault);
   if (t == 0) {  // no rows to build, no workspace needed: the offsets', lengths' and pages' checks on their own
     launch_prefill_checks(rows, stream, "mla_prefill");
     return;
