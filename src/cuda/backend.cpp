@@ -52,10 +52,9 @@ class CudaBackend final : public Backend {
         return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},
                               "exact radix select over the float bits; rows seeing <= k tokens take them all");
       case Op::kMlaPrefill:
-        return Selection::yes(
-            Kernel{"mla_prefill = per-token " + cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1),
-                   run_prefill},
-            "each new token a query row of the decode kernels over its own visible prefix");
+        return Selection::yes(Kernel{cuda::mla_prefill_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1), run_prefill},
+                              "the new tokens (in groups on few heads) as query rows of the decode kernels over "
+                              "their visible prefix");
       case Op::kSparseMlaPrefill:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(

@@ -221,6 +221,13 @@ std::vector<DenseCase> dense_cases() {
   v.push_back({fp8, 16, 64, {{0, 0}, {97, 7}}});  // pure prompts: causal among the new tokens only
   v.push_back({fp8, 4, 64, {{1000}, {203}}});     // T around 200 over a long prefix
   v.push_back({fp8, 1, 17, {{0, 501}, {3, 97}}}); // a long extension next to a short prompt
+  // On sm_90a, H <= 32 runs the new tokens in groups of 64 / H (prefill.cu) where the groups are
+  // at least half full on average, and per token otherwise (the H 8 cases of page size 1 and of one
+  // new token above): few groups over a long prefix (many splits, the combine's group rows), and
+  // head counts whose groups leave rows of the 64 unused.
+  v.push_back({fp8, 32, 64, {{3000, 0}, {4, 33}}});
+  v.push_back({fp8, 5, 17, {{0, 130, 7}, {25, 3, 40}}});
+  v.push_back({fp8, 20, 1, {{9, 0}, {31, 18}}});
   v.push_back({bf16, 8, 64, ragged});
   v.push_back({bf16, 16, 17, around17});
   v.push_back({bf16, 64, 1, {{0, 20}, {9, 4}}});

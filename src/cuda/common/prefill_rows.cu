@@ -79,6 +79,47 @@ __global__ void __launch_bounds__(kThreads)
   for (int p = threadIdx.x; p < in.max_pages; p += kThreads) to[p] = from[p];
 }
 
+// One CTA per group slot (prefill_rows.hpp, launch_prefill_groups).
+__global__ void __launch_bounds__(kThreads) prefill_groups_kernel(const PrefillRows in, int group, std::int64_t slots,
+                                                                  std::int32_t* group_lens, std::int32_t* group_table,
+                                                                  int2* spans) {
+  __shared__ int request, tokens;
+  if (in.fault.record != nullptr) {
+    for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
+  }
+  const std::int64_t z = blockIdx.x;
+  if (threadIdx.x == 0) {
+    const std::int64_t index = slots - 1 - z;  // the group index this slot holds
+    // cu clamped into [0, T], so that bad offsets still give in-bounds rows.
+    const auto offset = [&](int b) {
+      return static_cast<std::int64_t>(min(max(in.cu_new_tokens[b], 0), static_cast<std::int32_t>(in.new_tokens)));
+    };
+    const auto first_index = [&](int b) { return offset(b) / group + b; };
+    int lo = 0, hi = in.batch;  // the last request whose first group index is <= index
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (first_index(mid) <= index) lo = mid;
+      else hi = mid;
+    }
+    const std::int64_t start = offset(lo), n = max(offset(lo + 1) - start, std::int64_t{0});
+    const std::int64_t k = index - first_index(lo);  // the group's place among request lo's groups
+    const std::int64_t first = start + k * group;
+    const std::int64_t count = k >= 0 && k * group < n ? min(static_cast<std::int64_t>(group), n - k * group) : 0;
+    const std::int64_t capacity = static_cast<std::int64_t>(in.max_pages) * in.page_size;
+    const std::int64_t length = min(static_cast<std::int64_t>(max(in.seq_lens[lo], 0)), capacity);
+    const std::int64_t visible = length - n + k * group + count;  // what the group's last new token sees
+    spans[z] = make_int2(static_cast<int>(count > 0 ? first : 0), static_cast<int>(count));
+    group_lens[z] = count > 0 ? static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length))) : 0;
+    request = lo;
+    tokens = static_cast<int>(count);
+  }
+  __syncthreads();
+  if (tokens == 0) return;
+  const std::int32_t* from = in.block_table + static_cast<std::int64_t>(request) * in.max_pages;
+  std::int32_t* to = group_table + z * in.max_pages;
+  for (int p = threadIdx.x; p < in.max_pages; p += kThreads) to[p] = from[p];
+}
+
 __global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillRows in) {
   if (in.batch == 0) {  // no requests: cu_new_tokens is [cu[0]], which must be 0 (its start and its end)
     const std::int32_t start = in.cu_new_tokens[0];
@@ -89,6 +130,17 @@ __global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillR
 }
 
 }  // namespace
+
+void launch_prefill_groups(const PrefillRows& in, int group, std::int64_t slots, std::int32_t* group_lens,
+                           std::int32_t* group_table, int2* spans, cudaStream_t stream, const char* op) {
+  if (slots <= 0) return;
+  if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
+  if (group < 1) throw Error(op, "group", std::to_string(group), ">= 1 new tokens a group");
+  if (slots > INT32_MAX) throw Error(op, "q", std::to_string(slots) + " groups", "fewer than 2^31 per launch");
+  prefill_groups_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(in, group, slots, group_lens,
+                                                                                group_table, spans);
+  LKV_CUDA_CHECK_LAUNCH(op);
+}
 
 void launch_prefill_checks(const PrefillRows& in, cudaStream_t stream, const char* op) {
   if (in.fault.record == nullptr) return;

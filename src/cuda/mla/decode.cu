@@ -302,8 +302,10 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
 // outputs (kBatch each); then two block reductions (the max, then the sum of the weights) and the
 // weighted sum. A lane takes 4 dims, so a warp covers 32 / (kDims / 4) splits per load (kDims: see
 // launch_combine). Few splits take 128 threads (more CTAs resident, fewer idle warps), many 512.
-template <int kThreads, int kDims>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
+// kGrouped: a grouped prefill's decode (decode_common.cuh), whose padding rows have no partials and
+// whose rows go to their group's rows of o and lse.
+template <int kThreads, int kDims, bool kGrouped>
+__global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a, const int2* spans) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kLanesPerSplit = kDims / 4;
   constexpr int kSplitsPerWarp = 32 / kLanesPerSplit;
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   __shared__ float weights[kMaxSplits];
   __shared__ float warp_max[kWarps], warp_sum[kWarps];
   __shared__ float4 partial[kWarps][kLanesPerSplit];
-  const std::int64_t out_row = blockIdx.x;  // b * rows + row
+  const std::int64_t out_row = blockIdx.x;  // b * rows + row, of the partials
   const int dim0 = blockIdx.y * kDims;
   const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = a.num_splits;
@@ -322,6 +324,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
     return reinterpret_cast<const float4*>(a.o_part + (s * stride + out_row) * kDimV + dim0)[col];
   };
   wait_for_previous_kernels();
+  std::int64_t dest_row = out_row;  // of o and lse
+  if constexpr (kGrouped) {
+    const int b = static_cast<int>(out_row / a.rows), row = static_cast<int>(out_row % a.rows);
+    const RequestRows rows = request_rows<true>(a, spans, b);
+    if (row >= rows.count) return;  // a group's padding row
+    dest_row = rows.origin + row;
+  }
 
   float l[kLsePerThread];  // this thread's splits threadIdx.x + e * kThreads
 #pragma unroll
@@ -382,23 +391,30 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a) {
   if (threadIdx.x < kLanesPerSplit) {
     float4 sum = partial[0][col];
     for (int x = 1; x < kWarps; ++x) add(sum, partial[x][col]);
-    reinterpret_cast<uint2*>(a.o + out_row * kDimV + dim0)[col] = merged_bf16x4(sum, total);
+    reinterpret_cast<uint2*>(a.o + dest_row * kDimV + dim0)[col] = merged_bf16x4(sum, total);
     // No split saw a token: -inf; a split's lse NaN (a NaN reached its scores): NaN, as its o.
-    if (col == 0 && blockIdx.y == 0) a.lse[out_row] = merged_lse(m, total);
+    if (col == 0 && blockIdx.y == 0) a.lse[dest_row] = merged_lse(m, total);
   }
 }
 
 // The combine for this call: 32 dims per CTA when few output rows have many splits each (B x rows
 // < 128 and more than 128 splits: one long dense request), which spreads each row's partials over
 // four times the CTAs; else 128. H200, glm5 tp 8 B 1 x 32K (256 splits): 24.6 -> 23.7 us per call.
-template <int kThreads>
-void launch_combine(const DecodeArgs& a, const char* op, cudaStream_t stream) {
+template <int kThreads, bool kGrouped>
+void launch_combine(const DecodeArgs& a, const int2* spans, const char* op, cudaStream_t stream) {
   const auto rows = static_cast<unsigned>(a.batch * a.rows);
   if (a.batch * a.rows < 128 && a.num_splits > 128) {
-    launch_chained(op, combine_kernel<kThreads, 32>, dim3(rows, kDimV / 32), kThreads, 0, stream, false, a);
+    launch_chained(op, combine_kernel<kThreads, 32, kGrouped>, dim3(rows, kDimV / 32), kThreads, 0, stream, false, a,
+                   spans);
   } else {
-    launch_chained(op, combine_kernel<kThreads, 128>, dim3(rows, kDimV / 128), kThreads, 0, stream, false, a);
+    launch_chained(op, combine_kernel<kThreads, 128, kGrouped>, dim3(rows, kDimV / 128), kThreads, 0, stream, false, a,
+                   spans);
   }
+}
+template <int kThreads>
+void launch_combine(const DecodeArgs& a, const int2* spans, const char* op, cudaStream_t stream) {
+  if (spans != nullptr) launch_combine<kThreads, true>(a, spans, op, stream);
+  else launch_combine<kThreads, false>(a, spans, op, stream);
 }
 
 int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
@@ -497,8 +513,9 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 }
 
 // Checks the schedule and scratch, then runs the kernel these shapes take and the split combine.
+// `spans`: a grouped prefill's decode (decode_common.cuh), which the wgmma kernel serves.
 void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
-                std::size_t workspace_bytes, const char* op, cudaStream_t stream) {
+                std::size_t workspace_bytes, const char* op, cudaStream_t stream, const int2* spans = nullptr) {
   a.num_splits = num_splits;
   if (a.num_splits < 1 || a.num_splits > kMaxSplits) {
     throw Error(op, "num_splits", std::to_string(num_splits),
@@ -522,18 +539,21 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
   }
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows);
+  if (spans != nullptr && kernel != DecodeKernel::kWgmma) {
+    throw Error(op, "q", std::to_string(a.rows) + " rows a group", "a group the wgmma kernel takes (see prefill_groups)");
+  }
   bool merged = false;  // the splits merged by the kernel itself
   if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, stream);
-  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, fault, stream);
+  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, fault, spans, stream);
   else if (fp8 && groups == 1) launch_instance<true, 1>(a, fault, stream);
   else if (fp8) launch_instance<true, 2>(a, fault, stream);
   else if (groups == 1) launch_instance<false, 1>(a, fault, stream);
   else launch_instance<false, 2>(a, fault, stream);
   if (a.num_splits > 1 && !merged) {
     if (a.num_splits <= 32) {
-      launch_combine<128>(a, op, stream);
+      launch_combine<128>(a, spans, op, stream);
     } else {
-      launch_combine<512>(a, op, stream);
+      launch_combine<512>(a, spans, op, stream);
     }
   }
 }
@@ -568,6 +588,52 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
+int mla_prefill_group_tokens(const MlaPrefillParams& p) {
+  using namespace mla;
+  const std::int64_t t = p.q.size(0), h = p.q.size(1), batch = p.seq_lens.size(0);
+  if (h > kWgmmaRows / 2 || t == 0 || batch == 0) return 1;
+  const int tokens = static_cast<int>(kWgmmaRows / h);
+  if (kernel_for(p.cache.dtype == KvDtype::kFp8E4M3, static_cast<int>(tokens * h)) != DecodeKernel::kWgmma) return 1;
+  const std::int64_t slots = t / tokens + batch;
+  return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups at least half full on average
+}
+
+namespace mla {
+namespace {
+DecodeArgs groups_args(const MlaDecodeParams& p, const DecodeGroups& g) {
+  DecodeArgs a{};
+  a.q = p.q.as<const std::uint16_t>();
+  a.cache = p.cache.data;
+  a.block_table = p.block_table.as<const std::int32_t>();
+  a.seq_lens = p.seq_lens.as<const std::int32_t>();
+  a.o = p.o.as<std::uint16_t>();
+  a.lse = p.lse.as<float>();
+  a.num_pages = p.cache.num_pages;
+  a.page_size = p.cache.page_size;
+  a.max_pages = static_cast<int>(p.block_table.size(1));
+  a.batch = g.groups;
+  a.q_len = g.tokens;
+  a.heads = static_cast<int>(p.q.size(1));
+  a.rows = a.q_len * a.heads;
+  a.scale_log2 = p.softmax_scale * kLog2e;
+  return a;
+}
+}  // namespace
+}  // namespace mla
+
+Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int multiprocessors) {
+  const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
+  return mla::plan_splits(g.groups, g.tokens * static_cast<int>(p.q.size(1)), capacity,
+                          p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit, p.num_splits,
+                          "mla_prefill");
+}
+
+void launch_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, cudaStream_t stream) {
+  const mla::DecodeArgs a = mla::groups_args(p, g);
+  mla::run_decode(a, FaultSink{}, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
+                  "mla_prefill", stream, g.spans);
+}
+
 // Sparse decode is the same kernels over each query token's own index row: the B x q_len query
 // tokens become independent "requests" of H rows whose tokens are their index_cols slots.
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op) {
@@ -595,6 +661,17 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
   FaultSink fault = fault_sink(p.fault, caller.fault_op, caller.op);
   fault.row_base = caller.first_row;
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, caller.op, stream);
+}
+
+std::string mla_prefill_kernel_name(KvDtype dtype, int heads) {
+  const std::string per_token = "per-token " + mla_decode_kernel_name(dtype, heads);
+  if (heads > mla::kWgmmaRows / 2) return "mla_prefill = " + per_token;
+  const int tokens = mla::kWgmmaRows / heads;
+  if (mla::kernel_for(dtype == KvDtype::kFp8E4M3, tokens * heads) != mla::DecodeKernel::kWgmma) {
+    return "mla_prefill = " + per_token;
+  }
+  return "mla_prefill = groups of " + std::to_string(tokens) + " new tokens on " + mla_decode_kernel_name(dtype, tokens * heads) +
+         " (" + per_token + " when the groups would be less than half full)";
 }
 
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {

@@ -141,6 +141,30 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, int len, int 
   return row < a.rows ? len - a.q_len + row / a.heads + 1 : 0;
 }
 
+// A grouped prefill's decode (launch_mla_decode_groups in launch.hpp) takes each group of new tokens
+// as a request: group b is new tokens [spans[b].x, spans[b].x + spans[b].y) of the prefill, at most
+// q_len of them.
+//
+// Request b's query rows: `count` of them (q_len x heads, fewer in a group), row r at row origin + r
+// of q, o and lse, its new tokens `q_len` (the causal offset: row r sees len - q_len + r / heads + 1).
+struct RequestRows {
+  std::int64_t origin;
+  int count;
+  int q_len;
+};
+template <bool kGrouped>
+__device__ __forceinline__ RequestRows request_rows(const DecodeArgs& a, const int2* spans, int b) {
+  if constexpr (kGrouped) {
+    const int2 span = spans[b];
+    return {static_cast<std::int64_t>(span.x) * a.heads, span.y * a.heads, span.y};
+  } else {
+    return {static_cast<std::int64_t>(b) * a.rows, a.rows, a.q_len};
+  }
+}
+__device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const RequestRows& rows, int len, int row) {
+  return row < rows.count ? len - rows.q_len + row / a.heads + 1 : 0;
+}
+
 // Token t of request b comes from its block table (dense: page t / page_size) or its index row
 // (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the
 // global load can be issued early and used late. A slot outside the pool, or -1, gives -1: the
@@ -212,7 +236,8 @@ inline constexpr int kWgmmaRows = 64;
 inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
 bool wgmma_decode_available();
-void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream);
+// `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record.
+void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream);
 int wgmma_blocks_per_sm();
 
 }  // namespace latentkv::cuda::mla

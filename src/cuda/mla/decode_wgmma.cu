@@ -67,8 +67,12 @@ struct WgmmaSmem {
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
 
-template <bool kChecks>
-__global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault) {
+// kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups): request b's
+// query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse on.
+template <bool kChecks, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
+  static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -95,6 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kRows;
   wait_for_previous_kernels();
+  const RequestRows rows = request_rows<kGrouped>(a, spans, b);
   const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
 
@@ -104,8 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     const int r = 8 * (tid / 32) + i;
     const int row = row_base + r;
     uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
-    if (row < a.rows) {
-      const uint4* src = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * kDimQk);
+    if (row < rows.count) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.q + (rows.origin + row) * kDimQk);
       w0 = __ldg(src + 2 * lane);
       w1 = __ldg(src + 2 * lane + 1);
       if (lane < 8) rope = __ldg(src + 64 + lane);
@@ -204,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + r_of[h];
-    visible[h] = visible_tokens(a, len, row);
+    visible[h] = visible_tokens(a, rows, len, row);
   }
   const float q_scale[2] = {q_scale_s[r_of[0]], q_scale_s[r_of[1]]};
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
@@ -419,10 +424,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     float total = row_sum[h];
     total += __shfl_xor_sync(0xffffffffu, total, 1);
     total += __shfl_xor_sync(0xffffffffu, total, 2);
-    if (row >= a.rows) continue;
+    if (row >= rows.count) continue;
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     const float lse = row_lse(row_max[h], total);
-    const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+    const std::int64_t out_row = rows.origin + row;                                // of o and lse
+    const std::int64_t part_row = (static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row;  // of the partials
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int dim0 = (2 * wg + j) * 128 + 2 * quad;
@@ -434,7 +440,6 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
           *reinterpret_cast<std::uint32_t*>(out + 8 * i) = pack_bf16x2(o[j][4 * i + 2 * h] * f, o[j][4 * i + 2 * h + 1] * f);
         }
       } else {
-        const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
         float* out = a.o_part + part_row * kDimV + dim0;  // f32 [16 groups of 8 dims], 2 per thread
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -444,18 +449,19 @@ __global__ void __launch_bounds__(kThreads, 1) decode_wgmma_kernel(const DecodeA
     }
     if (wg == 0 && quad == 0) {
       if (a.num_splits == 1) a.lse[out_row] = lse;
-      else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + out_row] = lse;
+      else a.lse_part[part_row] = lse;
     }
   }
 #else
   (void)a;
+  (void)spans;
   __trap();  // launched only where wgmma_decode_available() holds
 #endif
 }
 
-template <bool kChecks = false>
+template <bool kChecks = false, bool kGrouped = false>
 int configure() {
-  return allow_dynamic_smem(decode_wgmma_kernel<kChecks>, WgmmaSmem::kAlloc, "mla_decode");
+  return allow_dynamic_smem(decode_wgmma_kernel<kChecks, kGrouped>, WgmmaSmem::kAlloc, "mla_decode");
 }
 
 }  // namespace
@@ -463,16 +469,24 @@ int configure() {
 bool wgmma_decode_available() { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL"); }
 
 int wgmma_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_wgmma_kernel<false>, kThreads, configure(), "mla_decode");
+  return resident_ctas_per_sm(decode_wgmma_kernel<false, false>, kThreads, configure(), "mla_decode");
 }
 
-void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  const bool checks = fault.record != nullptr;
-  const int smem_bytes = checks ? configure<true>() : configure<false>();
+void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((a.rows + kRows - 1) / kRows), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  if (checks) launch_chained("mla_decode", decode_wgmma_kernel<true>, grid, kThreads, smem_bytes, stream, false, a, fault);
-  else launch_chained("mla_decode", decode_wgmma_kernel<false>, grid, kThreads, smem_bytes, stream, false, a, fault);
+  if (spans != nullptr) {
+    if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
+    const int smem_bytes = configure<false, true>();
+    launch_chained("mla_prefill", decode_wgmma_kernel<false, true>, grid, kThreads, smem_bytes, stream, false, a, fault,
+                   spans);
+  } else if (fault.record != nullptr) {
+    launch_chained("mla_decode", decode_wgmma_kernel<true, false>, grid, kThreads, configure<true>(), stream, false, a,
+                   fault, spans);
+  } else {
+    launch_chained("mla_decode", decode_wgmma_kernel<false, false>, grid, kThreads, configure<false>(), stream, false, a,
+                   fault, spans);
+  }
 }
 
 }  // namespace latentkv::cuda::mla

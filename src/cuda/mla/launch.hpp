@@ -37,6 +37,23 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
 
 // Prefill / extend (prefill.cu): every new token a query row of its own on the decode kernels. Dense
 // prefill's workspace also holds each new token's block-table row and length.
+// Dense prefill on few heads (prefill.cu): its new tokens in groups of `tokens`, each group a decode
+// "request" of tokens x H query rows, so that the wgmma kernel's 64 rows are filled (per-token decode
+// runs 8 or 16 rows a CTA). mla_prefill_group_tokens() says how many new tokens a group takes for
+// these shapes: 64 / H on sm_90a over an fp8 cache with H <= 32 when the groups would be at least
+// half full on average, else 1 (per token). For launch_mla_decode_groups, p.q [T, H, 576], p.o and
+// p.lse are the prefill's; p.block_table [groups, max_pages] and p.seq_lens [groups] are the
+// groups' (prefill_rows.hpp, launch_prefill_groups), and group b's rows are those of its new tokens
+// [spans[b].x, spans[b].x + spans[b].y).
+struct DecodeGroups {
+  const int2* spans = nullptr;  // [groups] device memory
+  int groups = 0;
+  int tokens = 1;
+};
+int mla_prefill_group_tokens(const MlaPrefillParams& p);
+Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int multiprocessors);
+void launch_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, cudaStream_t stream);
+
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors);
 void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream);
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors);
@@ -46,5 +63,6 @@ void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t str
 
 // The kernel instance a call with these shapes runs (rows = q_len x heads dense, heads sparse).
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse = false);
+std::string mla_prefill_kernel_name(KvDtype dtype, int heads);
 
 }  // namespace latentkv::cuda

@@ -6,11 +6,18 @@
 //     of the request's block-table row (in the workspace); the T tokens then run as T decode
 //     "requests" of one query token each. Causality among the new tokens is exactly each token's
 //     length, so no mask is needed.
+//     On few heads (H <= 32, sm_90a, fp8 cache) the new tokens go in groups instead, so that one CTA
+//     of the wgmma decode kernel takes 64 query rows (8 new tokens x 8 heads at glm5 tp 8) over
+//     tiles every row of the group shares: group tokens j0 .. j0 + G - 1 of request b are a decode
+//     "request" of q_len G whose length is what token j0 + G - 1 sees, causal among the G exactly as
+//     the decode's q_len new tokens (launch_prefill_groups builds the groups, DecodeGroups in
+//     launch.hpp says how the kernel finds their rows). Per token, each row would read every tile
+//     of its prefix by itself.
 //   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
 //     tensors already have that layout.
 // Correct for any H 1-128 and any page size; the kernels are the decode ones (split-KV, FP8 tiles
 // dequantized on chip), not yet kernels built for many query tokens per request. The decode kernels'
-// batch is a grid dimension, so prompts of more new tokens than it holds run in slices.
+// batch is a grid dimension, so prompts of more new tokens (or groups) than it holds run in slices.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -61,6 +68,65 @@ PerToken per_token(const MlaPrefillParams& p, std::uint8_t* scratch) {
   return r;
 }
 
+// The dense prefill in groups of `tokens` new tokens (G > 1), with views at `scratch` (null while
+// planning): per group slot its length, block-table row and span, then the decode's scratch.
+struct Grouped {
+  MlaDecodeParams decode;  // q, o, lse the prefill's; block_table, seq_lens the groups'
+  DecodeGroups groups;
+  std::size_t table_bytes = 0;
+};
+
+Grouped grouped(const MlaPrefillParams& p, int tokens, std::uint8_t* scratch) {
+  const std::int64_t slots = p.q.size(0) / tokens + p.seq_lens.size(0), max_pages = p.block_table.size(1);
+  const Device device = p.q.device;
+  const std::size_t lens = align_up(static_cast<std::size_t>(slots) * sizeof(std::int32_t));
+  const std::size_t table = align_up(static_cast<std::size_t>(slots * max_pages) * sizeof(std::int32_t));
+  Grouped r;
+  r.table_bytes = lens + table + align_up(static_cast<std::size_t>(slots) * sizeof(int2));
+  MlaDecodeParams& d = r.decode;
+  d.q = p.q;
+  d.cache = p.cache;
+  d.seq_lens = TensorView::contiguous(scratch, DType::kI32, {slots}, device);
+  d.block_table = TensorView::contiguous(scratch ? scratch + lens : nullptr, DType::kI32, {slots, max_pages}, device);
+  d.o = p.o;
+  d.lse = p.lse;
+  d.softmax_scale = p.softmax_scale;
+  d.num_splits = p.num_splits;
+  r.groups.spans = scratch ? reinterpret_cast<const int2*>(scratch + lens + table) : nullptr;
+  r.groups.groups = static_cast<int>(std::min<std::int64_t>(slots, kMaxDecodeBatch));
+  r.groups.tokens = tokens;
+  return r;
+}
+
+void check_table_workspace(const MlaPrefillParams& p, std::size_t table_bytes, const char* what) {
+  if (p.workspace == nullptr || p.workspace_bytes < table_bytes) {
+    throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
+                ">= " + std::to_string(table_bytes) + " for the " + what + " (see plan())");
+  }
+}
+
+void launch_grouped(const MlaPrefillParams& p, const PrefillRows& rows, int tokens, const FaultSink& fault,
+                    cudaStream_t stream) {
+  const std::int64_t slots = p.q.size(0) / tokens + p.seq_lens.size(0);
+  const std::size_t table_bytes = grouped(p, tokens, nullptr).table_bytes;
+  check_table_workspace(p, table_bytes, "groups' block tables");
+  auto* scratch = static_cast<std::uint8_t*>(p.workspace);
+  const Grouped r = grouped(p, tokens, scratch);
+  launch_value_check(value_check_of(p.q, DeviceFaultCode::kQuery, fault), stream, "mla_prefill");
+  auto* spans = const_cast<int2*>(r.groups.spans);
+  launch_prefill_groups(rows, tokens, slots, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(),
+                        spans, stream, "mla_prefill");
+  for (std::int64_t first = 0; first < slots; first += kMaxDecodeBatch) {
+    const std::int64_t n = std::min<std::int64_t>(kMaxDecodeBatch, slots - first);
+    MlaDecodeParams d = r.decode;
+    d.block_table = leading_rows(d.block_table, first, n);
+    d.seq_lens = leading_rows(d.seq_lens, first, n);
+    d.workspace = scratch + r.table_bytes;
+    d.workspace_bytes = p.workspace_bytes - r.table_bytes;
+    launch_mla_decode_groups(d, DecodeGroups{spans + first, static_cast<int>(n), tokens}, stream);
+  }
+}
+
 }  // namespace
 
 SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
@@ -81,6 +147,12 @@ SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p) {
 }
 
 Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
+  if (const int tokens = mla_prefill_group_tokens(p); tokens > 1) {
+    const Grouped g = grouped(p, tokens, nullptr);
+    Plan plan = plan_mla_decode_groups(g.decode, g.groups, multiprocessors);
+    plan.workspace_bytes += g.table_bytes;
+    return plan;
+  }
   PerToken r = per_token(p, nullptr);
   r.decode.num_splits = p.num_splits;  // a count asked for is kept, as in decode
   Plan plan = plan_mla_decode(r.decode, multiprocessors, "mla_prefill");
@@ -97,11 +169,12 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
     launch_prefill_checks(rows, stream, "mla_prefill");
     return;
   }
-  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
-  if (p.workspace == nullptr || p.workspace_bytes < table_bytes) {
-    throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
-                ">= " + std::to_string(table_bytes) + " for the per-token block tables (see plan())");
+  if (const int tokens = mla_prefill_group_tokens(p); tokens > 1) {
+    launch_grouped(p, rows, tokens, fault, stream);
+    return;
   }
+  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
+  check_table_workspace(p, table_bytes, "per-token block tables");
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   PerToken r = per_token(p, scratch);
   r.decode.num_splits = p.num_splits;
