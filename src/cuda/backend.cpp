@@ -67,11 +67,9 @@ class CudaBackend final : public Backend {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{"indexer_prefill = per-token " + cuda::indexer_logits_kernel_name(p.page_size) +
-                                         " + topk<radix select, 12+10+10 bits>",
-                                     run_indexer_prefill},
-                              "each new token a one-token request of the decode indexer and top-k, in chunks of "
-                              "new tokens whose logits fit the workspace");
+        return Selection::yes(Kernel{cuda::indexer_prefill_kernel_name(p.page_size), run_indexer_prefill},
+                              "the new tokens (in groups of 4 on the wgmma indexer) as requests of the decode indexer, "
+                              "then each its own top-k row, in chunks of new tokens whose logits fit the workspace");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(

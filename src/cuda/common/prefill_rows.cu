@@ -80,35 +80,36 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One CTA per group slot (prefill_rows.hpp, launch_prefill_groups).
-__global__ void __launch_bounds__(kThreads) prefill_groups_kernel(const PrefillRows in, int group, std::int64_t slots,
-                                                                  std::int32_t* group_lens, std::int32_t* group_table,
-                                                                  int2* spans) {
+__global__ void __launch_bounds__(kThreads)
+    prefill_groups_kernel(const PrefillRows in, std::int64_t first, std::int64_t rows, int group,
+                          std::int32_t* group_lens, std::int32_t* group_table, int2* spans) {
   __shared__ int request, tokens;
-  if (in.fault.record != nullptr) {
+  if (first == 0 && in.fault.record != nullptr) {  // the first launch checks every request
     for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
   }
-  const std::int64_t z = blockIdx.x;
+  const std::int64_t z = blockIdx.x, slots = gridDim.x;
   if (threadIdx.x == 0) {
     const std::int64_t index = slots - 1 - z;  // the group index this slot holds
-    // cu clamped into [0, T], so that bad offsets still give in-bounds rows.
-    const auto offset = [&](int b) {
-      return static_cast<std::int64_t>(min(max(in.cu_new_tokens[b], 0), static_cast<std::int32_t>(in.new_tokens)));
-    };
-    const auto first_index = [&](int b) { return offset(b) / group + b; };
+    // cu clamped into [0, T], then into the window, so that bad offsets still give in-bounds rows.
+    const auto cu = [&](int b) { return min(max(static_cast<std::int64_t>(in.cu_new_tokens[b]), std::int64_t{0}), in.new_tokens); };
+    const auto in_window = [&](int b) { return min(max(cu(b), first), first + rows) - first; };
+    const auto first_index = [&](int b) { return in_window(b) / group + b; };
     int lo = 0, hi = in.batch;  // the last request whose first group index is <= index
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
       if (first_index(mid) <= index) lo = mid;
       else hi = mid;
     }
-    const std::int64_t start = offset(lo), n = max(offset(lo + 1) - start, std::int64_t{0});
-    const std::int64_t k = index - first_index(lo);  // the group's place among request lo's groups
-    const std::int64_t first = start + k * group;
+    const std::int64_t start = in_window(lo), n = max(in_window(lo + 1) - start, std::int64_t{0});
+    const std::int64_t k = index - first_index(lo);  // the group's place among request lo's groups in the window
+    const std::int64_t row = start + k * group;
     const std::int64_t count = k >= 0 && k * group < n ? min(static_cast<std::int64_t>(group), n - k * group) : 0;
+    // What the group's last new token sees: the request's length less its new tokens after it.
     const std::int64_t capacity = static_cast<std::int64_t>(in.max_pages) * in.page_size;
     const std::int64_t length = min(static_cast<std::int64_t>(max(in.seq_lens[lo], 0)), capacity);
-    const std::int64_t visible = length - n + k * group + count;  // what the group's last new token sees
-    spans[z] = make_int2(static_cast<int>(count > 0 ? first : 0), static_cast<int>(count));
+    const std::int64_t after = max(cu(lo + 1), cu(lo)) - (first + row + count);
+    const std::int64_t visible = length - after;
+    spans[z] = make_int2(static_cast<int>(count > 0 ? row : 0), static_cast<int>(count));
     group_lens[z] = count > 0 ? static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length))) : 0;
     request = lo;
     tokens = static_cast<int>(count);
@@ -131,13 +132,15 @@ __global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillR
 
 }  // namespace
 
-void launch_prefill_groups(const PrefillRows& in, int group, std::int64_t slots, std::int32_t* group_lens,
-                           std::int32_t* group_table, int2* spans, cudaStream_t stream, const char* op) {
-  if (slots <= 0) return;
+void launch_prefill_groups(const PrefillRows& in, std::int64_t first, std::int64_t rows, int group,
+                           std::int32_t* group_lens, std::int32_t* group_table, int2* spans, cudaStream_t stream,
+                           const char* op) {
+  if (rows <= 0) return;
   if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
   if (group < 1) throw Error(op, "group", std::to_string(group), ">= 1 new tokens a group");
+  const std::int64_t slots = group_slots(rows, group, in.batch);
   if (slots > INT32_MAX) throw Error(op, "q", std::to_string(slots) + " groups", "fewer than 2^31 per launch");
-  prefill_groups_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(in, group, slots, group_lens,
+  prefill_groups_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(in, first, rows, group, group_lens,
                                                                                 group_table, spans);
   LKV_CUDA_CHECK_LAUNCH(op);
 }

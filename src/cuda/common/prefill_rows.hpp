@@ -53,15 +53,20 @@ inline PrefillRows prefill_rows_of(const TensorView& cu_new_tokens, const Tensor
 void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
                          std::int32_t* row_table, cudaStream_t stream, const char* op);
 
-// The dense prefill's new tokens in groups of up to `group` (each group one decode "request" of
-// group x H query rows, decode_common.cuh): request b owns group indices [cu[b] / group + b, +
-// ceil(n_b / group)) of the `slots` = T / group + B (the indices between are empty groups), and
-// group index i sits at slot slots - 1 - i, so that a request's last, longest groups launch first.
-// Slot z gets spans[z] = {first new token, tokens} (tokens 0: empty), group_lens[z] = what its last
-// token sees and group_table[z] = its request's block-table row (only for a group with tokens). Bad
-// device data gives clamped, in-bounds values; every request is checked as by launch_prefill_rows.
-void launch_prefill_groups(const PrefillRows& in, int group, std::int64_t slots, std::int32_t* group_lens,
-                           std::int32_t* group_table, int2* spans, cudaStream_t stream, const char* op);
+// New tokens first .. first + rows - 1 of a prefill in groups of up to `group`, each group of one
+// request (a decode "request" of group x H query rows: decode_common.cuh, indexer/logits.cu). With
+// c_b = cu[b] clamped into the window, request b owns group indices [(c_b - first) / group + b, +
+// ceil(n_b / group)) of the group_slots(rows, group, B) = rows / group + B (n_b its new tokens in
+// the window; the indices between are empty groups), and group index i sits at slot slots - 1 - i,
+// so that a request's last, longest groups launch first. Slot z gets spans[z] = {its first new
+// token - first, tokens} (tokens 0: empty), group_lens[z] = what its last new token sees and
+// group_table[z] = its request's block-table row (only for a group with tokens). Bad device data
+// gives clamped, in-bounds values; the launch for first = 0 checks every request as
+// launch_prefill_rows does.
+inline std::int64_t group_slots(std::int64_t rows, int group, std::int64_t batch) { return rows / group + batch; }
+void launch_prefill_groups(const PrefillRows& in, std::int64_t first, std::int64_t rows, int group,
+                           std::int32_t* group_lens, std::int32_t* group_table, int2* spans, cudaStream_t stream,
+                           const char* op);
 
 // The same checks of every request without building rows, for a prefill of no new tokens (whose
 // cu_new_tokens must then be all zeros; with no requests, the one offset). Nothing when in.fault

@@ -24,8 +24,22 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 // page on the current device: sm_90 with the library's sm_90a code, pages of a multiple of 64
 // tokens, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the mma.sync kernel.
 bool indexer_uses_wgmma(int page_size);
-// The kernel's name for reports: "indexer_logits<...>".
+// The kernel's name for reports: "indexer_logits<...>"; the prefill's: "indexer_prefill = ...".
 std::string indexer_logits_kernel_name(int page_size);
+std::string indexer_prefill_kernel_name(int page_size);
+
+// An indexer prefill's new tokens in groups of up to `tokens` (<= kMaxDecodeQLen) on the wgmma
+// kernel (prefill.cpp): for launch_indexer_logits_groups, p.q [rows, 1, Hi, 128], p.weights and
+// p.logits [rows, 1, max_len] are the chunk's new tokens'; p.block_table [groups, max_pages] and
+// p.seq_lens [groups] the groups' (prefill_rows.hpp, launch_prefill_groups), and group b's rows are
+// those of its new tokens [spans[b].x, spans[b].x + spans[b].y), causal among them. No fault
+// record (the prefill checks its requests, q and the weights), no claims.
+struct IndexerGroups {
+  const int2* spans = nullptr;  // [groups] device memory
+  int groups = 0;
+  int tokens = 1;
+};
+void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGroups& g, cudaStream_t stream);
 
 // Indexer prefill (prefill.cpp): logits then top-k of every new token, in chunks of new tokens.
 // The plan gives the chunk and the workspace for it; the launch throws Error when p.workspace is

@@ -24,6 +24,9 @@
 //         per 8 heads eight m16n8k16 mma.sync steps, even and odd k-steps in two independent chains.
 //     The sums are relu'd, weighted and summed across the 4 lanes of a quad, then scaled by kscale_t
 //     and written. Positions a row cannot see get -inf.
+//   * An indexer prefill on sm_90a runs its new tokens in groups of up to 4 (launch.hpp,
+//     IndexerGroups): each group a request of the wgmma kernel whose query rows are its tokens',
+//     so the keys of a turn are read and converted once for all of them.
 //   * A call may also clear the next op's scratch (IndexerLogitsParams::clear: the top-k's row state
 //     inside dsa_decode), spread over the whole grid while the first keys are loading. (Doing the
 //     layer's append here as well, to save its kernel, was tried in five ways and never won: at one
@@ -94,6 +97,23 @@ struct LogitsArgs {
 __device__ __forceinline__ int request_length(const LogitsArgs& a, int b) {
   const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
   return static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+}
+
+// Request b's query rows: `count` of them (its new tokens) from row `first` of q, weights and
+// logits. A grouped prefill's request is a group of at most q_len new tokens (launch.hpp,
+// IndexerGroups), the causal offset its own count: row i sees len - count + i + 1 positions.
+struct QueryRows {
+  std::int64_t first;
+  int count;
+};
+template <bool kGrouped>
+__device__ __forceinline__ QueryRows query_rows(const LogitsArgs& a, const int2* spans, int b) {
+  if constexpr (kGrouped) {
+    const int2 span = spans[b];
+    return {span.x, span.y};
+  } else {
+    return {static_cast<std::int64_t>(b) * a.q_len, a.q_len};
+  }
 }
 
 // Position t's page index in the block-table row, and its place in the page.
@@ -196,6 +216,7 @@ __device__ __forceinline__ void load_tile(const LogitsArgs& a, int b, int first,
 // What a lane keeps for its whole walk.
 struct Lane {
   int b, len;             // its request and the request's length
+  QueryRows rows;         // the request's query rows
   int g, tig;             // its place in the warp (mma row group, thread in group)
   int padded;             // heads padded to whole passes
   const std::uint8_t* q;  // mma.sync: its f16 queries of head g, row 0 (its quarter tig), in shared memory
@@ -221,7 +242,7 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
       frag[s][2 + r] = fp8x2_hi_to_f16x2(w);  // dims + 2, + 3
     }
   }
-  for (int i = 0; i < a.q_len; ++i) {
+  for (int i = 0; i < l.rows.count; ++i) {
     float logit[2] = {0.0f, 0.0f};
     if constexpr (kWgmmaHeads == 0) {
 #pragma unroll 1
@@ -269,8 +290,8 @@ __device__ __forceinline__ void tile_logits(const LogitsArgs& a, const Tile& t, 
         }
       }
     }
-    const int visible = l.len - a.q_len + i + 1;  // causal among the new tokens
-    float* out = a.logits + (static_cast<std::int64_t>(l.b) * a.q_len + i) * a.max_len;
+    const int visible = l.len - l.rows.count + i + 1;  // causal among the new tokens
+    float* out = a.logits + (l.rows.first + i) * a.max_len;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float v = logit[r];
@@ -344,13 +365,13 @@ __device__ __forceinline__ void stage_weights(const LogitsArgs& a, int b, int pa
   }
 }
 
-// -inf at positions [from, to) of every query row of request b (past the length), by the whole CTA;
+// -inf at positions [from, to) of every query row of a request (past the length), by the whole CTA;
 // with `share` of `shares`, only its share of them (every CTA of the request writing one).
-__device__ __forceinline__ void write_unseen(const LogitsArgs& a, int b, int from, int to, int share = 0,
-                                             int shares = 1) {
+__device__ __forceinline__ void write_unseen(const LogitsArgs& a, const QueryRows& rows, int from, int to,
+                                             int share = 0, int shares = 1) {
   to = min(to, a.max_len);
-  for (int i = 0; i < a.q_len; ++i) {
-    float* out = a.logits + (static_cast<std::int64_t>(b) * a.q_len + i) * a.max_len;
+  for (int i = 0; i < rows.count; ++i) {
+    float* out = a.logits + (rows.first + i) * a.max_len;
     for (int pos = from + share * kThreads + static_cast<int>(threadIdx.x); pos < to; pos += shares * kThreads) {
       out[pos] = -INFINITY;
     }
@@ -429,7 +450,8 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
   if constexpr (kChecks) check_request(a, fault, b, check);
   __syncthreads();
 
-  const Lane l{b, len, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s, 0};
+  const QueryRows rows = query_rows<false>(a, nullptr, b);
+  const Lane l{b, len, rows, g, tig, padded, q_s + g * kDim * 2 + tig * 64, (tig >> 1) | ((g & 1) << 1), w_s, 0};
   for (;;) {  // unrolled by three so that the tiles rotate through t0, t1, t2 without copies
     if (!walk<kAligned16>(a, tile, live_end, l, t0, t2)) break;
     tile += kWarps;
@@ -440,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 4) logits_kernel(const LogitsArgs a,
   }
   allow_next_kernel();
   // Tiles past the length (a block table wider than the request): no keys, no products, -inf.
-  write_unseen(a, b, 16 * max(live_end, static_cast<int>(blockIdx.x) * a.span), 16 * end);
+  write_unseen(a, rows, 16 * max(live_end, static_cast<int>(blockIdx.x) * a.span), 16 * end);
 }
 
 // ---- wgmma: sm_90a -----------------------------------------------------------------------------
@@ -512,9 +534,10 @@ struct QueryBatch {
   uint4 codes[kQueryBatch];
 };
 
-__device__ __forceinline__ void load_query_batch(const LogitsArgs& a, int b, int padded, int from, QueryBatch& batch) {
-  const uint4* q = reinterpret_cast<const uint4*>(a.q) + static_cast<std::int64_t>(b) * a.q_len * a.heads * (kDim / 16);
-  const int chunks = a.q_len * padded * (kDim / 16);
+__device__ __forceinline__ void load_query_batch(const LogitsArgs& a, const QueryRows& rows, int padded, int from,
+                                                 QueryBatch& batch) {
+  const uint4* q = reinterpret_cast<const uint4*>(a.q) + rows.first * a.heads * (kDim / 16);
+  const int chunks = rows.count * padded * (kDim / 16);
 #pragma unroll
   for (int e = 0; e < kQueryBatch; ++e) {
     const int j = from + e * kThreads + static_cast<int>(threadIdx.x);
@@ -536,9 +559,9 @@ __device__ __forceinline__ void look_at_query_batch(const LogitsArgs& a, int b, 
 }
 
 template <int kPass>
-__device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padded, int from, const QueryBatch& batch,
+__device__ __forceinline__ void store_query_batch(const QueryRows& rows, int padded, int from, const QueryBatch& batch,
                                                   std::uint8_t* q_s) {
-  const int chunks = a.q_len * padded * (kDim / 16);
+  const int chunks = rows.count * padded * (kDim / 16);
 #pragma unroll
   for (int e = 0; e < kQueryBatch; ++e) {
     const int j = from + e * kThreads + static_cast<int>(threadIdx.x);
@@ -575,8 +598,11 @@ __device__ __forceinline__ void store_query_batch(const LogitsArgs& a, int padde
 // (turn_s); -1 ends the CTA's walk. Every CTA of the request ends its claims with exactly one claim
 // past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
 // so that every call leaves the counters as it needs them.
-template <int kPass, bool kChecks>
-__global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsArgs a, const FaultSink fault) {
+// kGrouped: the requests are groups of an indexer prefill's new tokens (spans, launch.hpp).
+template <int kPass, bool kChecks, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 6)
+    logits_wgmma_kernel(const LogitsArgs a, const FaultSink fault, const int2* spans) {
+  static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the indexer (prefill_rows.hpp)");
   // [q_len, padded, 128] f16 queries from a 1024-byte boundary, [q_len, padded] weights, the ring,
   // its barriers, its stages' presence flags and turns.
   extern __shared__ __align__(16) std::uint8_t smem[];
@@ -591,6 +617,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const bool copier = threadIdx.x == 0;
   wait_for_previous_kernels();
+  const QueryRows rows = query_rows<kGrouped>(a, spans, b);
   const int len = request_length(a, b);
   const int turns = (a.max_len + kTurnTokens - 1) / kTurnTokens;
   const int first = blockIdx.x * a.span;
@@ -613,17 +640,17 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     for (int k = 0; k <= kStages; ++k) pages[k] = -1;  // used by the copier only
   }
   QueryBatch batch;
-  load_query_batch(a, b, padded, 0, batch);
+  load_query_batch(a, rows, padded, 0, batch);
   RequestCheck check{};
   if constexpr (kChecks) check = load_request_check(a, b);
   constexpr int kWeightsPerThread = kMaxDecodeQLen * kMaxIndexerHeads / kThreads;  // q_len x padded at most
   static_assert(kWeightsPerThread * kThreads == kMaxDecodeQLen * kMaxIndexerHeads);
-  const int weight_count = a.q_len * padded;
+  const int weight_count = rows.count * padded;
   float weight[kWeightsPerThread];
 #pragma unroll
   for (int e = 0; e < kWeightsPerThread; ++e) {
     const int j = e * kThreads + static_cast<int>(threadIdx.x), i = j / padded, h = j - i * padded;
-    weight[e] = j < weight_count && h < a.heads ? a.weights[(static_cast<std::int64_t>(b) * a.q_len + i) * a.heads + h] : 0.0f;
+    weight[e] = j < weight_count && h < a.heads ? a.weights[(rows.first + i) * a.heads + h] : 0.0f;
   }
   // The copier's walk: its static turns, then (claims) turns claimed past every static span, then -1
   // for good. The host gives claims only to spans of at least kStages + 3 turns, so that the turns
@@ -681,14 +708,14 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     claim_next = next_turn();
   }
   clear_scratch(a);
-  const int chunks = a.q_len * padded * (kDim / 16);
+  const int chunks = rows.count * padded * (kDim / 16);
   BadValue bad;
   look_at_query_batch<kChecks>(a, b, padded, 0, batch, bad);
-  store_query_batch<kPass>(a, padded, 0, batch, q_s);
+  store_query_batch<kPass>(rows, padded, 0, batch, q_s);
   for (int from = kQueryBatch * kThreads; from < chunks; from += kQueryBatch * kThreads) {  // more than 64 row-heads
-    load_query_batch(a, b, padded, from, batch);
+    load_query_batch(a, rows, padded, from, batch);
     look_at_query_batch<kChecks>(a, b, padded, from, batch, bad);
-    store_query_batch<kPass>(a, padded, from, batch, q_s);
+    store_query_batch<kPass>(rows, padded, from, batch, q_s);
   }
 #pragma unroll
   for (int e = 0; e < kWeightsPerThread; ++e) {
@@ -703,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, weights, barriers and first stages' turns and presence flags published
 
-  const Lane l{b, len, g, tig, padded, nullptr, 0, w_s, wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes)};
+  const Lane l{b, len, rows, g, tig, padded, nullptr, 0, w_s, wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes)};
   int stage = 0;
   std::uint32_t phase = 0;  // of the stage's current use
   for (int k = 0; first < live_end; ++k) {
@@ -733,9 +760,9 @@ __global__ void __launch_bounds__(kThreads, 6) logits_wgmma_kernel(const LogitsA
     }
   }
   allow_next_kernel();
-  write_unseen(a, b, kTurnTokens * max(live_end, first), kTurnTokens * end);
+  write_unseen(a, rows, kTurnTokens * max(live_end, first), kTurnTokens * end);
   // The claimable turns past the length: every CTA of the request writes its share.
-  write_unseen(a, b, kTurnTokens * max(live, a.claim_from), kTurnTokens * turns, blockIdx.x, gridDim.x);
+  write_unseen(a, rows, kTurnTokens * max(live, a.claim_from), kTurnTokens * turns, blockIdx.x, gridDim.x);
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
@@ -796,10 +823,11 @@ static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's pro
 // `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a launch that
 // claims zeroes them first with a memset (a kernel that claims leaves them zero, one that does not
 // leaves them alone).
-template <int kPass, bool kChecks>
+// `spans`: a grouped prefill's requests (kGrouped).
+template <int kPass, bool kChecks, bool kGrouped = false>
 void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
-                  cudaStream_t stream) {
-  const auto kernel = logits_wgmma_kernel<kPass, kChecks>;
+                  cudaStream_t stream, const int2* spans = nullptr) {
+  const auto kernel = logits_wgmma_kernel<kPass, kChecks, kGrouped>;
   // Alignment slack, the ring, its barriers, presence flags and turns.
   constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
@@ -821,7 +849,7 @@ void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* cla
     }
   }
   launch_chained("indexer_logits", kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(batch)), kThreads, smem,
-                 stream, false, a, fault);
+                 stream, false, a, fault, spans);
 }
 
 // The wgmma kernel where it applies (indexer_uses_wgmma), else the mma.sync one; `claimed` (a counter
@@ -865,7 +893,8 @@ Plan plan_indexer_logits(const IndexerLogitsParams& p) {
   return plan;
 }
 
-void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
+namespace {
+LogitsArgs logits_args(const IndexerLogitsParams& p) {
   LogitsArgs a{};
   a.q = p.q.as<const std::uint8_t>();
   a.weights = p.weights.as<const float>();
@@ -883,6 +912,32 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
   a.max_len = static_cast<int>(p.logits.size(2));
   a.clear = static_cast<uint4*>(p.clear);
   a.clear_pieces = static_cast<std::int64_t>(p.clear_bytes / sizeof(uint4));  // validated: a multiple of 16
+  return a;
+}
+}  // namespace
+
+void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGroups& g, cudaStream_t stream) {
+  LogitsArgs a = logits_args(p);
+  a.q_len = g.tokens;
+  if (!indexer_uses_wgmma(a.page_size) || g.tokens < 1 || g.tokens > kMaxDecodeQLen) {
+    throw Error("indexer_prefill", "groups", std::to_string(g.tokens) + " new tokens a group",
+                "1 to " + std::to_string(kMaxDecodeQLen) + ", on the wgmma kernel (indexer/prefill.cpp)");
+  }
+  if (g.groups == 0 || a.max_len == 0) {  // no kernel: the clear on its own
+    if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_prefill", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
+    return;
+  }
+  check_aligned("indexer_prefill", "q", a.q, 16);
+  check_aligned("indexer_prefill", "cache", a.cache, 16);
+  switch (wgmma_pass_heads(a.heads)) {
+    case 8: return launch_wgmma<8, false, true>(a, FaultSink{}, g.groups, nullptr, false, stream, g.spans);
+    case 16: return launch_wgmma<16, false, true>(a, FaultSink{}, g.groups, nullptr, false, stream, g.spans);
+    default: return launch_wgmma<32, false, true>(a, FaultSink{}, g.groups, nullptr, false, stream, g.spans);
+  }
+}
+
+void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
+  LogitsArgs a = logits_args(p);
   const int batch = static_cast<int>(p.q.size(0));
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerLogits, "indexer_logits");
   if (batch == 0 || a.max_len == 0) {  // no kernel: the clear on its own, and the checks a kernel would make

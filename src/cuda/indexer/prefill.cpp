@@ -8,9 +8,15 @@
 //   row tables  C x max_pages i32, and C lengths
 //   top-k       the selection's per-row scratch for C rows (plan_topk); the chunk's indexer launch
 //               clears its row state, so the top-k need not
+//   groups      on sm_90a (the wgmma indexer), the chunk's new tokens in groups of up to 4
+//               (group_tokens), each group one indexer "request" that reads its keys once for all
+//               its tokens, causal among them (launch_prefill_groups): per group slot a length, a
+//               block-table row and a span; the top-k still takes each new token as a row
 // The default C keeps all of it within 256 MiB (about 190 KB per new token for a 32K + 4K-token
 // table, capacity 36,864: 1,407 new tokens per chunk), and at most 65,535. Prompts of any length run in
 // ceil(T / C) chunks on the one stream; nothing waits for the host.
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -30,18 +36,26 @@ using detail::align_up;
 using detail::kWorkspaceAlign;
 
 constexpr const char* kOp = "indexer_prefill";
+constexpr int kWgmmaPageTokens = 64;  // the wgmma indexer takes pages of a multiple of this many tokens
 constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{256} << 20;
+
+// New tokens per group on the wgmma indexer: the most query rows a request of it stages (decode's
+// q_len bound). H200, glm5 Hi 32, 4K new tokens over 32K (docs/benchmarks.md, fourteenth session):
+// groups of 1 / 2 / 4 took 5473.8 / 5361.2 / 4704.7 us.
+constexpr int kGroupTokens = kMaxDecodeQLen;
 
 std::int64_t capacity_of(const IndexerPrefillParams& p) {
   return p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
 }
 
-// Workspace bytes per new token of a chunk: its logits, block-table row and length, top-k scratch.
+// Workspace bytes per new token of a chunk: its logits, block-table row and length, top-k scratch
+// (and its share of a group's row, length and span).
 std::size_t bytes_per_token(const IndexerPrefillParams& p) {
   TopkParams one;
   one.logits = TensorView::contiguous(nullptr, DType::kF32, {1, 1, capacity_of(p)}, p.q.device);
+  const std::size_t group = static_cast<std::size_t>(p.block_table.size(1) + 3) * sizeof(float) / kGroupTokens;
   return static_cast<std::size_t>(capacity_of(p) + p.block_table.size(1) + 1) * sizeof(float) +
-         plan_topk(one).workspace_bytes;
+         plan_topk(one).workspace_bytes + group;
 }
 
 // The new tokens per chunk: the caller's, else as many as keep the workspace within the default
@@ -52,11 +66,22 @@ std::int64_t chunk_of(const IndexerPrefillParams& p) {
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(kDefaultWorkspaceBytes / bytes_per_token(p)), 1, most);
 }
 
+// New tokens per group: kGroupTokens on the wgmma indexer where a full chunk's groups are at least
+// half full on average and fit one launch's grid; else 1 (per token).
+int group_tokens(const IndexerPrefillParams& p) {
+  if (!indexer_uses_wgmma(p.cache.page_size)) return 1;
+  const std::int64_t rows = std::min<std::int64_t>(p.q.size(0), chunk_of(p));
+  const std::int64_t slots = group_slots(rows, kGroupTokens, p.seq_lens.size(0));
+  return 2 * rows >= slots * kGroupTokens && slots <= kMaxIndexerBatch ? kGroupTokens : 1;
+}
+
 // One chunk's ops with views at `scratch` (null while planning), for new tokens [first, first + rows).
 struct Chunk {
   IndexerLogitsParams logits;
   TopkParams topk;
-  std::size_t table = 0, lens = 0, topk_scratch = 0, end = 0;  // offsets in the workspace
+  IndexerGroups groups;          // tokens 1: per token
+  IndexerLogitsParams grouped;   // the logits params of the groups (block table and lengths the groups')
+  std::size_t table = 0, lens = 0, group_lens = 0, group_table = 0, spans = 0, topk_scratch = 0, end = 0;  // offsets in the workspace
 };
 
 Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_t rows, std::uint8_t* scratch) {
@@ -65,9 +90,14 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
   const auto at = [scratch](std::size_t offset) { return scratch ? scratch + offset : nullptr; };
   const std::int64_t chunk = chunk_of(p);
   Chunk c;
+  const int group = group_tokens(p);
+  const std::int64_t slots = group > 1 ? group_slots(chunk, group, p.seq_lens.size(0)) : 0;
   c.table = align_up(static_cast<std::size_t>(chunk * capacity) * sizeof(float));
   c.lens = align_up(c.table + static_cast<std::size_t>(chunk * max_pages) * sizeof(std::int32_t));
-  c.topk_scratch = align_up(c.lens + static_cast<std::size_t>(chunk) * sizeof(std::int32_t));
+  c.group_lens = align_up(c.lens + static_cast<std::size_t>(chunk) * sizeof(std::int32_t));
+  c.group_table = align_up(c.group_lens + static_cast<std::size_t>(slots) * sizeof(std::int32_t));
+  c.spans = align_up(c.group_table + static_cast<std::size_t>(slots * max_pages) * sizeof(std::int32_t));
+  c.topk_scratch = align_up(c.spans + static_cast<std::size_t>(slots) * 2 * sizeof(std::int32_t));
 
   IndexerLogitsParams& l = c.logits;
   l.q = TensorView::contiguous(static_cast<std::uint8_t*>(p.q.data) + first * hi * kIndexerDim, DType::kFP8E4M3,
@@ -77,6 +107,15 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
   l.block_table = TensorView::contiguous(at(c.table), DType::kI32, {rows, max_pages}, device);
   l.seq_lens = TensorView::contiguous(at(c.lens), DType::kI32, {rows}, device);
   l.logits = TensorView::contiguous(at(0), DType::kF32, {rows, 1, capacity}, device);
+  c.groups.tokens = group;
+  if (group > 1) {
+    const std::int64_t n = group_slots(rows, group, p.seq_lens.size(0));
+    c.groups.groups = static_cast<int>(n);
+    c.groups.spans = reinterpret_cast<const int2*>(at(c.spans));
+    c.grouped = l;
+    c.grouped.block_table = TensorView::contiguous(at(c.group_table), DType::kI32, {n, max_pages}, device);
+    c.grouped.seq_lens = TensorView::contiguous(at(c.group_lens), DType::kI32, {n}, device);
+  }
 
   TopkParams& k = c.topk;
   k.logits = l.logits;
@@ -95,11 +134,28 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
     l.clear = k.workspace;
     l.clear_bytes = plan_topk(k).cleared_bytes;
     k.workspace_cleared = true;
+    c.grouped.clear = l.clear;
+    c.grouped.clear_bytes = l.clear_bytes;
   }
   return c;
 }
 
 }  // namespace
+
+std::string indexer_prefill_kernel_name(int page_size) {
+  const std::string topk = " + topk<radix select, 12+10+10 bits>";
+  const std::string per_token = "per-token " + indexer_logits_kernel_name(page_size);
+  const std::string groups = "groups of " + std::to_string(kGroupTokens) + " new tokens on ";
+  if (page_size > 0 && indexer_uses_wgmma(page_size)) {
+    return "indexer_prefill = " + groups + indexer_logits_kernel_name(page_size) + topk +
+           " (per token when the groups would be less than half full)";
+  }
+  if (page_size == 0 && indexer_uses_wgmma(kWgmmaPageTokens)) {  // pages not known yet
+    return "indexer_prefill = " + groups + indexer_logits_kernel_name(kWgmmaPageTokens) + " for pages of a multiple of " +
+           std::to_string(kWgmmaPageTokens) + " tokens, else " + per_token + topk;
+  }
+  return "indexer_prefill = " + per_token + topk;
+}
 
 Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
   Plan plan;
@@ -138,7 +194,15 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
     const Chunk c = chunk_views(p, first, rows, scratch);
     launch_prefill_rows(requests, first, rows, c.logits.seq_lens.as<std::int32_t>(),
                         c.logits.block_table.as<std::int32_t>(), stream, kOp);
-    launch_indexer_logits(c.logits, stream);
+    if (c.groups.tokens > 1) {
+      PrefillRows unchecked = requests;  // launch_prefill_rows checks the requests
+      unchecked.fault.record = nullptr;
+      launch_prefill_groups(unchecked, first, rows, c.groups.tokens, c.grouped.seq_lens.as<std::int32_t>(),
+                            c.grouped.block_table.as<std::int32_t>(), const_cast<int2*>(c.groups.spans), stream, kOp);
+      launch_indexer_logits_groups(c.grouped, c.groups, stream);
+    } else {
+      launch_indexer_logits(c.logits, stream);
+    }
     launch_topk(c.topk, stream);
   }
 }

@@ -13,6 +13,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
+#include "cuda/common/prefill_rows.hpp"
 #include "cuda/mla/decode_common.cuh"
 #include "cuda/mla/decode_config.hpp"
 #include "cuda/mla/launch.hpp"
@@ -594,7 +595,7 @@ int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   if (h > kWgmmaRows / 2 || t == 0 || batch == 0) return 1;
   const int tokens = static_cast<int>(kWgmmaRows / h);
   if (kernel_for(p.cache.dtype == KvDtype::kFp8E4M3, static_cast<int>(tokens * h)) != DecodeKernel::kWgmma) return 1;
-  const std::int64_t slots = t / tokens + batch;
+  const std::int64_t slots = group_slots(t, tokens, batch);
   return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups at least half full on average
 }
 

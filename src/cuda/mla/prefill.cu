@@ -77,7 +77,7 @@ struct Grouped {
 };
 
 Grouped grouped(const MlaPrefillParams& p, int tokens, std::uint8_t* scratch) {
-  const std::int64_t slots = p.q.size(0) / tokens + p.seq_lens.size(0), max_pages = p.block_table.size(1);
+  const std::int64_t slots = group_slots(p.q.size(0), tokens, p.seq_lens.size(0)), max_pages = p.block_table.size(1);
   const Device device = p.q.device;
   const std::size_t lens = align_up(static_cast<std::size_t>(slots) * sizeof(std::int32_t));
   const std::size_t table = align_up(static_cast<std::size_t>(slots * max_pages) * sizeof(std::int32_t));
@@ -107,15 +107,15 @@ void check_table_workspace(const MlaPrefillParams& p, std::size_t table_bytes, c
 
 void launch_grouped(const MlaPrefillParams& p, const PrefillRows& rows, int tokens, const FaultSink& fault,
                     cudaStream_t stream) {
-  const std::int64_t slots = p.q.size(0) / tokens + p.seq_lens.size(0);
+  const std::int64_t slots = group_slots(p.q.size(0), tokens, p.seq_lens.size(0));
   const std::size_t table_bytes = grouped(p, tokens, nullptr).table_bytes;
   check_table_workspace(p, table_bytes, "groups' block tables");
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   const Grouped r = grouped(p, tokens, scratch);
   launch_value_check(value_check_of(p.q, DeviceFaultCode::kQuery, fault), stream, "mla_prefill");
   auto* spans = const_cast<int2*>(r.groups.spans);
-  launch_prefill_groups(rows, tokens, slots, r.decode.seq_lens.as<std::int32_t>(), r.decode.block_table.as<std::int32_t>(),
-                        spans, stream, "mla_prefill");
+  launch_prefill_groups(rows, 0, p.q.size(0), tokens, r.decode.seq_lens.as<std::int32_t>(),
+                        r.decode.block_table.as<std::int32_t>(), spans, stream, "mla_prefill");
   for (std::int64_t first = 0; first < slots; first += kMaxDecodeBatch) {
     const std::int64_t n = std::min<std::int64_t>(kMaxDecodeBatch, slots - first);
     MlaDecodeParams d = r.decode;
