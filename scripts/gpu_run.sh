@@ -137,6 +137,8 @@ for step in "${steps[@]}"; do
       run_bench indexer_prefill_hi32_4k_over_32k --op indexer_prefill --model glm5 --batch 1 --context 36864 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda --iters 5 --warmup 1
       run_bench dsa_prefill_glm5_4k_over_32k --op dsa_prefill --model glm5 --tp 8 --batch 1 --context 36864 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda,gather_cast --iters 5 --warmup 1
       run_bench prefill_h64_4k_over_32k --op mla_prefill --model deepseek-v3.2 --tp 2 --batch 1 --context 36864 --new-tokens 4096 --pool 100000 --backends cuda --iters 3 --warmup 1
+      run_bench prefill_h8_4k_over_32k --op mla_prefill --model glm5 --tp 8 --batch 1 --context 36864 --new-tokens 4096 --pool 100000 --backends cuda --iters 3 --warmup 1
+      run_bench prefill_h8_2k_prompt --op mla_prefill --model glm5 --tp 8 --batch 1 --context 2048 --new-tokens 2048 --pool 100000 --backends cuda --iters 5 --warmup 1
       if [ "$step" = bench-full ]; then
         run_bench glm5_b1_32k_q2 --model glm5 --tp 8 --batch 1 --context 32768 --q-len 2 --pool 495000
         run_bench bf16_h8_b1_32k --model glm5 --tp 8 --batch 1 --context 32768 --kv-dtype bf16 --pool 300000 --backends cuda
