@@ -224,32 +224,38 @@ TEST(GpuIndexerLogitsFaults, NonFiniteQueriesAndWeightsAreTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Bad {
     const char* what;
-    std::function<void(HostTensor&, HostTensor&)> spoil;  // q [B, 2, 32, 128] fp8 and weights [B, 2, 32]
+    // q [B, 2, h, 128] fp8 and weights [B, 2, h]: the last head of request 1's row 1, head 5 % h of
+    // request 1's row 0, element 7
+    std::function<void(HostTensor&, HostTensor&, int h)> spoil;
   };
   const std::vector<Bad> bad = {
-      {"a query code 0x7f", [](HostTensor& q, HostTensor&) { q.raw()[((1 * 2 + 1) * 32 + 31) * 128 + 127] = 0x7F; }},
-      {"a query code 0xff", [](HostTensor& q, HostTensor&) { q.raw()[(2 * 32 + 5) * 128 + 64] = 0xFF; }},
-      {"a NaN weight", [](HostTensor&, HostTensor& w) { w.set((1 * 2 + 1) * 32 + 31, std::nan("")); }},
-      {"an infinite weight", [](HostTensor&, HostTensor& w) { w.set(7, -std::numeric_limits<double>::infinity()); }},
+      {"a query code 0x7f", [](HostTensor& q, HostTensor&, int h) { q.raw()[((1 * 2 + 1) * h + h - 1) * 128 + 127] = 0x7F; }},
+      {"a query code 0xff", [](HostTensor& q, HostTensor&, int h) { q.raw()[(2 * h + 5 % h) * 128 + 64] = 0xFF; }},
+      {"a NaN weight", [](HostTensor&, HostTensor& w, int h) { w.set((1 * 2 + 1) * h + h - 1, std::nan("")); }},
+      {"an infinite weight", [](HostTensor&, HostTensor& w, int) { w.set(7, -std::numeric_limits<double>::infinity()); }},
   };
-  for (const int page_size : {64, 17, 0}) {  // 0: no columns
-    for (const Bad& b : bad) {
-      SCOPED_TRACE((page_size > 0 ? "page size " + std::to_string(page_size) : std::string("no columns")) + ": " + b.what);
-      Rng rng = test_rng();
-      PagedFixtureOptions opt;
-      opt.page_size = page_size > 0 ? page_size : 64;
-      opt.lengths = page_size > 0 ? std::vector<std::int64_t>{5 * opt.page_size + 3, 300, 7} : std::vector<std::int64_t>{0, 0, 0};
-      PagedFixture f = make_paged_fixture(opt, rng);
-      HostTensor q = random_fp8(rng, {f.batch(), 2, 32, 128});
-      HostTensor w = random_f32(rng, {f.batch(), 2, 32}, -1.0, 1.0);
-      b.spoil(q, w);
-      const std::int64_t max_len = page_size > 0 ? f.max_len() : 0;
-      const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
-      ASSERT_NE(expected, "") << "the reference takes the input";
-      std::vector<HostTensor> logits;
-      std::string fault;
-      ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
-      EXPECT_EQ(fault, expected);
+  // 3 heads: not a multiple of the 8 a pass pads to (the staging must not look at the padding).
+  for (const int heads : {32, 3}) {
+    for (const int page_size : {64, 17, 0}) {  // 0: no columns
+      for (const Bad& b : bad) {
+        SCOPED_TRACE((page_size > 0 ? "page size " + std::to_string(page_size) : std::string("no columns")) + ", " +
+                     std::to_string(heads) + " heads: " + b.what);
+        Rng rng = test_rng();
+        PagedFixtureOptions opt;
+        opt.page_size = page_size > 0 ? page_size : 64;
+        opt.lengths = page_size > 0 ? std::vector<std::int64_t>{5 * opt.page_size + 3, 300, 7} : std::vector<std::int64_t>{0, 0, 0};
+        PagedFixture f = make_paged_fixture(opt, rng);
+        HostTensor q = random_fp8(rng, {f.batch(), 2, heads, 128});
+        HostTensor w = random_f32(rng, {f.batch(), 2, heads}, -1.0, 1.0);
+        b.spoil(q, w, heads);
+        const std::int64_t max_len = page_size > 0 ? f.max_len() : 0;
+        const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
+        ASSERT_NE(expected, "") << "the reference takes the input";
+        std::vector<HostTensor> logits;
+        std::string fault;
+        ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
+        EXPECT_EQ(fault, expected);
+      }
     }
   }
 }

@@ -211,6 +211,42 @@ TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
   }
 }
 
+// The weights' and queries' own check with 3 heads (not a multiple of the 8 a pass pads to): a NaN
+// weight in the last element, past the tensor's whole 16 bytes (the check's one-at-a-time tail); a
+// NaN query code in the last head of the last token; a NaN weight in weights that start 4 bytes past
+// a 16-byte boundary (the check reads them one at a time). Good input with these shapes first.
+TEST(GpuIndexerPrefillFaults, FewHeadsAndUnalignedWeights) {
+  LKV_REQUIRE_GPU();
+  for (const std::string what : {"none", "last weight", "last head's query", "unaligned weights"}) {
+    SCOPED_TRACE(what);
+    Rng rng = test_rng();
+    Inputs in = make_inputs({{100, 0}, {5, 6}}, 64, 3, -1.0, rng);  // weights [11, 3]: 33 floats
+    if (what == "last weight") in.w.set(32, std::nan(""));
+    if (what == "last head's query") in.q.raw()[(10 * 3 + 2) * 128 + 127] = 0x7F;
+    if (what == "unaligned weights") in.w.set(17, -std::numeric_limits<double>::infinity());
+    const std::string expected = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 64); });
+    if (what == "none") {
+      ASSERT_EQ(expected, "") << "good input";
+    } else {
+      ASSERT_NE(expected, "") << "the reference takes the input";
+    }
+    DevicePrefill gpu(in.f, in.q, in.w, in.cu, 64);
+    DeviceBuffer shifted;
+    if (what == "unaligned weights") {  // the same weights one float into a buffer
+      std::vector<float> host(static_cast<std::size_t>(in.w.numel()) + 1, 0.0f);
+      std::copy(in.w.data<float>(), in.w.data<float>() + in.w.numel(), host.begin() + 1);
+      shifted = DeviceBuffer(host);
+      gpu.params.weights = TensorView::contiguous(shifted.get<float>() + 1, DType::kF32, {in.cu.back(), 3}, Device::cuda());
+    }
+    const HostTensor got = gpu.call();
+    EXPECT_EQ(gpu.fault(), expected);
+    if (what == "none") {
+      const std::vector<PrefillRow> rows = prefill_rows(in.f, in.cu);
+      EXPECT_TRUE(check_prefill_slots(in.f, rows, reference_prefill_logits(in.f, in.q, in.w, rows), got));
+    }
+  }
+}
+
 // A prefill of no new tokens checks its offsets too: the record throws the reference's own Error.
 TEST(GpuIndexerPrefillFaults, EmptyPrefillsCheckTheirOffsets) {
   LKV_REQUIRE_GPU();

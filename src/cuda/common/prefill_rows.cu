@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     prefill_groups_kernel(const PrefillRows in, std::int64_t first, std::int64_t rows, int group,
                           std::int32_t* group_lens, std::int32_t* group_table, int2* spans) {
-  __shared__ int request, tokens;
+  __shared__ int request;
   if (first == 0 && in.fault.record != nullptr) {  // the first launch checks every request
     for (int b = blockIdx.x; b < in.batch; b += gridDim.x) check_request(in, b);
   }
@@ -112,10 +112,9 @@ __global__ void __launch_bounds__(kThreads)
     spans[z] = make_int2(static_cast<int>(count > 0 ? row : 0), static_cast<int>(count));
     group_lens[z] = count > 0 ? static_cast<std::int32_t>(max(std::int64_t{0}, min(visible, length))) : 0;
     request = lo;
-    tokens = static_cast<int>(count);
   }
   __syncthreads();
-  if (tokens == 0) return;
+  // Every slot gets its table row, an empty group's too (the kernels may look its first pages up).
   const std::int32_t* from = in.block_table + static_cast<std::int64_t>(request) * in.max_pages;
   std::int32_t* to = group_table + z * in.max_pages;
   for (int p = threadIdx.x; p < in.max_pages; p += kThreads) to[p] = from[p];

@@ -60,9 +60,10 @@ void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t
 // the window; the indices between are empty groups), and group index i sits at slot slots - 1 - i,
 // so that a request's last, longest groups launch first. Slot z gets spans[z] = {its first new
 // token - first, tokens} (tokens 0: empty), group_lens[z] = what its last new token sees and
-// group_table[z] = its request's block-table row (only for a group with tokens). Bad device data
-// gives clamped, in-bounds values; the launch for first = 0 checks every request as
-// launch_prefill_rows does.
+// group_table[z] = its request's block-table row. Bad device data gives clamped, in-bounds values
+// (with offsets not ascending from 0 to T, groups may overlap or miss new tokens: their rows are
+// then written twice or not at all); the launch for first = 0 checks every request as
+// launch_prefill_rows does, so that a call with a fault record names the bad offset.
 inline std::int64_t group_slots(std::int64_t rows, int group, std::int64_t batch) { return rows / group + batch; }
 void launch_prefill_groups(const PrefillRows& in, std::int64_t first, std::int64_t rows, int group,
                            std::int32_t* group_lens, std::int32_t* group_table, int2* spans, cudaStream_t stream,

@@ -923,6 +923,10 @@ void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGro
     throw Error("indexer_prefill", "groups", std::to_string(g.tokens) + " new tokens a group",
                 "1 to " + std::to_string(kMaxDecodeQLen) + ", on the wgmma kernel (indexer/prefill.cpp)");
   }
+  if (g.groups > kMaxIndexerBatch) {  // one grid row per group
+    throw Error("indexer_prefill", "groups", std::to_string(g.groups),
+                "at most " + std::to_string(kMaxIndexerBatch) + " per launch (indexer/prefill.cpp)");
+  }
   if (g.groups == 0 || a.max_len == 0) {  // no kernel: the clear on its own
     if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_prefill", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
     return;

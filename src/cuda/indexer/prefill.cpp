@@ -12,8 +12,8 @@
 //               (group_tokens), each group one indexer "request" that reads its keys once for all
 //               its tokens, causal among them (launch_prefill_groups): per group slot a length, a
 //               block-table row and a span; the top-k still takes each new token as a row
-// The default C keeps all of it within 256 MiB (about 190 KB per new token for a 32K + 4K-token
-// table, capacity 36,864: 1,407 new tokens per chunk), and at most 65,535. Prompts of any length run in
+// The default C keeps all of it within about 256 MiB (about 190 KB per new token for a 32K + 4K-token
+// table, capacity 36,864: about 1,400 new tokens per chunk), and at most 65,535. Prompts of any length run in
 // ceil(T / C) chunks on the one stream; nothing waits for the host.
 #include <cuda_runtime_api.h>
 
@@ -49,11 +49,14 @@ std::int64_t capacity_of(const IndexerPrefillParams& p) {
 }
 
 // Workspace bytes per new token of a chunk: its logits, block-table row and length, top-k scratch
-// (and its share of a group's row, length and span).
+// (and, on the wgmma indexer, its share of a group's row, length and span; a chunk also holds one
+// group slot per request, not counted here).
 std::size_t bytes_per_token(const IndexerPrefillParams& p) {
   TopkParams one;
   one.logits = TensorView::contiguous(nullptr, DType::kF32, {1, 1, capacity_of(p)}, p.q.device);
-  const std::size_t group = static_cast<std::size_t>(p.block_table.size(1) + 3) * sizeof(float) / kGroupTokens;
+  const std::size_t group = indexer_uses_wgmma(p.cache.page_size)
+                                ? static_cast<std::size_t>(p.block_table.size(1) + 3) * sizeof(float) / kGroupTokens
+                                : 0;
   return static_cast<std::size_t>(capacity_of(p) + p.block_table.size(1) + 1) * sizeof(float) +
          plan_topk(one).workspace_bytes + group;
 }

@@ -35,13 +35,14 @@ struct SparseDecodeCaller {
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream,
                               const SparseDecodeCaller& caller = {});
 
-// Prefill / extend (prefill.cu): every new token a query row of its own on the decode kernels. Dense
-// prefill's workspace also holds each new token's block-table row and length.
-// Dense prefill on few heads (prefill.cu): its new tokens in groups of `tokens`, each group a decode
+// Prefill / extend (prefill.cu): the new tokens as query rows of the decode kernels, each a request
+// of its own (sparse; dense on many heads or without the wgmma kernel) or in groups (below). Dense
+// prefill's workspace also holds each new token's (or group's) block-table row and length.
+// Dense prefill on few heads: its new tokens in groups of up to `tokens`, each group a decode
 // "request" of tokens x H query rows, so that the wgmma kernel's 64 rows are filled (per-token decode
 // runs 8 or 16 rows a CTA). mla_prefill_group_tokens() says how many new tokens a group takes for
-// these shapes: 64 / H on sm_90a over an fp8 cache with H <= 32 when the groups would be at least
-// half full on average, else 1 (per token). For launch_mla_decode_groups, p.q [T, H, 576], p.o and
+// these shapes: floor(64 / H) on sm_90a over an fp8 cache with H <= 32 when the groups would hold
+// at least 32 query rows on average, else 1 (per token). For launch_mla_decode_groups, p.q [T, H, 576], p.o and
 // p.lse are the prefill's; p.block_table [groups, max_pages] and p.seq_lens [groups] are the
 // groups' (prefill_rows.hpp, launch_prefill_groups), and group b's rows are those of its new tokens
 // [spans[b].x, spans[b].x + spans[b].y).

@@ -8,9 +8,9 @@
 //     length, so no mask is needed.
 //     On few heads (H <= 32, sm_90a, fp8 cache) the new tokens go in groups instead, so that one CTA
 //     of the wgmma decode kernel takes 64 query rows (8 new tokens x 8 heads at glm5 tp 8) over
-//     tiles every row of the group shares: group tokens j0 .. j0 + G - 1 of request b are a decode
-//     "request" of q_len G whose length is what token j0 + G - 1 sees, causal among the G exactly as
-//     the decode's q_len new tokens (launch_prefill_groups builds the groups, DecodeGroups in
+//     tiles every row of the group shares: group tokens j0 .. j0 + c - 1 of request b (c <= G, fewer
+//     in a request's last group) are a decode "request" of q_len c whose length is what token
+//     j0 + c - 1 sees, causal among the c exactly as the decode's q_len new tokens (launch_prefill_groups builds the groups, DecodeGroups in
 //     launch.hpp says how the kernel finds their rows). Per token, each row would read every tile
 //     of its prefix by itself.
 //   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
