@@ -541,7 +541,7 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows);
   if (spans != nullptr && kernel != DecodeKernel::kWgmma) {
-    throw Error(op, "q", std::to_string(a.rows) + " rows a group", "a group the wgmma kernel takes (see prefill_groups)");
+    throw Error(op, "q", std::to_string(a.rows) + " rows a group", "a group the wgmma kernel takes (mla_prefill_group_tokens)");
   }
   bool merged = false;  // the splits merged by the kernel itself
   if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, stream);
@@ -596,7 +596,7 @@ int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   const int tokens = static_cast<int>(kWgmmaRows / h);
   if (kernel_for(p.cache.dtype == KvDtype::kFp8E4M3, static_cast<int>(tokens * h)) != DecodeKernel::kWgmma) return 1;
   const std::int64_t slots = group_slots(t, tokens, batch);
-  return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups at least half full on average
+  return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups of at least half the 64 rows on average
 }
 
 namespace mla {
