@@ -568,8 +568,11 @@ Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* 
                           p.cache.dtype == KvDtype::kFp8E4M3, multiprocessors, mla::kMinTokensPerSplit, p.num_splits, op);
 }
 
-void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
-  using namespace mla;
+namespace mla {
+namespace {
+// A dense decode's kernel arguments: `batch` requests of q_len new tokens and `heads` heads (the
+// shape of p.q for a decode; a grouped prefill's groups otherwise, launch_mla_decode_groups).
+DecodeArgs dense_args(const MlaDecodeParams& p, int batch, int q_len, int heads) {
   DecodeArgs a{};
   a.q = p.q.as<const std::uint16_t>();
   a.cache = p.cache.data;
@@ -580,11 +583,20 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   a.num_pages = p.cache.num_pages;
   a.page_size = p.cache.page_size;
   a.max_pages = static_cast<int>(p.block_table.size(1));
-  a.batch = static_cast<int>(p.q.size(0));
-  a.q_len = static_cast<int>(p.q.size(1));
-  a.heads = static_cast<int>(p.q.size(2));
+  a.batch = batch;
+  a.q_len = q_len;
+  a.heads = heads;
   a.rows = a.q_len * a.heads;
   a.scale_log2 = p.softmax_scale * kLog2e;
+  return a;
+}
+}  // namespace
+}  // namespace mla
+
+void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
+  using namespace mla;
+  const DecodeArgs a = dense_args(p, static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1)),
+                                  static_cast<int>(p.q.size(2)));
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaDecode, "mla_decode");
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
@@ -599,29 +611,6 @@ int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups of at least half the 64 rows on average
 }
 
-namespace mla {
-namespace {
-DecodeArgs groups_args(const MlaDecodeParams& p, const DecodeGroups& g) {
-  DecodeArgs a{};
-  a.q = p.q.as<const std::uint16_t>();
-  a.cache = p.cache.data;
-  a.block_table = p.block_table.as<const std::int32_t>();
-  a.seq_lens = p.seq_lens.as<const std::int32_t>();
-  a.o = p.o.as<std::uint16_t>();
-  a.lse = p.lse.as<float>();
-  a.num_pages = p.cache.num_pages;
-  a.page_size = p.cache.page_size;
-  a.max_pages = static_cast<int>(p.block_table.size(1));
-  a.batch = g.groups;
-  a.q_len = g.tokens;
-  a.heads = static_cast<int>(p.q.size(1));
-  a.rows = a.q_len * a.heads;
-  a.scale_log2 = p.softmax_scale * kLog2e;
-  return a;
-}
-}  // namespace
-}  // namespace mla
-
 Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int multiprocessors) {
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   return mla::plan_splits(g.groups, g.tokens * static_cast<int>(p.q.size(1)), capacity,
@@ -630,7 +619,7 @@ Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int
 }
 
 void launch_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, cudaStream_t stream) {
-  const mla::DecodeArgs a = mla::groups_args(p, g);
+  const mla::DecodeArgs a = mla::dense_args(p, g.groups, g.tokens, static_cast<int>(p.q.size(1)));
   mla::run_decode(a, FaultSink{}, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
                   "mla_prefill", stream, g.spans);
 }
