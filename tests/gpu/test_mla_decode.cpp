@@ -158,6 +158,8 @@ std::vector<DecodeCase> cases() {
     v.push_back({baseline, fp8, 8, 1, 64, mixed});
     v.push_back({baseline, fp8, 16, 2, 5, {2, 9, 301}});
   }
+  // No requests: nothing to read or write; no workspace needed, but the pool's for cast_full.
+  for (const char* backend : {"cuda", "gather_cast", "cast_full"}) v.push_back({backend, fp8, 8, 1, 64, {}});
   return v;
 }
 

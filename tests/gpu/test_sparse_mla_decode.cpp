@@ -194,6 +194,10 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 8, 1, 2048, 64, {5000, 2100}, "gather_cast"},
       {fp8, 16, 2, 200, 17, {2, 150, 700}, "cast_full"},
       {fp8, 128, 1, 256, 64, {500, 20}, "cast_full"},
+      // No requests: nothing to read or write, and no workspace needed but the pool's for cast_full.
+      {fp8, 8, 1, 64, 64, {}},
+      {fp8, 8, 1, 64, 64, {}, "gather_cast"},
+      {fp8, 8, 1, 64, 64, {}, "cast_full"},
   };
 }
 

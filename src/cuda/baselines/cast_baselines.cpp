@@ -77,13 +77,13 @@ class CastBaseline : public Backend {
   template <typename Params>
   Params with_copy(const Params& p, std::string_view op, cudaStream_t s) const {
     detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
-    const std::size_t copy = copy_bytes(p);
-    if (p.workspace == nullptr || p.workspace_bytes < copy) {
+    const std::size_t copy = copy_bytes(p);  // 0 for gather_cast over no requests or no index entries
+    if (copy > 0 && (p.workspace == nullptr || p.workspace_bytes < copy)) {
       throw Error(std::string(op), "workspace_bytes", std::to_string(p.workspace_bytes),
                   ">= " + std::to_string(copy) + " for the " + std::string(name()) + " bf16 copy (see plan())");
     }
     auto* scratch = static_cast<std::uint8_t*>(p.workspace);
-    Params inner = cast(p, scratch, s);
+    Params inner = cast(p, copy > 0 ? scratch : nullptr, s);  // nothing to cast: no launch
     inner.workspace = scratch + copy;
     inner.workspace_bytes = p.workspace_bytes - copy;
     inner.fault = nullptr;  // yardsticks: like the engines they stand for, they skip bad entries unnoted
