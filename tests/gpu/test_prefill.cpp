@@ -224,10 +224,15 @@ std::vector<DenseCase> dense_cases() {
   // On sm_90a, H <= 32 runs the new tokens in groups of 64 / H (prefill.cu) where the groups are
   // at least half full on average, and per token otherwise (the H 8 cases of page size 1 and of one
   // new token above): few groups over a long prefix (many splits, the combine's group rows), and
-  // head counts whose groups leave rows of the 64 unused.
+  // head counts whose groups leave rows of the 64 unused. On the mma.sync kernels (other GPUs, and
+  // LATENTKV_MLA_KERNEL=mma) H <= 8 runs in groups of 16 / H on the narrow kernel from 2048 new
+  // tokens on: the last two cases here (pairs at H 8 on pages of 64, groups of 5 at H 3 on pages of
+  // 17 with requests of one and of odd counts of new tokens).
   v.push_back({fp8, 32, 64, {{3000, 0}, {4, 33}}});
   v.push_back({fp8, 5, 17, {{0, 130, 7}, {25, 3, 40}}});
   v.push_back({fp8, 20, 1, {{9, 0}, {31, 18}}});
+  v.push_back({fp8, 8, 64, {{0, 30}, {1500, 561}}});
+  v.push_back({fp8, 3, 17, {{5, 200, 0}, {2041, 9, 1}}});
   v.push_back({bf16, 8, 64, ragged});
   v.push_back({bf16, 16, 17, around17});
   v.push_back({bf16, 64, 1, {{0, 20}, {9, 4}}});

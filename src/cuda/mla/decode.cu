@@ -514,7 +514,7 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 }
 
 // Checks the schedule and scratch, then runs the kernel these shapes take and the split combine.
-// `spans`: a grouped prefill's decode (decode_common.cuh), which the wgmma kernel serves.
+// `spans`: a grouped prefill's decode (decode_common.cuh), which the wgmma and narrow kernels serve.
 void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
                 std::size_t workspace_bytes, const char* op, cudaStream_t stream, const int2* spans = nullptr) {
   a.num_splits = num_splits;
@@ -540,11 +540,12 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
   }
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows);
-  if (spans != nullptr && kernel != DecodeKernel::kWgmma) {
-    throw Error(op, "q", std::to_string(a.rows) + " rows a group", "a group the wgmma kernel takes (mla_prefill_group_tokens)");
+  if (spans != nullptr && kernel != DecodeKernel::kWgmma && kernel != DecodeKernel::kNarrow) {
+    throw Error(op, "q", std::to_string(a.rows) + " rows a group",
+                "a group the wgmma or narrow kernel takes (mla_prefill_group_tokens)");
   }
   bool merged = false;  // the splits merged by the kernel itself
-  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, stream);
+  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, spans, stream);
   else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, fault, spans, stream);
   else if (fp8 && groups == 1) launch_instance<true, 1>(a, fault, stream);
   else if (fp8) launch_instance<true, 2>(a, fault, stream);
@@ -601,14 +602,45 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
+namespace mla {
+namespace {
+// The groups a dense prefill on `heads` heads could run in: as many new tokens as fill the rows of
+// a CTA of the kernel that takes them, the wgmma kernel's 64 (H <= 32) where it serves fp8, else
+// the narrow kernel's 16 (H <= 8, fp8); tokens 1 (per token) where neither does.
+struct GroupShape {
+  int tokens = 1;
+  DecodeKernel kernel = DecodeKernel::kWide;
+};
+// New tokens from which a prefill runs in groups on the narrow kernel: about four waves of its
+// per-token CTAs (H200: 132 SMs x 4 CTAs of 8 rows). H200, LATENTKV_MLA_KERNEL=mma, H 8, us per token
+// / in groups: 32 requests of 8 new tokens over 4K 194.6 / 224.0, 4 of 256 over 4K 695.2 / 725.3, a
+// 2K prompt 392.8 / 287.6, 8 requests of 512 over 4K 2547.6 / 1988.9.
+constexpr std::int64_t kNarrowGroupsFrom = 2048;
+GroupShape group_shape(KvDtype dtype, int heads) {
+  const bool fp8 = dtype == KvDtype::kFp8E4M3;
+  if (heads <= kWgmmaRows / 2 && kernel_for(fp8, kWgmmaRows / heads * heads) == DecodeKernel::kWgmma) {
+    return {kWgmmaRows / heads, DecodeKernel::kWgmma};
+  }
+  if (fp8 && heads <= kNarrowMaxRows / 2) return {kNarrowMaxRows / heads, DecodeKernel::kNarrow};
+  return {};
+}
+}  // namespace
+}  // namespace mla
+
 int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   using namespace mla;
   const std::int64_t t = p.q.size(0), h = p.q.size(1), batch = p.seq_lens.size(0);
-  if (h > kWgmmaRows / 2 || t == 0 || batch == 0) return 1;
-  const int tokens = static_cast<int>(kWgmmaRows / h);
-  if (kernel_for(p.cache.dtype == KvDtype::kFp8E4M3, static_cast<int>(tokens * h)) != DecodeKernel::kWgmma) return 1;
-  const std::int64_t slots = group_slots(t, tokens, batch);
-  return t * h >= slots * (kWgmmaRows / 2) ? tokens : 1;  // groups of at least half the 64 rows on average
+  if (t == 0 || batch == 0 || h > kWgmmaRows) return 1;
+  const GroupShape shape = group_shape(p.cache.dtype, static_cast<int>(h));
+  if (shape.tokens == 1) return 1;
+  const std::int64_t slots = group_slots(t, shape.tokens, batch);
+  // The wgmma kernel: groups of at least half its 64 rows on average. The narrow kernel: groups of
+  // at least 1.5 new tokens on average, since its 16-row instance, which every group runs, costs
+  // about 1.4 times its 8-row one (H200: H 16 against H 8 decode, B 64 x 8K), and prefills of at
+  // least kNarrowGroupsFrom new tokens: fewer run in a few waves of per-token CTAs, which the groups'
+  // fewer but longer CTAs do not shorten.
+  if (shape.kernel == DecodeKernel::kWgmma) return t * h >= slots * (kWgmmaRows / 2) ? shape.tokens : 1;
+  return t >= kNarrowGroupsFrom && 2 * t >= 3 * slots ? shape.tokens : 1;
 }
 
 Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int multiprocessors) {
@@ -655,13 +687,14 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
 
 std::string mla_prefill_kernel_name(KvDtype dtype, int heads) {
   const std::string per_token = "per-token " + mla_decode_kernel_name(dtype, heads);
-  if (heads > mla::kWgmmaRows / 2) return "mla_prefill = " + per_token;
-  const int tokens = mla::kWgmmaRows / heads;
-  if (mla::kernel_for(dtype == KvDtype::kFp8E4M3, tokens * heads) != mla::DecodeKernel::kWgmma) {
-    return "mla_prefill = " + per_token;
-  }
-  return "mla_prefill = groups of " + std::to_string(tokens) + " new tokens on " + mla_decode_kernel_name(dtype, tokens * heads) +
-         " (" + per_token + " when the groups would be less than half full)";
+  const mla::GroupShape shape = heads <= mla::kWgmmaRows ? mla::group_shape(dtype, heads) : mla::GroupShape{};
+  if (shape.tokens == 1) return "mla_prefill = " + per_token;
+  const std::string when = shape.kernel == mla::DecodeKernel::kWgmma
+                               ? "when the groups would be less than half full on average"
+                               : "below " + std::to_string(mla::kNarrowGroupsFrom) +
+                                     " new tokens or groups of fewer than 1.5 on average";
+  return "mla_prefill = groups of " + std::to_string(shape.tokens) + " new tokens on " +
+         mla_decode_kernel_name(dtype, shape.tokens * heads) + " (" + per_token + " " + when + ")";
 }
 
 std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {

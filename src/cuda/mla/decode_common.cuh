@@ -222,8 +222,10 @@ __device__ __forceinline__ void note_nonfinite_q(const DecodeArgs& a, const Faul
 // Few query rows over an fp8 cache (rows <= kNarrowMaxRows): the transposed kernel of
 // decode_narrow.cu. Writes o/lse or, with splits, the partials, which it merges itself when its grid
 // is resident at once (returns true), else decode.cu's combine merges them (returns false).
+// `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record, never merged
+// in the kernel.
 inline constexpr int kNarrowMaxRows = 16;
-bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream);
+bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream);
 // CTAs of the narrow kernel for `rows` and `batch` (which picks the pipeline depth) that one SM
 // holds at once (the occupancy API's answer).
 int narrow_blocks_per_sm(int rows, int batch);

@@ -21,6 +21,8 @@
 // launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
 // outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
 // be zeroed. Otherwise decode.cu's combine kernel merges them.
+// A dense prefill on few heads runs here in groups of new tokens (up to 16 rows: DecodeGroups in
+// launch.hpp) where the wgmma kernel does not serve it (sm_89, sm_100, sm_120).
 // K's dims are read in a permuted order (16 contiguous codes per thread cover four k-steps); Q is
 // laid out to match, so the sum is unchanged. V^T pairs two tokens per register with byte permutes,
 // and the output dims are permuted the same way and put back in place when written.
@@ -36,6 +38,7 @@
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
 #include "cuda/mla/decode_common.cuh"
+#include "latentkv/error.hpp"
 
 namespace latentkv::cuda::mla {
 namespace {
@@ -172,8 +175,13 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
 
 // Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
 // file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages.
-template <int kNt, int kStages, bool kChecks>
-__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_kernel(const DecodeArgs a, const FaultSink fault) {
+// kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
+// request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
+// on; its splits are merged by decode.cu's combine (which knows the groups' rows).
+template <int kNt, int kStages, bool kChecks, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
+    narrow_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
+  static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
   using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -189,6 +197,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
   const int b = blockIdx.y, split = blockIdx.x;
 
   wait_for_previous_kernels();
+  const RequestRows rows = request_rows<kGrouped>(a, spans, b);
   const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // ---- the first tiles go out before the queries are staged, so that the two overlap: the
@@ -200,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = warp + 4 * i;
     q_latent[i][0] = q_latent[i][1] = q_rope[i] = make_uint4(0, 0, 0, 0);
-    if (row < a.rows) {
-      const uint4* src = reinterpret_cast<const uint4*>(a.q + (static_cast<std::int64_t>(b) * a.rows + row) * 576);
+    if (row < rows.count) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.q + (rows.origin + row) * 576);
       q_latent[i][0] = src[2 * lane];
       q_latent[i][1] = src[2 * lane + 1];
       if (lane < 8) q_rope[i] = src[64 + lane];
@@ -278,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int row = n * 8 + 2 * c + e;
-      visible[n][e] = visible_tokens(a, len, row);
+      visible[n][e] = visible_tokens(a, rows, len, row);
     }
   // Running softmax state of rows n * 8 + r (log2 domain), the same in every warp, and the running
   // unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1.
@@ -505,74 +514,78 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages) narrow_k
         out_s[row * kOutStride + dim] = acc_o[m][n][e] * inv;
         out_s[row * kOutStride + dim + 32] = acc_o[m][n][e + 2] * inv;
       }
-      if (warp == 0 && r == 0 && row < a.rows) {
-        const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
+      if (warp == 0 && r == 0 && row < rows.count) {
         const float lse = row_lse(mx, l);
-        if (a.num_splits == 1) a.lse[out_row] = lse;
-        else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + out_row] = lse;
+        if (a.num_splits == 1) a.lse[rows.origin + row] = lse;
+        else a.lse_part[(static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row] = lse;
       }
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < a.rows * (512 / 4); idx += kThreads) {
+  for (int idx = tid; idx < rows.count * (512 / 4); idx += kThreads) {
     const int row = idx / (512 / 4), piece = idx % (512 / 4);
     const float4 v = *reinterpret_cast<const float4*>(out_s + row * kOutStride + 4 * piece);
-    const std::int64_t out_row = static_cast<std::int64_t>(b) * a.rows + row;
     if (a.num_splits == 1) {
-      reinterpret_cast<uint2*>(a.o + out_row * 512)[piece] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+      reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
-      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + out_row;
+      const std::int64_t part_row = (static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row;
       reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
     }
   }
-  if (a.merge_splits) {
+  if (!kGrouped && a.merge_splits) {
     cooperative_groups::this_grid().sync();  // every split's partials and lse are written
     merge_splits(a, b, split, stages);       // the stages are free: the rows went out before the barrier
   }
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
-template <int kNt, int kStages, bool kChecks = false>
+template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks>, kSmem, "mla_decode");
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped>, kSmem, "mla_decode");
 }
 
 template <int kNt, int kStages, bool kChecks = false>
 int blocks_per_sm() {
-  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks>, kThreads, configure<kNt, kStages, kChecks>(),
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false>, kThreads, configure<kNt, kStages, kChecks>(),
                               "mla_decode");
 }
 
 // The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
 // takes cooperative launches, the whole grid is resident at once and the merge's staging fits in the
-// tile stages.
-template <int kNt, int kStages, bool kChecks>
-bool launch_instance(DecodeArgs a, const FaultSink& fault, cudaStream_t stream) {
-  const int smem_bytes = configure<kNt, kStages, kChecks>();
+// tile stages. A grouped prefill's splits always go to the combine.
+template <int kNt, int kStages, bool kChecks, bool kGrouped>
+bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+  const int smem_bytes = configure<kNt, kStages, kChecks, kGrouped>();
   const DeviceLimits& device = current_device_limits("mla_decode");
   const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
-  a.merge_splits = a.num_splits > 1 && device.cooperative &&
+  a.merge_splits = !kGrouped && a.num_splits > 1 && device.cooperative &&
                    ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages, kChecks>()) * device.multiprocessors &&
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", narrow_kernel<kNt, kStages, kChecks>, grid, kThreads, smem_bytes, stream, a.merge_splits,
-                 a, fault);
+  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped>, grid, kThreads,
+                 smem_bytes, stream, a.merge_splits, a, fault, spans);
   return a.merge_splits;
 }
 template <int kNt, int kStages>
-bool launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  return fault.record != nullptr ? launch_instance<kNt, kStages, true>(a, fault, stream)
-                                 : launch_instance<kNt, kStages, false>(a, fault, stream);
+bool launch_instance(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+  if (spans != nullptr) {
+    if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
+    return launch_instance<kNt, kStages, false, true>(a, fault, spans, stream);
+  }
+  return fault.record != nullptr ? launch_instance<kNt, kStages, true, false>(a, fault, spans, stream)
+                                 : launch_instance<kNt, kStages, false, false>(a, fault, spans, stream);
 }
 
 }  // namespace
 
-bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   const bool shallow = a.batch >= kShallowFromBatch;
-  if (a.rows <= 8) return shallow ? launch_instance<1, 2>(a, fault, stream) : launch_instance<1, 3>(a, fault, stream);
-  return shallow ? launch_instance<2, 2>(a, fault, stream) : launch_instance<2, 3>(a, fault, stream);
+  if (a.rows <= 8) {
+    return shallow ? launch_instance<1, 2>(a, fault, spans, stream) : launch_instance<1, 3>(a, fault, spans, stream);
+  }
+  return shallow ? launch_instance<2, 2>(a, fault, spans, stream) : launch_instance<2, 3>(a, fault, spans, stream);
 }
 int narrow_blocks_per_sm(int rows, int batch) {
   const bool shallow = batch >= kShallowFromBatch;

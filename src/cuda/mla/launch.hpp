@@ -39,10 +39,12 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
 // of its own (sparse; dense on many heads or without the wgmma kernel) or in groups (below). Dense
 // prefill's workspace also holds each new token's (or group's) block-table row and length.
 // Dense prefill on few heads: its new tokens in groups of up to `tokens`, each group a decode
-// "request" of tokens x H query rows, so that the wgmma kernel's 64 rows are filled (per-token decode
-// runs 8 or 16 rows a CTA). mla_prefill_group_tokens() says how many new tokens a group takes for
-// these shapes: floor(64 / H) on sm_90a over an fp8 cache with H <= 32 when the groups would hold
-// at least 32 query rows on average, else 1 (per token). For launch_mla_decode_groups, p.q [T, H, 576], p.o and
+// "request" of tokens x H query rows, so that a CTA's rows are filled (per-token decode runs H rows
+// a CTA). mla_prefill_group_tokens() says how many new tokens a group takes for these shapes:
+// floor(64 / H) on sm_90a over an fp8 cache with H <= 32 (the wgmma kernel's 64 rows) when the
+// groups would hold at least 32 query rows on average; elsewhere over fp8, floor(16 / H) with H <= 8
+// (the narrow kernel's 16 rows) for at least 2048 new tokens when the groups would hold at least 1.5
+// of them on average; else 1 (per token). For launch_mla_decode_groups, p.q [T, H, 576], p.o and
 // p.lse are the prefill's; p.block_table [groups, max_pages] and p.seq_lens [groups] are the
 // groups' (prefill_rows.hpp, launch_prefill_groups), and group b's rows are those of its new tokens
 // [spans[b].x, spans[b].x + spans[b].y).
