@@ -526,7 +526,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     const int row = idx / (512 / 4), piece = idx % (512 / 4);
     const float4 v = *reinterpret_cast<const float4*>(out_s + row * kOutStride + 4 * piece);
     if (a.num_splits == 1) {
-      reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+      reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] =
+          make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
       const std::int64_t part_row = (static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row;
       reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
