@@ -22,7 +22,8 @@
 // outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
 // be zeroed. Otherwise decode.cu's combine kernel merges them.
 // A dense prefill on few heads runs here in groups of new tokens (up to 16 rows: DecodeGroups in
-// launch.hpp) where the wgmma kernel does not serve it (sm_89, sm_100, sm_120).
+// launch.hpp) where the wgmma kernel does not serve it (sm_89, sm_100, sm_120, an sm_90 build
+// without sm_90a code, LATENTKV_MLA_KERNEL=mma).
 // K's dims are read in a permuted order (16 contiguous codes per thread cover four k-steps); Q is
 // laid out to match, so the sum is unchanged. V^T pairs two tokens per register with byte permutes,
 // and the output dims are permuted the same way and put back in place when written.

@@ -36,7 +36,7 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
                               const SparseDecodeCaller& caller = {});
 
 // Prefill / extend (prefill.cu): the new tokens as query rows of the decode kernels, each a request
-// of its own (sparse; dense on many heads or without the wgmma kernel) or in groups (below). Dense
+// of its own (sparse; dense where no groups are taken) or in groups (below). Dense
 // prefill's workspace also holds each new token's (or group's) block-table row and length.
 // Dense prefill on few heads: its new tokens in groups of up to `tokens`, each group a decode
 // "request" of tokens x H query rows, so that a CTA's rows are filled (per-token decode runs H rows

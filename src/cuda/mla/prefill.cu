@@ -14,7 +14,8 @@
 //     launch.hpp says how the kernel finds their rows). Per token, each row would read every tile
 //     of its prefix by itself. Where the wgmma kernel does not serve them (sm_89, sm_100, sm_120, or
 //     LATENTKV_MLA_KERNEL=mma), H <= 8 over fp8 runs in groups of 16 / H on the narrow kernel's 16
-//     rows the same way, for prefills of 2048 new tokens or more (mla_prefill_group_tokens).
+//     rows the same way, for prefills of 2048 new tokens or more whose groups would average 1.5
+//     new tokens (mla_prefill_group_tokens).
 //   * Sparse: each new token over its own index row is sparse decode with B = T, q_len = 1; the
 //     tensors already have that layout.
 // Correct for any H 1-128 and any page size; the kernels are the decode ones (split-KV, FP8 tiles
