@@ -108,6 +108,16 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
   }
 }
 
+// Bad input the reference refuses: the GPU call's fault record must throw the reference's own Error.
+void expect_the_references_error(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_len) {
+  const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
+  ASSERT_NE(expected, "") << "the reference takes the input";
+  std::vector<HostTensor> logits;
+  std::string fault;
+  ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
+  EXPECT_EQ(fault, expected);
+}
+
 class GpuIndexerLogits : public ::testing::TestWithParam<LogitsCase> {};
 
 TEST_P(GpuIndexerLogits, MatchesReference) {
@@ -206,12 +216,7 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       HostTensor w = random_f32(rng, {f.batch(), 1, 32}, -1.0, 1.0);
       std::int64_t max_len = f.max_len();
       b.spoil(f, max_len);
-      const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
-      ASSERT_NE(expected, "") << "the reference takes the input";
-      std::vector<HostTensor> logits;
-      std::string fault;
-      ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
-      EXPECT_EQ(fault, expected);
+      ASSERT_NO_FATAL_FAILURE(expect_the_references_error(f, q, w, max_len));
     }
   }
 }
@@ -249,12 +254,7 @@ TEST(GpuIndexerLogitsFaults, NonFiniteQueriesAndWeightsAreTheReferencesError) {
         HostTensor w = random_f32(rng, {f.batch(), 2, heads}, -1.0, 1.0);
         b.spoil(q, w, heads);
         const std::int64_t max_len = page_size > 0 ? f.max_len() : 0;
-        const std::string expected = error_of([&] { reference_indexer_logits(f, q, w, max_len); });
-        ASSERT_NE(expected, "") << "the reference takes the input";
-        std::vector<HostTensor> logits;
-        std::string fault;
-        ASSERT_NO_FATAL_FAILURE(gpu_logits(f, q, w, max_len, logits, nullptr, 0, Workspace::kGarbage, &fault));
-        EXPECT_EQ(fault, expected);
+        ASSERT_NO_FATAL_FAILURE(expect_the_references_error(f, q, w, max_len));
       }
     }
   }
