@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       if (warp == 0 && r == 0 && row < rows.count) {
         const float lse = row_lse(mx, l);
         if (a.num_splits == 1) a.lse[rows.origin + row] = lse;
-        else a.lse_part[(static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row] = lse;
+        else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row] = lse;
       }
     }
   }
@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] =
           make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
-      const std::int64_t part_row = (static_cast<std::int64_t>(split) * a.batch + b) * a.rows + row;
+      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row;
       reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
     }
   }
