@@ -37,9 +37,9 @@ struct DsaDecodeParams {
   // from call to call, and the indexer step takes them cleared (IndexerLogitsParams::
   // workspace_cleared). False: any content.
   bool workspace_cleared = false;
-  // Optional, device memory on a GPU backend (latentkv/device_fault.hpp): given to the indexer and
-  // the sparse decode steps. The indexer checks the lengths and pages that the top-k reads too, so
-  // the top-k step is not given it (its own check would be one more kernel).
+  // Optional, device memory on a GPU backend (latentkv/device_fault.hpp): given to all three steps,
+  // so that the record notes what the reference's dsa_decode refuses, a NaN logit included (the
+  // top-k's check: one more small kernel).
   DeviceFault* fault = nullptr;
 };
 

@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -226,7 +228,7 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   check_cuda(cudaDeviceSynchronize());
   check_stages(f, in, d.download(), c.topk);
   EXPECT_EQ(d.fault(), "") << "a fault noted for good input";
-  EXPECT_EQ(d.steps().topk.fault, nullptr) << "the indexer checks what the top-k reads";
+  EXPECT_NE(d.steps().topk.fault, nullptr) << "the top-k notes a NaN logit, which no other step sees";
 }
 
 // A page outside the pool in the block table that all three steps read: the indexer notes it first,
@@ -239,6 +241,26 @@ TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {
   f.block_table[60] = static_cast<std::int32_t>(f.num_pages() + 1);
   const std::string expected = error_of([&] { reference_indexer_logits(f, in.q_idx, in.weights, f.max_len()); });
   ASSERT_NE(expected, "");
+  DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  EXPECT_EQ(d.fault(), expected);
+}
+
+// A NaN key scale in the indexer cache (which the append never writes: a cache filled by other
+// code) at a position request 1's row sees: its logit there is NaN, which the reference's top-k
+// refuses. The record must say the same, from the top-k's check (no other step looks at the logits).
+TEST(GpuDsaDecodeFaults, ANanLogitIsTheTopksError) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {300, 3000}, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(f.indexer().scale_ptr(f.slot(1, 1234)), &nan, sizeof(nan));
+  const HostTensor logits = reference_indexer_logits(f, in.q_idx, in.weights, f.max_len());
+  const std::string expected = error_of([&] { reference_topk(f, logits, 2048); });
+  ASSERT_NE(expected.find("nan"), std::string::npos) << expected;
   DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
   d.fill_sentinels();
   d.run();
