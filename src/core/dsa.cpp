@@ -108,8 +108,8 @@ DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base)
   s.sparse.lse = p.lse;
   s.sparse.softmax_scale = p.softmax_scale;
   // Every step notes what the reference's would refuse. The top-k's own check adds one small kernel:
-  // its lengths and pages are the indexer's, already checked, but a NaN logit (from a NaN key scale
-  // in a cache the append did not write) is found only there.
+  // its lengths and pages are the indexer's, already checked, but a NaN logit (from a key scale that
+  // is NaN, or infinite over a zero sum, in a cache the append did not write) is found only there.
   s.indexer.fault = p.fault;
   s.topk.fault = p.fault;
   s.sparse.fault = p.fault;
