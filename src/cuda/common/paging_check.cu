@@ -34,7 +34,9 @@ __device__ void check_visible_logits(const PagingCheck& c, int b, int part, int 
       for (int u = 0; u < kLogitsPerThread; ++u) v[u] = t0 + u * stride < visible ? row[t0 + u * stride] : 0.0f;
 #pragma unroll
       for (int u = 0; u < kLogitsPerThread; ++u) {
-        if (isnan(v[u])) record_fault(c.fault, DeviceFaultCode::kLogit, {.index = b, .position = t0 + u * stride, .length = i});
+        if (isnan(v[u])) {
+          record_fault(c.fault, DeviceFaultCode::kLogit, {.index = b, .position = t0 + u * stride, .length = i});
+        }
       }
     }
   }
@@ -56,9 +58,10 @@ __global__ void __launch_bounds__(kThreads) paging_check_kernel(const PagingChec
 
 void launch_paging_check(const PagingCheck& check, cudaStream_t stream, const char* op) {
   if (check.fault.record == nullptr || check.batch <= 0) return;
-  const std::int64_t parts = check.logits == nullptr || check.max_len <= 0
-                                  ? 1
-                                  : std::min<std::int64_t>((check.max_len + kLogitsPerCta - 1) / kLogitsPerCta, kMostParts);
+  const std::int64_t parts =
+      check.logits == nullptr || check.max_len <= 0
+          ? 1
+          : std::min<std::int64_t>((check.max_len + kLogitsPerCta - 1) / kLogitsPerCta, kMostParts);
   const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(std::min(check.batch, 65535)));
   launch_chained(op, paging_check_kernel, grid, kThreads, 0, stream, false, check);
 }
