@@ -8,8 +8,8 @@
 // fp8 codes become f16 with one cvt per two codes, exactly; each token's four fp8 scales stay out of
 // the products: they weight the per-block score partials, and fold into P' for the output block.
 // (V^T's codes by integer bit moves instead of cvt made the kernel slower in proportion to the codes
-// moved: it is bound by its dependent chains at 4 warps per scheduler, not by the conversion pipe -
-// docs/benchmarks.md, seventeenth session of 2026-12-02.)
+// moved: profiled at B 64 x 8K (4 warps per scheduler) it is bound by its dependent chains, not by
+// the conversion pipe - docs/benchmarks.md, seventeenth session of 2026-12-02.)
 //
 // Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, 2 or 3 deep:
 //   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2),
