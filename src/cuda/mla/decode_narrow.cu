@@ -12,7 +12,8 @@
 // the conversion pipe - docs/benchmarks.md, seventeenth session of 2026-12-02.)
 //
 // Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, 2 or 3 deep:
-//   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3} and rope (w >= 2),
+//   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3}, and the rope
+//            (at 8 rows half of its dims in each warp, at 16 rows all of them in warps 2 and 3),
 //            masked tokens written as -inf; the two halves' partials meet in shared memory
 //   softmax: every warp, the whole tile, in registers: lane (r, c) takes row r and the tokens its
 //            output B fragments need, so P never goes back to shared memory and the running max and
@@ -124,9 +125,13 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
   float4* red_s = part_s + static_cast<std::size_t>(splits) * units;  // [kThreads]
   float* weight_s = reinterpret_cast<float*>(red_s + kThreads);        // [rows][splits]
   float* total_s = weight_s + rows * splits;                            // [rows] sums of the weights
-  for (int i = tid; i < splits * units; i += kThreads) {
-    const int s = i / units, q = q0 + i % units;
+  // Element i = s x units + j; thread tid's (s, j) step by kThreads without a division per element.
+  const int step_s = kThreads / units, step_j = kThreads % units;
+  for (int i = tid, s = tid / units, j = tid % units; i < splits * units; i += kThreads) {
+    const int q = q0 + j;
     cp_async_16(part_s + i, a.o_part + (s * stride + row0 + q / 128) * 512 + 4 * (q % 128), 16);
+    s += step_s, j += step_j;
+    if (j >= units) s += 1, j -= units;
   }
   cp_async_commit();
   for (int t = warp; t < rows; t += kThreads / 32) {
@@ -351,9 +356,14 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
           }
         }
       }
-      if (half == 1) {  // rope: bf16 both sides, natural order
+      // The rope, bf16 both sides in natural order: at 8 rows each half takes two of its four
+      // k-steps, so that the halves reach barrier (B) together (H200, B 64 x 8K: 104.4 -> 102.9 us);
+      // at 16 rows half 1 takes all four (split, the 16-row kernel measured 2% slower).
+      constexpr bool kSplitRope = kNt == 1;
+      if (kSplitRope || half == 1) {
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
+        for (int kk = 0; kk < (kSplitRope ? 2 : 4); ++kk) {
+          const int ks = kSplitRope ? 2 * half + kk : kk;
           const std::uint8_t* k0r = kv + tok0 * kTokenBytes + 528 + 32 * ks + 4 * c;
           const std::uint8_t* k1r = kv + tok1 * kTokenBytes + 528 + 32 * ks + 4 * c;
           const std::uint32_t a0 = lds32(k0r), a2 = lds32(k0r + 16), a1 = lds32(k1r), a3 = lds32(k1r + 16);
@@ -378,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
           const int row = n * 8 + 2 * c + (e & 1);
           const float* sc = e < 2 ? sc0 : sc1;
           float part = (acc[0][n][e] * sc[0] + acc[1][n][e] * sc[1]) * row_qscale[row];
-          if (half == 1) part += acc[2][n][e];
+          if (kSplitRope || half == 1) part += acc[2][n][e];
           const bool keep = (e < 2 ? read0 : read1) && (e < 2 ? pos0 : pos1) < visible[n][e & 1];
           s_part[(half * kRows + row) * kSStride + token] = keep ? part : -INFINITY;
         }
