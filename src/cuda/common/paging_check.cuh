@@ -11,6 +11,16 @@
 
 namespace latentkv::cuda {
 
+// Position t >= 0 lies on page t / page_size of its block-table row, at t % page_size: a shift and a
+// mask when page_shift (page_shift_of) is not -1. A division by a value known only at run time is
+// about 30 instructions, and the tile loops take one or two per token.
+__device__ __forceinline__ int position_page(int t, int page_size, int page_shift) {
+  return page_shift >= 0 ? t >> page_shift : t / page_size;
+}
+__device__ __forceinline__ int position_in_page(int t, int page_size, int page_shift) {
+  return page_shift >= 0 ? t & (page_size - 1) : t % page_size;
+}
+
 // Request b's length `len` outside 0 .. max_pages x page_size, or past max_len (>= 0), as a fault.
 __device__ __forceinline__ void check_length(const FaultSink& sink, int b, std::int32_t len, int max_pages,
                                              int page_size, std::int64_t max_len = -1) {

@@ -5,12 +5,20 @@
 
 #include <cuda_runtime_api.h>
 
+#include <bit>
 #include <cstdint>
 
 #include "cuda/common/device_fault.hpp"
 #include "latentkv/tensor.hpp"
 
 namespace latentkv::cuda {
+
+// log2 of a page size (>= 1) that is a power of two, as engines use, else -1: the kernels then find
+// a position's page and its place in it by a shift and a mask (position_page in paging_check.cuh).
+inline int page_shift_of(int page_size) {
+  const auto size = static_cast<unsigned>(page_size);
+  return std::has_single_bit(size) ? std::countr_zero(size) : -1;
+}
 
 struct PagingCheck {
   const std::int32_t* block_table = nullptr;  // [batch, max_pages]

@@ -40,7 +40,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -118,7 +117,7 @@ __device__ __forceinline__ QueryRows query_rows(const LogitsArgs& a, const int2*
 
 // Position t's page index in the block-table row, and its place in the page.
 __device__ __forceinline__ int page_index(const LogitsArgs& a, int t) {
-  return a.page_shift >= 0 ? t >> a.page_shift : t / a.page_size;
+  return position_page(t, a.page_size, a.page_shift);
 }
 __device__ __forceinline__ int page_offset(const LogitsArgs& a, int t, int index) { return t - index * a.page_size; }
 
@@ -904,8 +903,7 @@ LogitsArgs logits_args(const IndexerLogitsParams& p) {
   a.logits = p.logits.as<float>();
   a.num_pages = p.cache.num_pages;
   a.page_size = p.cache.page_size;
-  const auto page_size = static_cast<unsigned>(a.page_size);  // >= 1 (validated)
-  a.page_shift = std::has_single_bit(page_size) ? std::countr_zero(page_size) : -1;
+  a.page_shift = page_shift_of(a.page_size);
   a.max_pages = static_cast<int>(p.block_table.size(1));
   a.q_len = static_cast<int>(p.q.size(1));
   a.heads = static_cast<int>(p.q.size(2));

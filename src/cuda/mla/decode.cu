@@ -13,6 +13,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
+#include "cuda/common/paging_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
 #include "cuda/mla/decode_common.cuh"
 #include "cuda/mla/decode_config.hpp"
@@ -583,6 +584,7 @@ DecodeArgs dense_args(const MlaDecodeParams& p, int batch, int q_len, int heads)
   a.lse = p.lse.as<float>();
   a.num_pages = p.cache.num_pages;
   a.page_size = p.cache.page_size;
+  a.page_shift = page_shift_of(a.page_size);
   a.max_pages = static_cast<int>(p.block_table.size(1));
   a.batch = batch;
   a.q_len = q_len;

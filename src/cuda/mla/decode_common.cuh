@@ -97,6 +97,7 @@ struct DecodeArgs {
   float* lse_part;                   // [splits, B, rows] f32
   std::int64_t num_pages;
   int page_size;
+  int page_shift = -1;               // page_shift_of(page_size) (dense), or -1
   int max_pages;
   int batch;
   int q_len;
@@ -176,13 +177,14 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const Request
 // kernel comes in two instances, with these checks (a call given a fault record) and without, so
 // that a call without a record runs exactly the unchecked code.
 __device__ __forceinline__ std::int32_t load_token_entry(const DecodeArgs& a, int b, int t) {
-  return a.indices != nullptr ? a.indices[static_cast<std::int64_t>(b) * a.index_cols + t]
-                              : a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
+  if (a.indices != nullptr) return a.indices[static_cast<std::int64_t>(b) * a.index_cols + t];
+  return a.block_table[static_cast<std::int64_t>(b) * a.max_pages + position_page(t, a.page_size, a.page_shift)];
 }
 __device__ __forceinline__ std::int32_t entry_to_slot(const DecodeArgs& a, int t, std::int32_t entry, int& bad) {
   std::int32_t slot;
   if (a.indices != nullptr) slot = entry >= 0 && entry < a.num_pages * a.page_size ? entry : -1;
-  else slot = entry >= 0 && entry < a.num_pages ? entry * a.page_size + t % a.page_size : -1;
+  else if (entry >= 0 && entry < a.num_pages) slot = entry * a.page_size + position_in_page(t, a.page_size, a.page_shift);
+  else slot = -1;
   if (slot < 0 && (a.indices == nullptr || entry != -1)) bad = t;
   return slot;
 }

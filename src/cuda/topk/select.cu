@@ -109,6 +109,9 @@ __device__ __forceinline__ int visible_count(const TopkArgs& a, int b, int i) {
   return static_cast<int>(max(len - a.q_len + i + 1, std::int64_t{0}));
 }
 
+// (Divisions by the page size, not paging_check.cuh's shifts: with shifts the top-k alone ran faster
+// on an H200, B 64 x 32K 24.6 -> 21.4 us, but glm5's B 1 step lost 1.4 us a layer between its chained
+// ops, 1757 -> 1866 us, not explained - docs/benchmarks.md, eighteenth session of 2026-12-02.)
 __device__ __forceinline__ std::int32_t slot_of(const TopkArgs& a, int b, int t) {
   const std::int32_t page = a.block_table[static_cast<std::int64_t>(b) * a.max_pages + t / a.page_size];
   return page < 0 || page >= a.page_bound ? -1 : page * a.page_size + t % a.page_size;
