@@ -183,8 +183,8 @@ __device__ __forceinline__ std::int32_t load_token_entry(const DecodeArgs& a, in
 __device__ __forceinline__ std::int32_t entry_to_slot(const DecodeArgs& a, int t, std::int32_t entry, int& bad) {
   std::int32_t slot;
   if (a.indices != nullptr) slot = entry >= 0 && entry < a.num_pages * a.page_size ? entry : -1;
-  else if (entry >= 0 && entry < a.num_pages) slot = entry * a.page_size + position_in_page(t, a.page_size, a.page_shift);
-  else slot = -1;
+  else if (entry < 0 || entry >= a.num_pages) slot = -1;
+  else slot = entry * a.page_size + position_in_page(t, a.page_size, a.page_shift);
   if (slot < 0 && (a.indices == nullptr || entry != -1)) bad = t;
   return slot;
 }

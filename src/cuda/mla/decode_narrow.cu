@@ -57,8 +57,9 @@ constexpr int kCopyLanes = 8;                    // threads per token when a til
 constexpr int kCopyTokens = kThreads / kCopyLanes;  // tokens per pass of all the threads
 // Tiles in flight per CTA: 3 (the current one and two ahead) when few requests share the GPU and
 // each CTA streams a short split (latency counts), 2 when the batch alone fills the GPU (more CTAs
-// fit per SM in less shared memory, and keep as many bytes in flight). H200, glm5 tp 8: 2 stages took
-// B 64 x 8K from 161.0 to 148.0 us and B 1 x 32K from 25.2 to 26.7 us.
+// fit per SM in less shared memory, and keep as many bytes in flight). H200, glm5 tp 8, 3 / 2 stages
+// (2026-12-02): B 64 x 8K 108.9 / 102.8 us, B 16 x 8K 38.3 / 39.0, B 4 x 32K 38.3 / 39.3, but one
+// request B 1 x 32K 18.7 / 18.2 and B 1 x 256K 60.3 / 59.6 (a rule for B 1 alone was not worth it).
 constexpr int kShallowFromBatch = 32;
 constexpr int kQStride = 1040;     // bytes per f16 query row (1024 + 16: conflict-free 16-byte reads)
 constexpr int kRopeStride = 144;   // bytes per bf16 rope row (128 + 16)
