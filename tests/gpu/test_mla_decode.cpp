@@ -142,14 +142,14 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 8, 2, 3, {2, 3, 4, 101}});
   // Forced split counts: the narrow kernel merges them itself (its grid is resident at once)...
   for (int s : {1, 3, 7, 40}) v.push_back({"cuda", fp8, 8, 1, 64, {0, 1, 500, 2049}, s});
-  // One head over 3 splits: 43 units of the merge per CTA, fewer than its 128 threads.
-  v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3});
-  // 8 rows on pages that are not a power of two: the division path of position_page.
-  v.push_back({"cuda", fp8, 8, 1, 17, {0, 1, 16, 18, 700}});
   // ... but not 40 requests x 16 splits, more CTAs than the GPU holds at once: the combine kernel.
   std::vector<std::int64_t> forty;
   for (int b = 0; b < 40; ++b) forty.push_back(300 + 37 * b);
   v.push_back({"cuda", fp8, 8, 1, 64, forty, 16});
+  // One head over 3 splits: 42 or 43 units of the merge per CTA, fewer than its 128 threads.
+  v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3});
+  // 8 rows on pages that are not a power of two: the division path of position_page.
+  v.push_back({"cuda", fp8, 8, 1, 17, {0, 1, 16, 18, 700}});
   v.push_back({"cuda", fp8, 8, 1, 64, {6000}});
   // One or two long requests: more than 128 splits, the combine of 32 dims per CTA.
   v.push_back({"cuda", fp8, 8, 1, 64, {40000, 0}});
