@@ -21,8 +21,9 @@
 //   output:  warp w: the 128 dims of fp8 scale block w
 // Two CTA barriers per tile: the tile is staged, and the score partials are complete.
 // (8 warps per CTA below kShallowFromBatch requests, each scoring one latent block and writing 64
-// output dims, was slower on every shape measured, B 1 x 32K too, where both ran 256 CTAs: 18.5 ->
-// 20.2 us, and 3 stages then fit 2 CTAs per SM, not 3 - docs/benchmarks.md, 2026-12-03.)
+// output dims, was slower on every dense decode shape measured, even at equal CTAs: B 1 x 32K, 256
+// CTAs either way, 18.5 -> 20.2 us. The sparse decode at B 1 measured the same. At 8 rows with 3
+// stages 8-warp CTAs fit 2 per SM, not 3 - docs/benchmarks.md, 2026-12-03.)
 // With splits, each CTA writes its split's partial rows and lse. With few splits per request (many
 // requests) and the whole grid resident at once (the plan sizes it to one wave), the kernel is
 // launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
