@@ -5,12 +5,11 @@
 //
 // One CTA: 64 query rows of one request (rows = (q position, head) pairs; sparse: the heads of one
 // query token) over one split of its tokens, 64 tokens per tile, two warpgroups (256 threads).
-//   * Loads: the next tile's 656-byte entries are copied raw by cp.async while this tile computes;
-//     at the top of a tile the codes become f16 (exact, unscaled; one cvt per two codes, NaN codes
-//     staying NaN) in the 128-byte-swizzled K layout of wgmma.cuh, the rope stays bf16 as stored,
-//     and the four per-block scales are kept aside.
 //   * Queries: the latent part as f16, each row scaled by a power of two so that its largest value
 //     lies in [2^12, 2^13) (as in decode_narrow.cu), the rope part as bf16.
+//   * K tiles: two buffers, each 9 column blocks of 64 dims (the 128-byte-swizzled K layout of
+//     wgmma.cuh): the fp8 codes as f16 (exact, unscaled; one cvt per two codes, NaN codes staying
+//     NaN), the rope bf16 as stored. The four per-block scales of each token are kept aside.
 //   * S = Q K^T: both warpgroups score all 64 tokens of the tile for all 64 rows (m64n64k16, Q and
 //     K from shared memory, f16 for the latent blocks, bf16 for the rope), warpgroup g over fp8 blocks
 //     2g and 2g + 1 and rope dims [32g, 32g + 32): the rope straight into the scores, each block's
@@ -24,9 +23,19 @@
 //     enters as A from registers in two f16 parts (hi + lo, as in decode.cu: one f16 P' breaks SPEC's
 //     per-element tolerance on the GPU tests); V is the same K tile read N-major (m64n128k16). O is
 //     rescaled when a unit grows and multiplied by it at the end.
-// Three CTA barriers per tile: the raw tile is complete, the K tile converted, the score partials
-// exchanged. Shared memory: 225,040 bytes (with the alignment slack), so sm_90 only; the 99 KB
-// kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
+// A warpgroup reads only its own column blocks of a K tile (latent blocks 4g .. 4g + 3 for S and
+// for V, its half of the rope), so a tile moves warp by warp, without a CTA barrier:
+//   * at the top of tile t, the next tile's entries go out by cp.async into the other K buffer: warp
+//     w's lanes copy column block w's codes of all 64 tokens into the upper half of that block
+//     (64 bytes a token), the rope straight into its swizzled place, the scales aside;
+//   * after S(t) each warpgroup's score partials go to the lower halves of the other warpgroup's
+//     column blocks in that buffer (free until converted), and are read there by their owner;
+//   * once tile t's P V is issued, warp w converts column block w of the next tile in place, 8
+//     tokens a step, while the tensor cores run P V: step i reads tokens 8i .. 8i + 7's codes and
+//     writes their f16 rows, which never cover the codes of a later step.
+// Two CTA barriers per tile: the next K tile converted (and this tile's P V done), the score
+// partials exchanged. Shared memory: 226,328 bytes (with the alignment slack), so sm_90 only; the
+// 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -47,25 +56,32 @@ namespace {
 constexpr int kThreads = 256;       // two warpgroups
 constexpr int kRows = kWgmmaRows;   // query rows per CTA
 constexpr int kTile = kWgmmaTile;   // tokens per tile
-constexpr int kTokenBytes = 656;    // fp8 main-cache entry
-[[maybe_unused]] constexpr int kTokenChunks = kTokenBytes / 16;
+constexpr int kTokenBytes = 656;    // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
 constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
+constexpr int kHalfBlock = kBlockBytes / 2;                // a block's upper half: its codes before conversion
+constexpr int kTileBytes = kColumnBlocks * kBlockBytes;    // one K tile (or the queries)
+constexpr int kSlotRing = 3;        // tiles whose slots are kept: this one's (masks), the next two's (copies)
 
 struct WgmmaSmem {
-  static constexpr int kQ = 0;                                        // bf16 [9 blocks][64 rows][64], swizzled
-  static constexpr int kK = kQ + kColumnBlocks * kBlockBytes;          // bf16 [9 blocks][64 tokens][64], swizzled
-  static constexpr int kRaw = kK + kColumnBlocks * kBlockBytes;        // u8  [64 tokens][656], the next tile
-  static constexpr int kPartial = kRaw + kTile * kTokenBytes;          // f32 [2 warpgroups][8][128 threads][4]: S partials
-  static constexpr int kScale = kPartial + 4 * 2 * kRows * kTile;      // f32 [4 blocks][64 tokens]
-  static constexpr int kQScale = kScale + 4 * 4 * kTile;               // f32 [64 rows], 2^-e of the f16 queries
-  static constexpr int kSlots = kQScale + 4 * kRows;                   // i32 [2][64 tokens]
-  static constexpr int kAllRead = kSlots + 4 * 2 * kTile;             // i32 [2 tiles][2 warps]: every slot >= 0
-  static constexpr int kBytes = kAllRead + 4 * 2 * 2;
+  static constexpr int kQ = 0;                                   // f16/bf16 [9 blocks][64 rows][64], swizzled
+  static constexpr int kK = kQ + kTileBytes;                     // f16/bf16 [2 buffers][9 blocks][64 tokens][64]
+  static constexpr int kScale = kK + 2 * kTileBytes;             // f32 [2 buffers][4 blocks][64 tokens]
+  static constexpr int kScaleIn = kScale + 2 * 4 * 4 * kTile;    // f32 [64 tokens][4]: the next tile's, as copied
+  static constexpr int kQScale = kScaleIn + 4 * 4 * kTile;       // f32 [64 rows], 2^-e of the f16 queries
+  static constexpr int kSlots = kQScale + 4 * kRows;             // i32 [kSlotRing][64 tokens]
+  static constexpr int kAllRead = kSlots + 4 * kSlotRing * kTile;  // i32 [kSlotRing][2 warps]: every slot >= 0
+  static constexpr int kBytes = kAllRead + 4 * kSlotRing * 2;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
   static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
+
+// Barrier of one warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads'), `wg` warp-uniform.
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+}
 
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups): request b's
 // query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse on.
@@ -78,10 +94,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_base[];
   unsigned char* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
   unsigned char* q_s = smem + Smem::kQ;
-  unsigned char* k_s = smem + Smem::kK;
-  unsigned char* raw_s = smem + Smem::kRaw;
-  auto* x_s = reinterpret_cast<float4*>(smem + Smem::kPartial);
-  auto* scale_s = reinterpret_cast<float*>(smem + Smem::kScale);
+  unsigned char* k_base = smem + Smem::kK;                              // [2 buffers][kTileBytes]
+  auto* scale_base = reinterpret_cast<float*>(smem + Smem::kScale);      // [2 buffers][4 blocks][64 tokens]
+  auto* scale_in_s = reinterpret_cast<float4*>(smem + Smem::kScaleIn);  // [64 tokens]
   auto* q_scale_s = reinterpret_cast<float*>(smem + Smem::kQScale);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
@@ -129,54 +144,76 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane < 8) *reinterpret_cast<uint4*>(q_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(r, lane)) = rope;
     if (lane == 0) q_scale_s[r] = undo;
   }
-  // Slots of tile 0 now; the block-table (or index) entry of tile 1 is loaded a tile ahead.
+  // Slots of tiles 0 and 1 now (both entries loaded before either is used); the block-table (or
+  // index) entries of tile t + 2 are loaded during tile t - 1 and made slots during tile t.
   std::int32_t ahead_entry = -1;
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTile) {
-    const std::int32_t slot = num_tiles > 0 ? token_slot(a, b, begin + tid, end, bad_token) : -1;
-    slot_s[tid] = slot;
-    const bool all_read = __all_sync(0xffffffffu, slot >= 0);
-    if (lane == 0) all_read_s[tid / 32] = all_read;
-    if (num_tiles > 1 && begin + kTile + tid < end) ahead_entry = load_token_entry(a, b, begin + kTile + tid);
+    const int t0 = begin + tid, t1 = begin + kTile + tid;
+    const std::int32_t e0 = num_tiles > 0 && t0 < end ? load_token_entry(a, b, t0) : -1;
+    const std::int32_t e1 = num_tiles > 1 && t1 < end ? load_token_entry(a, b, t1) : -1;
+    if (num_tiles > 2 && t1 + kTile < end) ahead_entry = load_token_entry(a, b, t1 + kTile);
+    const std::int32_t s0 = num_tiles > 0 && t0 < end ? entry_to_slot(a, t0, e0, bad_token) : -1;
+    const std::int32_t s1 = num_tiles > 1 && t1 < end ? entry_to_slot(a, t1, e1, bad_token) : -1;
+    slot_s[tid] = s0;
+    slot_s[kTile + tid] = s1;
+    const bool all_read0 = __all_sync(0xffffffffu, s0 >= 0), all_read1 = __all_sync(0xffffffffu, s1 >= 0);
+    if (lane == 0) {
+      all_read_s[tid / 32] = all_read0;
+      all_read_s[2 + tid / 32] = all_read1;
+    }
   }
   wgmma::fence_shared_for_async();
-  __syncthreads();
+  __syncthreads();  // the queries and the first slots
 
-  // Moving a tile: warp `warp` takes tokens [8 warp, 8 warp + 8); lane l copies 16-byte chunk l of
-  // each (16 codes), and the warp's 8 x 9 tail chunks (scales, then rope) go 32 at a time.
   const int warp = tid / 32;
-  constexpr int kTail = kTokenChunks - 32;  // 9 tail chunks per token
-  // cp.async of a tile's raw entries; a slot of -1 (outside the pool, no index) reads nothing.
-  auto issue_raw = [&](int tile) {
-    const std::int32_t* slots = slot_s + (tile & 1) * kTile + 8 * warp;  // [8]: this warp's tokens
+  // cp.async of a tile's entries into K buffer tile % 2; a slot of -1 (outside the pool, no index)
+  // reads nothing (zeros: an unread token's V meets P = 0, never NaN). Warp w: the codes of column
+  // block w, lane l taking piece l % 4 (16 codes) of tokens l / 4 + 8i, into the block's upper half
+  // (64 bytes a token); warpgroup g's rope half (pieces 4g .. 4g + 3), 2 pieces a lane; lanes 0-7
+  // the scales of tokens 8w .. 8w + 7, which the same threads put in place after the conversion.
+  auto issue_tile = [&](int tile) {
+    const std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
+    unsigned char* k_s = k_base + (tile & 1) * kTileBytes;
+    const auto entry = [&](std::int32_t slot) {
+      return a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
+    };
+    unsigned char* codes = k_s + warp * kBlockBytes + kHalfBlock;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const std::int32_t slot = slots[i];
-      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + lane * 16;
-      unsigned char* dst = raw_s + (8 * warp + i) * kTokenBytes + lane * 16;
-      const int bytes = slot >= 0 ? 16 : 0;
-      cp_async_16(dst, src, bytes);
+      const int token = 8 * i + lane / 4, piece = lane % 4;
+      const std::int32_t slot = slots[token];
+      cp_async_16(codes + token * 64 + piece * 16, entry(slot) + warp * 64 + piece * 16, slot >= 0 ? 16 : 0);
     }
 #pragma unroll
-    for (int c = lane; c < 8 * kTail; c += 32) {
-      const int i = c / kTail, piece = 32 + c % kTail;
-      const std::int32_t slot = slots[i];
-      const std::uint8_t* src = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0) + piece * 16;
-      cp_async_16(raw_s + (8 * warp + i) * kTokenBytes + piece * 16, src, slot >= 0 ? 16 : 0);
+    for (int i = 0; i < 2; ++i) {
+      const int c = lane + 32 * i;
+      const int token = 16 * wg_warp + c / 4, piece = 4 * wg + c % 4;
+      const std::int32_t slot = slots[token];
+      cp_async_16(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece), entry(slot) + 528 + piece * 16,
+                  slot >= 0 ? 16 : 0);
+    }
+    if (lane < 8) {
+      const std::int32_t slot = slots[8 * warp + lane];
+      cp_async_16(scale_in_s + 8 * warp + lane, entry(slot) + 512, slot >= 0 ? 16 : 0);
     }
     cp_async_commit();
   };
-  // The raw tile into f16 codes (K layout) and scales. For the codes, lane l converts chunk l of
-  // token 8 warp + (i + l / 4) % 8 at step i: the 8 lanes writing one 16-byte column of the swizzled
-  // blocks then hold 8 different tokens (rows), so neither the reads nor the writes share banks.
-  auto convert_tile = [&]() {
-    const int blk = lane / 4;                  // column block of this lane's 16 dims
-    const int chunk = 2 * (lane % 4);          // its first 16-byte chunk in the block's 128-byte row
-#pragma unroll 2
-    for (int i = 0; i < 8; ++i) {
-      const int sub = (i + blk) % 8;           // token % 8: the row's swizzle
-      const int token = 8 * warp + sub;
-      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + lane * 16);
+  // Warp w turns column block w of K buffer tile % 2 from the codes in its upper half into f16 rows,
+  // in place, 8 tokens a step: lane l converts piece l % 4 of token 8i + l / 4 (the 16 bytes its own
+  // copy brought) into its row's 16-byte chunks 2 (l % 4), + 1 (swizzled; the 8 lanes of a store
+  // phase then cover 8 different chunks). Step i reads bytes [4096 + 512i, +512) and writes rows
+  // 8i .. 8i + 7, bytes [1024i, +1024): the codes of steps 2i - 8 and 2i - 7, never a later step's.
+  // So the warp syncs before steps 4 and 6 write, and in step 7 between its reads and its writes.
+  // Then the scales copied by lanes 0-7, stored per block.
+  auto convert_tile = [&](int tile) {
+    cp_async_wait<0>();  // this lane's copies
+    unsigned char* blk = k_base + (tile & 1) * kTileBytes + warp * kBlockBytes;
+    const int sub = lane / 4, chunk = 2 * (lane % 4);
+    const auto step = [&](int i) {
+      const int token = 8 * i + sub;
+      const uint4 v = *reinterpret_cast<const uint4*>(blk + kHalfBlock + 512 * i + 16 * lane);
+      if (i == 4 || i == 6 || i == 7) __syncwarp();
       const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
       std::uint32_t out[8];
 #pragma unroll
@@ -184,23 +221,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         out[2 * k] = fp8x2_to_f16x2(words[k]);
         out[2 * k + 1] = fp8x2_hi_to_f16x2(words[k]);
       }
-      unsigned char* row = k_s + blk * kBlockBytes + token * wgmma::kSwizzleRowBytes;
+      unsigned char* row = blk + token * wgmma::kSwizzleRowBytes;
       *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
       *reinterpret_cast<uint4*>(row + (((chunk + 1) ^ sub) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
+    };
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) step(i);
+    if (lane < 8) {
+      const int token = 8 * warp + lane;
+      const float4 v = scale_in_s[token];
+      float* sc = scale_base + (tile & 1) * 4 * kTile + token;
+      sc[0 * kTile] = v.x;
+      sc[1 * kTile] = v.y;
+      sc[2 * kTile] = v.z;
+      sc[3 * kTile] = v.w;
     }
-#pragma unroll
-    for (int c = lane; c < 8 * kTail; c += 32) {
-      const int token = 8 * warp + c / kTail, piece = c % kTail;
-      const uint4 v = *reinterpret_cast<const uint4*>(raw_s + token * kTokenBytes + (32 + piece) * 16);
-      if (piece == 0) {  // the four scales, stored per block
-        scale_s[0 * kTile + token] = __uint_as_float(v.x);
-        scale_s[1 * kTile + token] = __uint_as_float(v.y);
-        scale_s[2 * kTile + token] = __uint_as_float(v.z);
-        scale_s[3 * kTile + token] = __uint_as_float(v.w);
-      } else {  // rope, bf16 as stored: block 8
-        *reinterpret_cast<uint4*>(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece - 1)) = v;
-      }
-    }
+    wgmma::fence_shared_for_async();
   };
 
   // This thread's rows (the accumulator layout): r0 = 16 wg_warp + lane / 4, and r0 + 8.
@@ -222,29 +258,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) o[j][i] = 0.0f;
   }
   const std::uint64_t q_desc = wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes);
-  const std::uint64_t k_desc = wgmma::desc_sw128(k_s, 16, wgmma::kSwizzleAtomBytes);
-  const std::uint64_t v_desc = wgmma::desc_sw128(k_s, kBlockBytes, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t k_desc0 = wgmma::desc_sw128(k_base, 16, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t v_desc0 = wgmma::desc_sw128(k_base, kBlockBytes, wgmma::kSwizzleAtomBytes);
 
-  if (num_tiles > 0) issue_raw(0);
+  if (num_tiles > 0) {  // tile 0 into buffer 0
+    issue_tile(0);
+    convert_tile(0);
+  }
+  __syncthreads();  // tile 0 converted
   for (int tile = 0; tile < num_tiles; ++tile) {
-    wgmma::wait<0>();  // this warpgroup's P V of the last tile no longer reads K
-    wgmma::fence_registers(o[0]);
-    wgmma::fence_registers(o[1]);
-    cp_async_wait<0>();
-    __syncthreads();  // (A) raw tile complete; K, scales, slots free
-    convert_tile();
-    if (tid < kTile && tile + 1 < num_tiles) {
-      const int t = begin + (tile + 1) * kTile + tid;
-      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry, bad_token) : -1;
-      slot_s[((tile + 1) & 1) * kTile + tid] = slot;
-      const bool all_read = __all_sync(0xffffffffu, slot >= 0);
-      if (lane == 0) all_read_s[((tile + 1) & 1) * 2 + tid / 32] = all_read;
-      ahead_entry = -1;
-      if (tile + 2 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
-    }
-    wgmma::fence_shared_for_async();
-    __syncthreads();  // (B) K tile and the next tile's slots ready; raw free
-    if (tile + 1 < num_tiles) issue_raw(tile + 1);
+    const int cur = tile & 1, next = cur ^ 1;
+    if (tile + 1 < num_tiles) issue_tile(tile + 1);  // into the other buffer, free since barrier (A)
+    const float* scale_s = scale_base + cur * 4 * kTile;  // [4 blocks][64 tokens]
+    const std::uint64_t k_desc = wgmma::desc_advance(k_desc0, cur * kTileBytes);
+    const std::uint64_t v_desc = wgmma::desc_advance(v_desc0, cur * kTileBytes);
 
     // ---- this warpgroup's part of S for all 64 tokens: rope dims [32 wg, +32), then fp8 blocks 2 wg
     // and 2 wg + 1, each weighted by its token's block scale and the row's query scale ----
@@ -292,17 +319,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The partials meet: thread t of one warpgroup holds the same (row, token) elements as thread t
     // of the other, and both add them in the same order (a + b = b + a), so both warpgroups hold the
     // same scores and run the same softmax: P stays in registers.
-    {
-      float4* mine = x_s + wg * 8 * 128 + (tid % 128);
+    // They go through the next K buffer, not yet converted: warpgroup g's partial (float4 i of thread
+    // t, i = 0 .. 7) to the lower half of column block 4 (1 - g) + i / 2 of the other warpgroup, at
+    // float4 128 (i % 2) + t, where the other warpgroup reads it before it converts those blocks.
+    const auto partial = [&](int owner, int i) {
+      return reinterpret_cast<float4*>(k_base + next * kTileBytes + (4 * owner + i / 2) * kBlockBytes) +
+             128 * (i % 2) + tid % 128;
+    };
 #pragma unroll
-      for (int i = 0; i < 8; ++i) mine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
-    }
-    __syncthreads();  // (C) both partials
+    for (int i = 0; i < 8; ++i) *partial(1 - wg, i) = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+    __syncthreads();  // (B) both partials
     {
-      const float4* other = x_s + (1 - wg) * 8 * 128 + (tid % 128);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float4 v = other[i * 128];
+        const float4 v = *partial(wg, i);
         s[4 * i] += v.x;
         s[4 * i + 1] += v.y;
         s[4 * i + 2] += v.z;
@@ -312,8 +342,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row) and
     // scale into the log2 domain. Whole tiles every row sees skip the per-token tests.
     const int tile_begin = begin + tile * kTile;
-    const std::int32_t* tile_slots = slot_s + (tile & 1) * kTile;  // [64]: this tile's slots, -1 unread
-    const bool whole = all_read_s[(tile & 1) * 2] && all_read_s[(tile & 1) * 2 + 1] &&
+    const int ring = tile % kSlotRing;
+    const std::int32_t* tile_slots = slot_s + ring * kTile;  // [64]: this tile's slots, -1 unread
+    const bool whole = all_read_s[ring * 2] && all_read_s[ring * 2 + 1] &&
                        tile_begin + kTile <= min(visible[0], visible[1]);
     if (whole) {
 #pragma unroll
@@ -410,10 +441,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma::commit();
     }
+
+    // ---- while P V runs: the slots of tile + 2, and the next tile converted ----
+    if (tid < kTile && tile + 2 < num_tiles) {
+      const int t = begin + (tile + 2) * kTile + tid;
+      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry, bad_token) : -1;
+      const int ahead = (tile + 2) % kSlotRing;  // tile - 1's, no longer read since barrier (A)
+      slot_s[ahead * kTile + tid] = slot;
+      const bool all_read = __all_sync(0xffffffffu, slot >= 0);
+      if (lane == 0) all_read_s[ahead * 2 + tid / 32] = all_read;
+      ahead_entry = -1;
+      if (tile + 3 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
+    }
+    if (tile + 1 < num_tiles) {
+      warpgroup_barrier(wg);  // the warpgroup has read its partial from the blocks it converts now
+      convert_tile(tile + 1);
+    }
+    wgmma::wait<0>();
+    wgmma::fence_registers(o[0]);
+    wgmma::fence_registers(o[1]);
+    __syncthreads();  // (A) the next tile converted; this tile's K buffer no longer read by P V
   }
-  wgmma::wait<0>();
-  wgmma::fence_registers(o[0]);
-  wgmma::fence_registers(o[1]);
 
   // ---- epilogue: row sums over the quad (each warpgroup saw every token), then this warpgroup's 256 dims ----
   allow_next_kernel();
