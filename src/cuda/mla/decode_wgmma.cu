@@ -268,7 +268,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // tile 0 converted
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int cur = tile & 1, next = cur ^ 1;
-    if (tile + 1 < num_tiles) issue_tile(tile + 1);  // into the other buffer, free since barrier (A)
     const float* scale_s = scale_base + cur * 4 * kTile;  // [4 blocks][64 tokens]
     const std::uint64_t k_desc = wgmma::desc_advance(k_desc0, cur * kTileBytes);
     const std::uint64_t v_desc = wgmma::desc_advance(v_desc0, cur * kTileBytes);
@@ -308,6 +307,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma::commit();
       issue_block(2 * wg);
+      // The next tile's copies go out while the tensor cores score this one, into the other
+      // buffer, free since barrier (A).
+      if (tile + 1 < num_tiles) issue_tile(tile + 1);
       wgmma::wait<0>();
       wgmma::fence_registers(s);
       fold(2 * wg);
