@@ -25,16 +25,19 @@
 //     rescaled when a unit grows and multiplied by it at the end.
 // A warpgroup reads only its own column blocks of a K tile (latent blocks 4g .. 4g + 3 for S and
 // for V, its half of the rope), so a tile moves warp by warp, without a CTA barrier:
-//   * at the top of tile t, the next tile's entries go out by cp.async into the other K buffer: warp
-//     w's lanes copy column block w's codes of all 64 tokens into the upper half of that block
-//     (64 bytes a token), the rope straight into its swizzled place, the scales aside;
+//   * while the tensor cores score tile t (S, its first group), the next tile's entries go out by
+//     cp.async into the other K buffer: warp w's lanes copy column block w's codes of all 64 tokens
+//     into the upper half of that block (64 bytes a token), the rope straight into its swizzled
+//     place, the scales aside;
 //   * after S(t) each warpgroup's score partials go to the lower halves of the other warpgroup's
 //     column blocks in that buffer (free until converted), and are read there by their owner;
 //   * once tile t's P V is issued, warp w converts column block w of the next tile in place, 8
 //     tokens a step, while the tensor cores run P V: step i reads tokens 8i .. 8i + 7's codes and
 //     writes their f16 rows, which never cover the codes of a later step.
-// Two CTA barriers per tile: the next K tile converted (and this tile's P V done), the score
-// partials exchanged. Shared memory: 226,328 bytes (with the alignment slack), so sm_90 only; the
+// Two CTA barriers per tile: (A) the next K tile converted and this tile's P V done, (B) the score
+// partials exchanged. (Two score accumulators, so that block 2g's fold overlaps block 2g + 1's
+// products: H 128 B 64 decode 611 -> 618 us, sparse prefill H 128 10.07 -> 9.99 ms, dense prefill
+// H 64 79.4 -> 78.5 ms, with more spills; not kept - docs/benchmarks.md, 2026-12-03.) Shared memory: 226,328 bytes (with the alignment slack), so sm_90 only; the
 // 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
