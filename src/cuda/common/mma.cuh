@@ -59,9 +59,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most kPending of this thread's committed groups are in flight. A compiler memory
+// barrier too, so that reads of the copied bytes stay after it (decode_wgmma.cu reads its own copies
+// straight after the wait, with no CTA barrier in between).
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Byte permute: the bytes of {b:a} picked by the four selector nibbles of `sel`.

@@ -23,22 +23,25 @@
 //     enters as A from registers in two f16 parts (hi + lo, as in decode.cu: one f16 P' breaks SPEC's
 //     per-element tolerance on the GPU tests); V is the same K tile read N-major (m64n128k16). O is
 //     rescaled when a unit grows and multiplied by it at the end.
-// A warpgroup reads only its own column blocks of a K tile (latent blocks 4g .. 4g + 3 for S and
-// for V, its half of the rope), so a tile moves warp by warp, without a CTA barrier:
-//   * while the tensor cores score tile t (S, its first group), the next tile's entries go out by
-//     cp.async into the other K buffer: warp w's lanes copy column block w's codes of all 64 tokens
-//     into the upper half of that block (64 bytes a token), the rope straight into its swizzled
-//     place, the scales aside;
+// A tile moves through the two K buffers in three steps, none of which needs a CTA barrier of its
+// own (barrier (A) below publishes the result):
+//   * while the tensor cores score tile t (once the rope's and block 2g's groups are issued), the
+//     next tile's entries go out by cp.async into the other K buffer: warp w's lanes copy column
+//     block w's codes of all 64 tokens into the upper half of that block (64 bytes a token), each
+//     warpgroup's warps its half of the rope straight into its swizzled place, lanes 0-7 of warp w
+//     the scales of tokens 8w .. 8w + 7 aside;
 //   * after S(t) each warpgroup's score partials go to the lower halves of the other warpgroup's
 //     column blocks in that buffer (free until converted), and are read there by their owner;
 //   * once tile t's P V is issued, warp w converts column block w of the next tile in place, 8
-//     tokens a step, while the tensor cores run P V: step i reads tokens 8i .. 8i + 7's codes and
-//     writes their f16 rows, which never cover the codes of a later step.
+//     tokens a step, while the tensor cores run P V (step i reads tokens 8i .. 8i + 7's codes and
+//     writes their f16 rows, which never cover the codes of a later step), and its lanes 0-7 store
+//     their tokens' scales per block.
 // Two CTA barriers per tile: (A) the next K tile converted and this tile's P V done, (B) the score
 // partials exchanged. (Two score accumulators, so that block 2g's fold overlaps block 2g + 1's
-// products: H 128 B 64 decode 611 -> 618 us, sparse prefill H 128 10.07 -> 9.99 ms, dense prefill
-// H 64 79.4 -> 78.5 ms, with more spills; not kept - docs/benchmarks.md, 2026-12-03.) Shared memory: 226,328 bytes (with the alignment slack), so sm_90 only; the
-// 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
+// products, were measured on an H200: H 128 B 64 decode 611 -> 618 us, sparse prefill H 128 10.07 ->
+// 9.99 ms, dense prefill H 64 79.4 -> 78.5 ms, with more spills; not kept - docs/benchmarks.md,
+// twentieth session of 2026-12-03.) Shared memory: 226,328 bytes (with the alignment slack), so
+// sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -311,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       issue_block(2 * wg);
       // The next tile's copies go out while the tensor cores score this one, into the other
-      // buffer, free since barrier (A).
+      // buffer, free since barrier (A) (at tile 0: since the prologue's barrier).
       if (tile + 1 < num_tiles) issue_tile(tile + 1);
       wgmma::wait<0>();
       wgmma::fence_registers(s);
