@@ -128,6 +128,7 @@ for step in "${steps[@]}"; do
       run_bench indexer_hi32_b1_128k --op indexer_logits --model glm5 --batch 1 --context 131072 --pool 600000 --backends cuda
       run_bench indexer_hi32_b16_128k --op indexer_logits --model glm5 --batch 16 --context 131072 --pool 2200000 --backends cuda --check-requests 1
       run_bench topk_b1_128k --op topk --batch 1 --context 131072 --topk 2048 --pool 600000 --backends cuda
+      run_bench topk_b1_32k --op topk --batch 1 --context 32768 --topk 2048 --pool 495000 --backends cuda
       run_bench topk_b64_32k --op topk --batch 64 --context 32768 --topk 2048 --pool 2200000 --backends cuda --check-requests 4
       run_bench dsa_glm5_b1_32k --op dsa_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 495000
       run_bench dsa_glm5_b64_8k --op dsa_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000 --check-requests 2

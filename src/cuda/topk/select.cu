@@ -27,9 +27,12 @@
 // states (TopkParams::workspace_cleared: the indexer does it inside dsa_decode), the first barrier,
 // or the memset, is left out. (Phase 1 counted by the indexer as it writes the logits, one atomic per
 // logit, was tried: the atomics serialise on the crowded bins, and the indexer lost more than the
-// top-k gained - docs/benchmarks.md, ninth session of 2026-12-01.) Rows that see k tokens or fewer
-// skip the selection: every visible slot, then -1s. A row with more candidates than the list holds
-// (masses of equal logits) re-reads its logits instead; slower, same answer.
+// top-k gained - docs/benchmarks.md, ninth session of 2026-12-01. One thread-block cluster of 16
+// CTAs per row, its phases through distributed shared memory and three cluster barriers, was tried
+// too: each cluster barrier cost about what a kernel boundary does, and B 1 x 32K went from 11.6 to
+// 12.6 us, glm5's B 1 step from 1764 to 1904 us - twenty-first session of 2026-12-03.) Rows that
+// see k tokens or fewer skip the selection: every visible slot, then -1s. A row with more candidates
+// than the list holds (masses of equal logits) re-reads its logits instead; slower, same answer.
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
