@@ -24,6 +24,10 @@
 // output dims, was slower on every dense decode shape measured, even at equal CTAs: B 1 x 32K, 256
 // CTAs either way, 18.5 -> 20.2 us. The sparse decode at B 1 measured the same. At 8 rows with 3
 // stages 8-warp CTAs fit 2 per SM, not 3 - docs/benchmarks.md, 2026-12-03.)
+// (Nor did warps that each own 16-token tiles, with their own stages, softmax and all 512 output
+// dims, and no CTA barrier in the loop: about half the instructions per token, 2 CTAs per SM at 251
+// registers. H 8 B 64 x 8K 98.8 against 102.5 us on one instance, 101.6 against 101.2 on another;
+// B 1 x 32K 19.8 against 18.6 - docs/benchmarks.md, twenty-second session.)
 // With splits, each CTA writes its split's partial rows and lse. With few splits per request (many
 // requests) and the whole grid resident at once (the plan sizes it to one wave), the kernel is
 // launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
