@@ -5,11 +5,12 @@
 // Use: one thread inits the barriers (count 1) and fences them; per copy it announces the bytes
 // (arrive_expect) and issues the copies (or, with nothing to copy, arrives plainly); every consumer
 // waits for the barrier's phase, which alternates 0, 1, 0, ... with each use. A buffer that ordinary
-// loads read before a copy refills it takes wgmma::fence_shared_for_async first.
+// loads read before a copy refills it takes fence_for_copy (or wgmma::fence_shared_for_async, the
+// same fence) in the issuing thread first.
 //
 // On targets before sm_90 the copies, arrivals and waits compile to a trap and the fences to
-// nothing: a launcher picks a kernel that uses them only on sm_90 (the wgmma kernels, which need
-// sm_90a anyway).
+// nothing: a launcher picks a kernel that uses them only on sm_90 and later (the wgmma kernels,
+// which need sm_90a anyway; the narrow decode's bulk instances, decode_narrow.cu).
 #pragma once
 
 #include <cstdint>
@@ -72,6 +73,14 @@ __device__ __forceinline__ void copy(void* dst, const void* src, std::uint32_t b
 #else
   (void)dst, (void)src, (void)bytes, (void)bar;
   __trap();
+#endif
+}
+
+// Orders this thread's generic shared-memory accesses (and those a CTA barrier made visible to it)
+// before the copies it issues next.
+__device__ __forceinline__ void fence_for_copy() {
+#if LKV_BULK_COPY
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 

@@ -11,7 +11,8 @@
 // moved: profiled at B 64 x 8K (4 warps per scheduler) it is bound by its dependent chains, not by
 // the conversion pipe - docs/benchmarks.md, seventeenth session of 2026-12-02.)
 //
-// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token) by cp.async, 2 or 3 deep:
+// Work of one CTA (4 warps) on a 32-token tile staged raw (656 B/token), 2 or 3 deep, by the copy
+// engine (a dense decode's runs of consecutive slots, one bulk copy each) or by cp.async:
 //   scores:  warp w: tokens [16 (w % 2), +16), latent blocks {0,1} (w < 2) or {2,3}, and the rope
 //            (at 8 rows half of its dims in each warp, at 16 rows all of them in warps 2 and 3),
 //            masked tokens written as -inf; the two halves' partials meet in shared memory
@@ -46,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
@@ -83,7 +85,8 @@ struct NarrowSmem {
   static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kRows][kSStride]
   static constexpr int kRowQScale = kSPart + 4 * 2 * kRows * kSStride;  // f32 [kRows], 2^-e of the f16 queries
   static constexpr int kSlots = kRowQScale + 4 * kRows;              // i32 [kStages][kTile]
-  static constexpr int kBytes = kSlots + 4 * kStages * kTile;
+  static constexpr int kBars = (kSlots + 4 * kStages * kTile + 7) / 8 * 8;  // u64 [kStages] (bulk copies)
+  static constexpr int kBytes = kBars + 8 * kStages;
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
   static_assert(kRows * kOutStride * 4 <= kStages * kStageBytes, "the output rows are staged over the tiles");
 };
@@ -196,7 +199,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
 // request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
 // on; its splits are merged by decode.cu's combine (which knows the groups' rows).
-template <int kNt, int kStages, bool kChecks, bool kGrouped>
+template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk>
 __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     narrow_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
@@ -209,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   float* s_part = reinterpret_cast<float*>(smem + Smem::kSPart);
   float* row_qscale = reinterpret_cast<float*>(smem + Smem::kRowQScale);
   std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(smem + Smem::kBars);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int r = lane / 4, c = lane % 4;
@@ -248,6 +252,17 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       slot_s[t * kTile + tid] = t < num_tiles && pos < end ? entry_to_slot(a, pos, entry[t], bad_token) : -1;
     }
   }
+  if constexpr (kBulk) {
+    // Stages zeroed once, where cp.async would zero-fill each uncopied token (no slot, past the split):
+    // such a token then reads as zeros, or as one this CTA staged in an earlier tile (whose scale the
+    // units already hold), and meets P = 0.
+    uint4* zero = reinterpret_cast<uint4*>(stages);
+    for (int i = tid; i < kStages * kStageBytes / 16; i += kThreads) zero[i] = make_uint4(0, 0, 0, 0);
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) bulk::init(&bars[s], 1);
+      bulk::fence_init();
+    }
+  }
   __syncthreads();
 
   // cp.async of tile `tile` into stage tile % kStages, as one commit group; past the last tile an
@@ -257,7 +272,34 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // pieces that sit at position p of their line: each copy instruction of the eight then reads one
   // whole line of the entry, and an entry costs its 6 or 7 lines, not two per instruction.
   const int copy_token = tid / kCopyLanes, copy_piece = tid % kCopyLanes;
+  // With bulk copies (kBulk: sm_90 and later, bulk_copies()) warp 0 copies each run of consecutive
+  // slots (the tile's tokens in one page) with one copy, all completing on the stage's barrier, which
+  // the first thread arms with the tile's bytes; a tile with no slot completes it by a plain arrival.
+  auto issue_bulk = [&](int tile) {
+    if (tile >= num_tiles || warp != 0) return;
+    const std::int32_t slot = slot_s[(tile % kStages) * kTile + lane];
+    std::uint64_t* bar = &bars[tile % kStages];
+    const std::int32_t prev = __shfl_up_sync(0xffffffffu, slot, 1);
+    const bool valid = slot >= 0, cont = valid && lane > 0 && prev >= 0 && prev + 1 == slot;
+    const unsigned valids = __ballot_sync(0xffffffffu, valid), conts = __ballot_sync(0xffffffffu, cont);
+    bulk::fence_for_copy();  // the stage's reads (before barrier (A)) come before the copies' writes
+    if (lane == 0) {
+      if (valids != 0) bulk::arrive_expect(bar, static_cast<std::uint32_t>(__popc(valids) * kTokenBytes));
+      else bulk::arrive(bar);
+    }
+    __syncwarp();
+    if (valid && !cont) {
+      const unsigned after = lane == 31 ? 0u : conts >> (lane + 1);
+      const int run = __ffs(~after);  // this lane's token and the continuing ones after it
+      bulk::copy(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
+                 a.cache + static_cast<std::int64_t>(slot) * kTokenBytes, static_cast<std::uint32_t>(run * kTokenBytes), bar);
+    }
+  };
   auto issue_tile = [&](int tile) {
+    if constexpr (kBulk) {
+      issue_bulk(tile);
+      return;
+    }
     if (tile < num_tiles) {
       const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
       std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
@@ -321,7 +363,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     for (int n = 0; n < kNt; ++n) acc_o[m][n][0] = acc_o[m][n][1] = acc_o[m][n][2] = acc_o[m][n][3] = 0.0f;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
+    if constexpr (kBulk) bulk::wait(&bars[tile % kStages], (tile / kStages) & 1);
+    else cp_async_wait<kStages - 2>();
     __syncthreads();  // (A) this tile is staged; the previous tile's output math is done
     issue_tile(tile + kStages - 1);
     std::int32_t ahead_entry = -1;  // token `tid` of tile + kStages: loaded now, made a slot at the end
@@ -562,25 +605,43 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   }
 }
 
+// Tiles come in by the copy engine (kBulk) on sm_90 and later for a dense decode whose pages hold
+// at least a tile, so that a tile is one or two runs of consecutive slots; otherwise (a sparse
+// decode's scattered slots, small pages, sm_89) by cp.async. H200, the same build in one call, bulk /
+// cp.async: H 8 B 64 x 8K 97.3 / 103.2 us, H 16 B 64 136.6 / 140.8, B 1 x 256K 58.1 / 58.9, B 1 x 32K
+// 18.5 / 18.6; but sparse H 8 B 64 41.4 / 40.8 and sparse B 1 11.1 / 9.8, one copy per token
+// (docs/benchmarks.md, twenty-second session).
+// The bulk instances run real copies only from code compiled for sm_90 or later: not from sm_89
+// code, nor from sm_89 PTX compiled for a newer GPU at load time (its copies would trap).
+bool bulk_copies(const DecodeArgs& a) {
+  if (a.indices != nullptr || a.page_size < kTile) return false;
+  return once_per_key(current_device("mla_decode"), [] {
+    cudaFuncAttributes attributes{};
+    check(cudaFuncGetAttributes(&attributes, narrow_kernel<1, 2, false, false, true>), "mla_decode",
+          "cudaFuncGetAttributes");
+    return attributes.ptxVersion >= 90;
+  });
+}
+
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
-template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false>
+template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false, bool kBulk = false>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped>, kSmem, "mla_decode");
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk>, kSmem, "mla_decode");
 }
 
 template <int kNt, int kStages, bool kChecks = false>
 int blocks_per_sm() {
-  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false>, kThreads, configure<kNt, kStages, kChecks>(),
-                              "mla_decode");
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false, false>, kThreads,
+                              configure<kNt, kStages, kChecks>(), "mla_decode");
 }
 
 // The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
 // takes cooperative launches, the whole grid is resident at once and the merge's staging fits in the
 // tile stages. A grouped prefill's splits always go to the combine.
-template <int kNt, int kStages, bool kChecks, bool kGrouped>
+template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk>
 bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
-  const int smem_bytes = configure<kNt, kStages, kChecks, kGrouped>();
+  const int smem_bytes = configure<kNt, kStages, kChecks, kGrouped, kBulk>();
   const DeviceLimits& device = current_device_limits("mla_decode");
   const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
   a.merge_splits = !kGrouped && a.num_splits > 1 && device.cooperative &&
@@ -588,18 +649,23 @@ bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cu
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped>, grid, kThreads,
+  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk>, grid, kThreads,
                  smem_bytes, stream, a.merge_splits, a, fault, spans);
   return a.merge_splits;
 }
-template <int kNt, int kStages>
+template <int kNt, int kStages, bool kBulk>
 bool launch_instance(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   if (spans != nullptr) {
     if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
-    return launch_instance<kNt, kStages, false, true>(a, fault, spans, stream);
+    return launch_instance<kNt, kStages, false, true, kBulk>(a, fault, spans, stream);
   }
-  return fault.record != nullptr ? launch_instance<kNt, kStages, true, false>(a, fault, spans, stream)
-                                 : launch_instance<kNt, kStages, false, false>(a, fault, spans, stream);
+  return fault.record != nullptr ? launch_instance<kNt, kStages, true, false, kBulk>(a, fault, spans, stream)
+                                 : launch_instance<kNt, kStages, false, false, kBulk>(a, fault, spans, stream);
+}
+template <int kNt, int kStages>
+bool launch_instance(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+  return bulk_copies(a) ? launch_instance<kNt, kStages, true>(a, fault, spans, stream)
+                        : launch_instance<kNt, kStages, false>(a, fault, spans, stream);
 }
 
 }  // namespace
