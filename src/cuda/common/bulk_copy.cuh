@@ -1,9 +1,10 @@
-// src/cuda/common/bulk_copy.cuh - one-thread bulk copies from global to shared memory (the copy
-// engine's cp.async.bulk, sm_90 and later), each completing on a shared-memory mbarrier that the
-// consumers wait on.
+// src/cuda/common/bulk_copy.cuh - bulk copies from global to shared memory (the copy engine's
+// cp.async.bulk, sm_90 and later), each issued by one thread and completing on a shared-memory
+// mbarrier that the consumers wait on.
 //
-// Use: one thread inits the barriers (count 1) and fences them; per copy it announces the bytes
-// (arrive_expect) and issues the copies (or, with nothing to copy, arrives plainly); every consumer
+// Use: one thread inits the barriers (count 1) and fences them; per fill of a buffer one thread
+// announces the bytes (arrive_expect), then it or others issue the copies (or, with nothing to
+// copy, it arrives plainly); every consumer
 // waits for the barrier's phase, which alternates 0, 1, 0, ... with each use. A buffer that ordinary
 // loads read before a copy refills it takes fence_for_copy (or wgmma::fence_shared_for_async, the
 // same fence) in the issuing thread first.

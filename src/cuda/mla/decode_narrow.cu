@@ -265,8 +265,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   }
   __syncthreads();
 
-  // cp.async of tile `tile` into stage tile % kStages, as one commit group; past the last tile an
-  // empty group, so that "all but the newest kStages - 2 groups have landed" always means "this tile".
+  // Without bulk copies: cp.async of tile `tile` into stage tile % kStages, as one commit group; past
+  // the last tile an empty group, so that "all but the newest kStages - 2 groups have landed" always
+  // means "this tile".
   // Eight threads per token (tokens tid / 8 and tid / 8 + 16), one slot read each. An entry starts
   // anywhere inside a 128-byte line (656 = 5 x 128 + 16), so thread p takes the entry's 16-byte
   // pieces that sit at position p of their line: each copy instruction of the eight then reads one
@@ -630,10 +631,12 @@ int configure() {
   return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk>, kSmem, "mla_decode");
 }
 
-template <int kNt, int kStages, bool kChecks = false>
+// The plan asks it of the cp.async instance; a launch of the bulk one asks it of that (the two take
+// the same shared memory and launch bounds).
+template <int kNt, int kStages, bool kChecks = false, bool kBulk = false>
 int blocks_per_sm() {
-  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false, false>, kThreads,
-                              configure<kNt, kStages, kChecks>(), "mla_decode");
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false, kBulk>, kThreads,
+                              configure<kNt, kStages, kChecks, false, kBulk>(), "mla_decode");
 }
 
 // The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
@@ -645,7 +648,7 @@ bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cu
   const DeviceLimits& device = current_device_limits("mla_decode");
   const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
   a.merge_splits = !kGrouped && a.num_splits > 1 && device.cooperative &&
-                   ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages, kChecks>()) * device.multiprocessors &&
+                   ctas <= static_cast<std::int64_t>(blocks_per_sm<kNt, kStages, kChecks, kBulk>()) * device.multiprocessors &&
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
