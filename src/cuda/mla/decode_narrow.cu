@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   }
   __syncthreads();
 
-  // Without bulk copies: cp.async of tile `tile` into stage tile % kStages, as one commit group; past
+  // issue_copies: cp.async of tile `tile` into stage tile % kStages, as one commit group; past
   // the last tile an empty group, so that "all but the newest kStages - 2 groups have landed" always
   // means "this tile".
   // Eight threads per token (tokens tid / 8 and tid / 8 + 16), one slot read each. An entry starts
@@ -273,6 +273,28 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // pieces that sit at position p of their line: each copy instruction of the eight then reads one
   // whole line of the entry, and an entry costs its 6 or 7 lines, not two per instruction.
   const int copy_token = tid / kCopyLanes, copy_piece = tid % kCopyLanes;
+  auto issue_copies = [&](int tile) {
+    if (tile < num_tiles) {
+      const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
+      std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
+#pragma unroll
+      for (int pass = 0; pass < kTile / kCopyTokens; ++pass) {
+        const int token = copy_token + kCopyTokens * pass;
+        const std::int32_t slot = slots[token];
+        const std::uint8_t* entry = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
+        const int first = copy_piece - static_cast<int>((reinterpret_cast<std::uintptr_t>(entry) / 16) % kCopyLanes);
+        const std::uint8_t* src = entry + 16 * first;  // piece `first` (from -7 to 7) of the entry, then + 8 ...
+        std::uint8_t* dst = stage + token * kTokenBytes + 16 * first;
+        const int bytes = slot >= 0 ? 16 : 0;  // zero-filled: an unread token's V meets P = 0, never NaN
+        if (first >= 0) cp_async_16(dst, src, bytes);
+#pragma unroll
+        for (int i = 1; i < kTokenChunks / kCopyLanes; ++i) cp_async_16(dst + 16 * kCopyLanes * i, src + 16 * kCopyLanes * i, bytes);
+        constexpr int kLast = kTokenChunks / kCopyLanes * kCopyLanes * 16;  // piece first + 40 <= 40
+        if (first <= 0) cp_async_16(dst + kLast, src + kLast, bytes);
+      }
+    }
+    cp_async_commit();
+  };
   // With bulk copies (kBulk: sm_90 and later, bulk_copies()) warp 0 copies each run of consecutive
   // slots (the tile's tokens in one page) with one copy, all completing on the stage's barrier, which
   // the first thread arms with the tile's bytes; a tile with no slot completes it by a plain arrival.
@@ -297,30 +319,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     }
   };
   auto issue_tile = [&](int tile) {
-    if constexpr (kBulk) {
-      issue_bulk(tile);
-      return;
-    }
-    if (tile < num_tiles) {
-      const std::int32_t* slots = slot_s + (tile % kStages) * kTile;
-      std::uint8_t* stage = stages + (tile % kStages) * kStageBytes;
-#pragma unroll
-      for (int pass = 0; pass < kTile / kCopyTokens; ++pass) {
-        const int token = copy_token + kCopyTokens * pass;
-        const std::int32_t slot = slots[token];
-        const std::uint8_t* entry = a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
-        const int first = copy_piece - static_cast<int>((reinterpret_cast<std::uintptr_t>(entry) / 16) % kCopyLanes);
-        const std::uint8_t* src = entry + 16 * first;  // piece `first` (from -7 to 7) of the entry, then + 8 ...
-        std::uint8_t* dst = stage + token * kTokenBytes + 16 * first;
-        const int bytes = slot >= 0 ? 16 : 0;  // zero-filled: an unread token's V meets P = 0, never NaN
-        if (first >= 0) cp_async_16(dst, src, bytes);
-#pragma unroll
-        for (int i = 1; i < kTokenChunks / kCopyLanes; ++i) cp_async_16(dst + 16 * kCopyLanes * i, src + 16 * kCopyLanes * i, bytes);
-        constexpr int kLast = kTokenChunks / kCopyLanes * kCopyLanes * 16;  // piece first + 40 <= 40
-        if (first <= 0) cp_async_16(dst + kLast, src + kLast, bytes);
-      }
-    }
-    cp_async_commit();
+    if constexpr (kBulk) issue_bulk(tile);
+    else issue_copies(tile);
   };
   for (int t = 0; t < kStages - 1; ++t) issue_tile(t);
 
