@@ -20,7 +20,9 @@
 //            output B fragments need, so P never goes back to shared memory and the running max and
 //            sum live in registers (each warp holds the same values)
 //   output:  warp w: the 128 dims of fp8 scale block w
-// Two CTA barriers per tile: the tile is staged, and the score partials are complete.
+// Two CTA barriers per tile: the tile is staged, and the score partials are complete. (Per-stage
+// "empty" mbarriers in place of the first, in the bulk instances, were slower: H 8 B 64 x 8K 95.6 ->
+// 96.6 us, H 16 135.8 -> 140.2 - docs/benchmarks.md, twenty-third session.)
 // (8 warps per CTA below kShallowFromBatch requests, each scoring one latent block and writing 64
 // output dims, was slower on every dense decode shape measured, even at equal CTAs: B 1 x 32K, 256
 // CTAs either way, 18.5 -> 20.2 us. The sparse decode at B 1 measured the same. At 8 rows with 3
