@@ -738,7 +738,7 @@ __global__ void __launch_bounds__(kThreads, 6)
       // The walk's turn k + kStages - 1 into that stage.
       if (copier && !ended) {
         const int refill = stage == 0 ? kStages - 1 : stage - 1;
-        wgmma::fence_shared_for_async();  // the stage's reads before the copy engine's writes
+        bulk::fence_for_copy();  // the stage's reads before the copy engine's writes
         fill(refill, send_next, send_page);
         ended = send_next < 0;
         send_next = look_next;
