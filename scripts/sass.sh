@@ -5,9 +5,9 @@
 #
 #   scripts/sass.sh src/cuda/mla/decode_narrow.cu [ARCH] [KERNEL_REGEX]
 #
-# cuobjdump comes from the CUDA toolkit where it has one, else from PyPI's nvidia-cuda-cuobjdump
-# and nvidia-cuda-nvdisasm (which it runs), installed once into .deps/cuobjdump (git-ignored). The GPU machine's equivalent, on the build it
-# runs: scripts/gpu_run.sh build sass.
+# cuobjdump comes from the CUDA toolkit where it has one, else from PyPI's nvidia-cuda-cuobjdump and
+# nvidia-cuda-nvdisasm (which it runs), installed once into .deps/cuobjdump (git-ignored). The GPU
+# machine's equivalent, on the build it runs: scripts/gpu_run.sh build sass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=${1:?usage: scripts/sass.sh SOURCE.cu [ARCH, default 90a] [KERNEL_REGEX]}
