@@ -59,13 +59,14 @@
 namespace latentkv::cuda::mla {
 namespace {
 
+// [[maybe_unused]] below: names only the kernel body uses, which targets without wgmma compile out.
 constexpr int kThreads = 256;       // two warpgroups
 constexpr int kRows = kWgmmaRows;   // query rows per CTA
 constexpr int kTile = kWgmmaTile;   // tokens per tile
-constexpr int kTokenBytes = 656;    // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
+[[maybe_unused]] constexpr int kTokenBytes = 656;  // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
 constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
-constexpr int kHalfBlock = kBlockBytes / 2;                // a block's upper half: its codes before conversion
+[[maybe_unused]] constexpr int kHalfBlock = kBlockBytes / 2;  // a block's upper half: its codes before conversion
 constexpr int kTileBytes = kColumnBlocks * kBlockBytes;    // one K tile (or the queries)
 constexpr int kSlotRing = 3;        // tiles whose slots are kept: this one's (masks), the next two's (copies)
 
@@ -84,7 +85,7 @@ struct WgmmaSmem {
 };
 
 // Barrier of one warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads'), `wg` warp-uniform.
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
+[[maybe_unused]] __device__ __forceinline__ void warpgroup_barrier(int wg) {
   if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
   else asm volatile("bar.sync 2, 128;\n" ::: "memory");
 }
