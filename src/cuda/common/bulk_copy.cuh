@@ -6,8 +6,8 @@
 // announces the bytes (arrive_expect), then it or others issue the copies (or, with nothing to
 // copy, it arrives plainly); every consumer
 // waits for the barrier's phase, which alternates 0, 1, 0, ... with each use. A buffer that ordinary
-// loads read before a copy refills it takes fence_for_copy in the issuing thread first (the fence
-// that wgmma::fence_shared_for_async puts before the tensor cores read what threads stored).
+// loads read before a copy refills it takes fence_for_copy in the issuing thread first (the same
+// fence wgmma::fence_shared_for_async puts before the tensor cores read what threads stored).
 //
 // On targets before sm_90 the copies, arrivals and waits compile to a trap and the fences to
 // nothing: a launcher picks a kernel that uses them only on sm_90 and later (the wgmma kernels,

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/mma.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -63,12 +64,12 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
-// Orders this thread's ordinary shared-memory accesses before the async proxy's next ones: stores
-// before the tensor cores read them (each writing thread runs it before the barrier that publishes
-// the data), or reads before a bulk copy (bulk_copy.cuh) overwrites the buffer.
+// Orders this thread's ordinary shared-memory stores before the tensor cores read them (each writing
+// thread runs it before the barrier that publishes the data): the async-proxy fence that
+// bulk::fence_for_copy also puts before a bulk copy overwrites what threads read.
 __device__ __forceinline__ void fence_shared_for_async() {
 #if LKV_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  bulk::fence_for_copy();
 #endif
 }
 // Keeps the compiler from moving accesses of an accumulator across wgmma issue and wait.
