@@ -95,8 +95,13 @@ struct NarrowSmem {
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ std::uint32_t lds32(const void* p) { return *reinterpret_cast<const std::uint32_t*>(p); }
+__device__ __forceinline__ uint2 lds64(const void* p) { return *reinterpret_cast<const uint2*>(p); }
 __device__ __forceinline__ float token_scale(const std::uint8_t* kv, int token, int block) {
   return reinterpret_cast<const float*>(kv + token * kTokenBytes + 512)[block];
+}
+// The scales of blocks `block` and `block` + 1 (`block` even) of a staged token, one 8-byte load.
+__device__ __forceinline__ float2 token_scale_pair(const std::uint8_t* kv, int token, int block) {
+  return *reinterpret_cast<const float2*>(kv + token * kTokenBytes + 512 + 4 * block);
 }
 
 // The most splits merged in the kernel. With many splits (one long request) a grid barrier over
@@ -344,13 +349,18 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   __syncthreads();  // the queries are staged
 
   // Causal limit of the rows this thread writes scores for: rows n * 8 + 2c + e see tokens < visible.
+  // At 8 rows their query scales too (undone in the score partials), held in registers for the
+  // whole loop; at 16 those 4 more registers spill, and the scales are read from shared memory.
+  constexpr bool kQScaleInRegisters = kNt == 1;
   int visible[kNt][2];
+  float qscale[kNt][2];
 #pragma unroll
   for (int n = 0; n < kNt; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int row = n * 8 + 2 * c + e;
       visible[n][e] = visible_tokens(a, rows, len, row);
+      if constexpr (kQScaleInRegisters) qscale[n][e] = row_qscale[row];
     }
   // Running softmax state of rows n * 8 + r (log2 domain), the same in every warp, and the running
   // unit of scale block `warp`: the largest scale seen, so that P' = P x scale / unit <= 1.
@@ -431,8 +441,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       }
       // Element e of n-tile n: token (e < 2 ? tok0 : tok1), row n * 8 + 2c + (e & 1). A token past
       // the split, past the row's causal limit or without a slot (not read) is -inf in both halves.
-      const float sc0[2] = {token_scale(kv, tok0, 2 * half), token_scale(kv, tok0, 2 * half + 1)};
-      const float sc1[2] = {token_scale(kv, tok1, 2 * half), token_scale(kv, tok1, 2 * half + 1)};
+      const float2 scales0 = token_scale_pair(kv, tok0, 2 * half), scales1 = token_scale_pair(kv, tok1, 2 * half);
+      const float sc0[2] = {scales0.x, scales0.y}, sc1[2] = {scales1.x, scales1.y};
       const int pos0 = tile_begin + tok0, pos1 = tile_begin + tok1;
       const bool read0 = pos0 < end && tile_slots[tok0] >= 0, read1 = pos1 < end && tile_slots[tok1] >= 0;
 #pragma unroll
@@ -442,7 +452,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
           const int token = e < 2 ? tok0 : tok1;
           const int row = n * 8 + 2 * c + (e & 1);
           const float* sc = e < 2 ? sc0 : sc1;
-          float part = (acc[0][n][e] * sc[0] + acc[1][n][e] * sc[1]) * row_qscale[row];
+          const float q_undo = kQScaleInRegisters ? qscale[n][e & 1] : row_qscale[row];
+          float part = (acc[0][n][e] * sc[0] + acc[1][n][e] * sc[1]) * q_undo;
           if (kSplitRope || half == 1) part += acc[2][n][e];
           const bool keep = (e < 2 ? read0 : read1) && (e < 2 ? pos0 : pos1) < visible[n][e & 1];
           s_part[(half * kRows + row) * kSStride + token] = keep ? part : -INFINITY;
@@ -532,20 +543,19 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
         }
 #pragma unroll
         for (int gi = 0; gi < 2; ++gi) {
-          const int dim_r = 64 * (2 * warp + gi) + 4 * r;  // dims of rows r (+0) and r + 8 (+32)
-          const std::uint8_t* t0p = kv + t * kTokenBytes;
-          const std::uint32_t w00 = lds32(t0p + dim_r), w01 = lds32(t0p + kTokenBytes + dim_r);
-          const std::uint32_t w10 = lds32(t0p + 8 * kTokenBytes + dim_r), w11 = lds32(t0p + 9 * kTokenBytes + dim_r);
-          const std::uint32_t v00 = lds32(t0p + dim_r + 32), v01 = lds32(t0p + kTokenBytes + dim_r + 32);
-          const std::uint32_t v10 = lds32(t0p + 8 * kTokenBytes + dim_r + 32);
-          const std::uint32_t v11 = lds32(t0p + 9 * kTokenBytes + dim_r + 32);
+          // Dims dim_r .. dim_r + 7 of tokens t, t + 1, t + 8, t + 9, one 8-byte load each: the
+          // first four for row r, the last four for row r + 8.
+          const int dim_r = 64 * (2 * warp + gi) + 8 * r;
+          const std::uint8_t* t0p = kv + t * kTokenBytes + dim_r;
+          const uint2 x00 = lds64(t0p), x01 = lds64(t0p + kTokenBytes);
+          const uint2 x10 = lds64(t0p + 8 * kTokenBytes), x11 = lds64(t0p + 9 * kTokenBytes);
           // Token pairs per dim: selector 0x5140 -> dims +0, +1; 0x7362 -> dims +2, +3.
-          const std::uint32_t pa[2] = {prmt(w00, w01, 0x5140), prmt(w00, w01, 0x7362)};
-          const std::uint32_t pb[2] = {prmt(v00, v01, 0x5140), prmt(v00, v01, 0x7362)};
-          const std::uint32_t pc[2] = {prmt(w10, w11, 0x5140), prmt(w10, w11, 0x7362)};
-          const std::uint32_t pd[2] = {prmt(v10, v11, 0x5140), prmt(v10, v11, 0x7362)};
+          const std::uint32_t pa[2] = {prmt(x00.x, x01.x, 0x5140), prmt(x00.x, x01.x, 0x7362)};
+          const std::uint32_t pb[2] = {prmt(x00.y, x01.y, 0x5140), prmt(x00.y, x01.y, 0x7362)};
+          const std::uint32_t pc[2] = {prmt(x10.x, x11.x, 0x5140), prmt(x10.x, x11.x, 0x7362)};
+          const std::uint32_t pd[2] = {prmt(x10.y, x11.y, 0x5140), prmt(x10.y, x11.y, 0x7362)};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // m-tile: rows r -> dim dim_r + j, r + 8 -> dim dim_r + 32 + j
+          for (int j = 0; j < 4; ++j) {  // m-tile: rows r -> dim dim_r + j, r + 8 -> dim dim_r + 4 + j
             const auto cvt = j % 2 == 0 ? fp8x2_to_f16x2 : fp8x2_hi_to_f16x2;
             const std::uint32_t a0 = cvt(pa[j / 2]), a1 = cvt(pb[j / 2]), a2 = cvt(pc[j / 2]), a3 = cvt(pd[j / 2]);
             float(&acc)[kNt][4] = acc_o[4 * gi + j];
@@ -579,9 +589,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       const float inv = l > 0.0f ? unit / l : 0.0f;
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
-        const int dim = 64 * (2 * warp + m / 4) + 4 * r + m % 4;
+        const int dim = 64 * (2 * warp + m / 4) + 8 * r + m % 4;
         out_s[row * kOutStride + dim] = acc_o[m][n][e] * inv;
-        out_s[row * kOutStride + dim + 32] = acc_o[m][n][e + 2] * inv;
+        out_s[row * kOutStride + dim + 4] = acc_o[m][n][e + 2] * inv;
       }
       if (warp == 0 && r == 0 && row < rows.count) {
         const float lse = row_lse(mx, l);
