@@ -31,6 +31,9 @@
 // memory and taking its split's tiles from a shared counter, so that the 4 CTAs that otherwise share
 // an SM, and end their loops up to 14 us apart, end together: H 8 B 64 x 8K 96.0 -> 98.8 us, B 48
 // 77.9 -> 97.2 (2 splits, 96 CTAs), B 32 57.2 -> 56.4 - docs/benchmarks.md, twenty-fourth session.)
+// (Nor did claims of a request's last tiles from a counter per request: 3% back over the same loop
+// without them, but the tile positions they need cost 4%, so H 8 B 64 x 8K 97.3 -> 98.4 us; nor did
+// uneven split shares by dispatch order - docs/benchmarks.md, twenty-fifth session.)
 // (Nor did warps that each own 16-token tiles, with their own stages, softmax and all 512 output
 // dims, and no CTA barrier in the loop: about half the instructions per token, 2 CTAs per SM at 251
 // registers. H 8 B 64 x 8K 98.8 against 102.5 us on one instance, 101.6 against 101.2 on another;
