@@ -121,6 +121,7 @@ for step in "${steps[@]}"; do
       run_bench h8_b64_8k --model glm5 --tp 8 --batch 64 --context 8192 --pool 600000 --backends cuda,gather_cast
       run_bench h8_b1_256k --model glm5 --tp 8 --batch 1 --context 262144 --pool 600000 --backends cuda,gather_cast
       run_bench h16_b64_8k --model glm5 --tp 4 --batch 64 --context 8192 --pool 600000 --backends cuda
+      run_bench h8_b64_mixed --model glm5 --tp 8 --batch 64 --context 16384 --context-min 1024 --pool 1200000 --backends cuda,gather_cast --check-requests 4
       run_bench h128_b64_8k --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --pool 600000 --backends cuda --iters 20 --check-requests 1
       run_bench sparse_h8_b64_k2048 --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000 --backends cuda
       run_bench sparse_h8_b1_k2048 --op sparse_mla_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 495000 --backends cuda

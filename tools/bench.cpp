@@ -24,7 +24,9 @@ std::string repro_line(const BenchOptions& o) {
   std::ostringstream os;
   os << "latentkv bench --op " << o.op << " --model " << o.model << " --tp " << o.tp;
   if (o.heads > 0) os << " --heads " << o.heads;
-  os << " --batch " << o.batch << " --context " << o.context << " --pool " << o.pool;
+  os << " --batch " << o.batch << " --context " << o.context;
+  if (o.context_min > 0) os << " --context-min " << o.context_min;
+  os << " --pool " << o.pool;
   if (o.op.ends_with("prefill")) os << " --new-tokens " << o.new_tokens;
   else os << " --q-len " << o.q_len;
   os
@@ -47,8 +49,12 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
   const bool prefill = o.op.ends_with("prefill");
   const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
   const std::string queries = prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
-  std::printf("shape: %s, %s tp %d, batch %d, context %lld, %s%s, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
-              o.op.c_str(), o.model.c_str(), o.tp, o.batch, static_cast<long long>(o.context), queries.c_str(),
+  const std::string context = o.context_min > 0 ? std::to_string(o.context_min) + ".." + std::to_string(o.context) +
+                                                      " (each request's drawn uniformly)"
+                                                : std::to_string(o.context);
+  std::printf("shape: %s, %s tp %d, batch %d, context %s, %s%s, page %d, %s cache, pool %lld tokens, %d rotation "
+              "sets\n",
+              o.op.c_str(), o.model.c_str(), o.tp, o.batch, context.c_str(), queries.c_str(),
               sparse ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
               o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
   if (r.matrix_tflops > 0) std::printf("matrix rate (this run): %.0f TFLOP/s, %s\n", r.matrix_tflops, r.matrix_how.c_str());
@@ -92,7 +98,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
   j["empty_launch_us"] = r.empty_launch_us;
   j["empty_graph_us"] = r.empty_graph_us;
   j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
-                {"batch", o.batch},   {"context", o.context},   {"q_len", o.q_len},
+                {"batch", o.batch},   {"context", o.context},   {"context_min", o.context_min}, {"q_len", o.q_len},
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
                 {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
@@ -132,6 +138,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
   cmd->add_option("--batch", opt->batch, "Requests")->check(CLI::Range(1, 4096));
   cmd->add_option("--context", opt->context, "Tokens per request")->check(CLI::PositiveNumber);
+  cmd->add_option("--context-min", opt->context_min,
+                  "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")->check(CLI::PositiveNumber);
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, 4));
   cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")->check(CLI::PositiveNumber);
@@ -154,6 +163,13 @@ void add_bench_command(CLI::App& app) {
   cmd->callback([opt] {
     if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
       throw Error("bench", "--op", opt->op, "mla_decode or sparse_mla_decode with --splits");
+    }
+    if (opt->context_min > 0 && opt->op != "mla_decode") {
+      throw Error("bench", "--op", opt->op, "mla_decode with --context-min");
+    }
+    if (opt->context_min > opt->context) {
+      throw Error("bench", "--context-min", std::to_string(opt->context_min),
+                  "at most --context (" + std::to_string(opt->context) + ")");
     }
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)

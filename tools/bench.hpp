@@ -14,6 +14,7 @@ struct BenchOptions {
   int heads = 0;  // overrides the model's heads per GPU when > 0
   int batch = 1;
   std::int64_t context = 32768;
+  std::int64_t context_min = 0;  // mla_decode: lengths drawn in [context_min, context] when > 0 (mixed batch)
   std::int64_t pool = 495000;
   int q_len = 1;
   int new_tokens = 4096;  // prefill: the newest tokens of each request that are queries

@@ -146,6 +146,18 @@ std::vector<DecodeCase> cases() {
   std::vector<std::int64_t> forty;
   for (int b = 0; b < 40; ++b) forty.push_back(300 + 37 * b);
   v.push_back({"cuda", fp8, 8, 1, 64, forty, 16});
+  // Batches the narrow kernel merges itself, of mixed lengths: its CTAs go to the requests by length
+  // (the balanced grid), one long request among short and empty ones taking the most pieces a
+  // request may, and CTAs left without work; 8 and 16 rows, on bulk copies and (pages of 17) cp.async.
+  std::vector<std::int64_t> ragged;
+  for (int b = 0; b < 40; ++b) ragged.push_back(b == 7 ? 20000 : b % 5 == 0 ? 0 : 1 + (97 * b) % 1500);
+  v.push_back({"cuda", fp8, 8, 1, 64, ragged});
+  v.push_back({"cuda", fp8, 16, 1, 64, ragged});
+  v.push_back({"cuda", fp8, 8, 2, 17, ragged});
+  // ... and lengths close to one another, each request taking one to a few more pieces than another.
+  std::vector<std::int64_t> close;
+  for (int b = 0; b < 36; ++b) close.push_back(2500 + 211 * b);
+  v.push_back({"cuda", fp8, 8, 1, 64, close});
   // One head over 3 splits: 42 or 43 units of the merge per CTA, fewer than its 128 threads.
   v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3});
   // 8 rows on pages that are not a power of two: the division path of position_page.
@@ -213,9 +225,12 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
 }
 
 // The fault tests' cache: three requests (300, 1000 and 129 tokens) of `dtype`.
-PagedFixture fault_fixture(KvDtype dtype, Rng& rng) {
+// Three requests, or (`requests` > 3) more of mixed lengths, which the narrow kernel merges itself
+// with its CTAs shared out by length.
+PagedFixture fault_fixture(KvDtype dtype, Rng& rng, int requests = 3) {
   PagedFixtureOptions opt;
   opt.lengths = {300, 1000, 129};
+  for (int b = 3; b < requests; ++b) opt.lengths.push_back(40 + 173 * b);
   opt.kv_dtype = dtype;
   opt.with_indexer = false;
   return make_paged_fixture(opt, rng);
@@ -231,15 +246,17 @@ std::string gpu_decode_fault(PagedFixture& f, const HostTensor& q) {
   return d.fault.message();
 }
 
-// Bad lengths and pages in device memory, one at a time, on the narrow kernel, the many-heads one
-// (wgmma on sm_90) and the bf16 one: the kernels skip what they cannot read and note the fault, and
-// the record throws the reference's own Error for the same input. The block table has its spare -1
-// column: a length past the capacity is one fault, whatever the pages past it hold.
+// Bad lengths and pages in device memory, one at a time, on the narrow kernel (also in its balanced
+// grid, 40 requests), the many-heads one (wgmma on sm_90) and the bf16 one: the kernels skip what
+// they cannot read and note the fault, and the record throws the reference's own Error for the same
+// input. The block table has its spare -1 column: a length past the capacity is one fault, whatever
+// the pages past it hold.
 TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Kernel {
     KvDtype dtype;
     int heads;
+    int requests = 3;
   };
   struct Bad {
     const char* what;
@@ -252,11 +269,13 @@ TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
       {"a length past the block table", [](PagedFixture& f) { f.seq_lens[1] = f.max_pages * f.page_size + 1; }},
       {"a negative length", [](PagedFixture& f) { f.seq_lens[2] = -1; }},
   };
-  for (const Kernel k : {Kernel{KvDtype::kFp8E4M3, 8}, Kernel{KvDtype::kFp8E4M3, 64}, Kernel{KvDtype::kBf16, 8}}) {
+  for (const Kernel k : {Kernel{KvDtype::kFp8E4M3, 8}, Kernel{KvDtype::kFp8E4M3, 8, 40}, Kernel{KvDtype::kFp8E4M3, 64},
+                         Kernel{KvDtype::kBf16, 8}}) {
     for (const Bad& b : bad) {
-      SCOPED_TRACE(std::string(kv_dtype_name(k.dtype)) + ", H " + std::to_string(k.heads) + ": " + b.what);
+      SCOPED_TRACE(std::string(kv_dtype_name(k.dtype)) + ", H " + std::to_string(k.heads) + ", " +
+                   std::to_string(k.requests) + " requests: " + b.what);
       Rng rng = test_rng();
-      PagedFixture f = fault_fixture(k.dtype, rng);
+      PagedFixture f = fault_fixture(k.dtype, rng, k.requests);
       HostTensor q = random_bf16(rng, {f.batch(), 1, k.heads, 576});
       b.spoil(f);
       const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
@@ -267,22 +286,28 @@ TEST(GpuMlaDecodeFaults, RecordTheReferencesError) {
 }
 
 // A query value that is not finite, one at a time (a NaN in a latent dim of the last row, inf and
-// -inf in rope dims of other rows and requests), on the narrow, wgmma and bf16 kernels, with the
-// splits of the plan: the kernels stage q as before and note the value, and the record throws the
-// reference's own Error for the same q.
+// -inf in rope dims of other rows and requests), on the narrow (also in its balanced grid), wgmma
+// and bf16 kernels, with the splits of the plan: the kernels stage q as before and note the value,
+// and the record throws the reference's own Error for the same q.
 TEST(GpuMlaDecodeFaults, NonFiniteQueriesAreTheReferencesError) {
   LKV_REQUIRE_GPU();
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  for (const auto& [dtype, heads] : {std::pair{KvDtype::kFp8E4M3, 8}, std::pair{KvDtype::kFp8E4M3, 64},
-                                     std::pair{KvDtype::kBf16, 8}}) {
+  struct Kernel {
+    KvDtype dtype;
+    int heads;
+    int requests = 3;
+  };
+  for (const auto& [dtype, heads, requests] : {Kernel{KvDtype::kFp8E4M3, 8}, Kernel{KvDtype::kFp8E4M3, 8, 40},
+                                               Kernel{KvDtype::kFp8E4M3, 64}, Kernel{KvDtype::kBf16, 8}}) {
     const std::int64_t row = 576, last_row = (1 * 2 + 1) * heads + heads - 1;  // request 1, q position 1, last head
     for (const auto& [element, value] : {std::pair{last_row * row + 300, std::nan("")},
                                          std::pair{(2 * 2 * heads + 3) * row + 570, kInf},
                                          std::pair{std::int64_t{5} * row + 512, -kInf}}) {
-      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", element " +
-                   std::to_string(element) + " = " + std::to_string(value));
+      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", H " + std::to_string(heads) + ", " +
+                   std::to_string(requests) + " requests, element " + std::to_string(element) + " = " +
+                   std::to_string(value));
       Rng rng = test_rng();
-      PagedFixture f = fault_fixture(dtype, rng);
+      PagedFixture f = fault_fixture(dtype, rng, requests);
       HostTensor q = random_bf16(rng, {f.batch(), 2, heads, 576});
       q.set(element, value);
       const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });

@@ -91,16 +91,28 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
   const bool sparse = opt.op == "sparse_mla_decode";
   const DevicePool pool(opt.pool, opt.page_size, dtype, false, opt.seed, stream);
   const std::int64_t token_bytes = static_cast<std::int64_t>(kv_token_bytes(dtype));
+  // Each request's length: the context, or (--context-min, a mixed batch) drawn uniformly from
+  // [context_min, context], the same draw in every rotation set.
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(opt.batch), opt.context);
+  if (opt.context_min > 0) {
+    if (opt.context_min < opt.q_len) throw Error("bench", "context_min", std::to_string(opt.context_min), ">= q_len");
+    std::mt19937_64 rng(opt.seed * 31 + 7);
+    std::uniform_int_distribution<std::int64_t> draw(opt.context_min, opt.context);
+    for (std::int64_t& length : lengths) length = draw(rng);
+  }
   // Tokens each call reads: every visible token (dense) or every selected one (sparse).
   double attended = 0;
-  for (int i = 0; i < opt.q_len; ++i) {
-    const double visible = static_cast<double>(opt.context - opt.q_len + i + 1);
-    attended += sparse ? std::min<double>(visible, opt.topk) : visible;
+  for (const std::int64_t length : lengths) {
+    for (int i = 0; i < opt.q_len; ++i) {
+      const double visible = static_cast<double>(length - opt.q_len + i + 1);
+      attended += sparse ? std::min<double>(visible, opt.topk) : visible;
+    }
   }
-  const std::int64_t bytes_per_call = static_cast<std::int64_t>(attended) * opt.batch * token_bytes;
-  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size,
-                                       opt.batch * (opt.context + opt.page_size));
-  const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
+  const std::int64_t bytes_per_call = static_cast<std::int64_t>(attended) * token_bytes;
+  const std::int64_t tokens_per_set = std::accumulate(lengths.begin(), lengths.end(), std::int64_t{0}) +
+                                      static_cast<std::int64_t>(opt.batch) * opt.page_size;
+  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size, tokens_per_set);
+  const RequestSets sets = make_request_sets(pool, report.rotation_sets, lengths, opt.seed);
 
   // Queries, outputs (and index rows), one set per rotation.
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 576;
@@ -154,7 +166,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
 
   // Work the op must do: each attended token's bytes once, the queries and outputs; 2 H (576 + 512)
   // FLOP per attended token and query row.
-  const double flops = 2.0 * heads * (576 + 512) * attended * opt.batch;
+  const double flops = 2.0 * heads * (576 + 512) * attended;
   const double bytes = static_cast<double>(bytes_per_call) + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +
                        4.0 * static_cast<double>(index_elems);
 

@@ -75,20 +75,26 @@ IndexerCache DevicePool::indexer() const {
 }
 
 RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::int64_t length, std::uint64_t seed) {
+  return make_request_sets(pool, sets, std::vector<std::int64_t>(static_cast<std::size_t>(batch), length), seed);
+}
+
+RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vector<std::int64_t>& lengths,
+                              std::uint64_t seed) {
   PageAllocator allocator(pool.num_pages, pool.page_size, seed | 1);
   RequestSets r;
   r.sets = sets;
-  r.batch = batch;
-  r.max_pages = static_cast<int>(std::max<std::int64_t>(1, allocator.pages_for(length)));
+  r.batch = static_cast<int>(lengths.size());
+  const std::int64_t longest = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  r.max_pages = static_cast<int>(std::max<std::int64_t>(1, allocator.pages_for(longest)));
   for (int s = 0; s < sets; ++s) {
     std::vector<RequestId> ids;
-    for (int b = 0; b < batch; ++b) {
+    for (const std::int64_t length : lengths) {
       ids.push_back(allocator.add_request());
       allocator.grow(ids.back(), length);
     }
     const auto table = allocator.block_table_matrix(ids, r.max_pages);
     r.host_tables.insert(r.host_tables.end(), table.begin(), table.end());
-    for (int b = 0; b < batch; ++b) r.host_lens.push_back(static_cast<std::int32_t>(length));
+    for (const std::int64_t length : lengths) r.host_lens.push_back(static_cast<std::int32_t>(length));
   }
   r.tables = DeviceMemory(r.host_tables.size() * 4);
   r.lens = DeviceMemory(r.host_lens.size() * 4);

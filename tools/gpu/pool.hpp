@@ -28,8 +28,9 @@ struct DevicePool {
   DeviceMemory indexer_bytes;  // [num_pages, page_size * 132] or empty
 };
 
-// `sets` groups of `batch` requests of `length` tokens each, pages drawn shuffled from the pool.
-// Timed loops rotate through the sets so that repeated calls do not read from L2.
+// `sets` groups of `batch` requests of `length` tokens each (or of lengths[b] tokens, the same in
+// every set), pages drawn shuffled from the pool. Timed loops rotate through the sets so that
+// repeated calls do not read from L2.
 struct RequestSets {
   int sets = 0;
   int batch = 0;
@@ -41,6 +42,8 @@ struct RequestSets {
   const std::int32_t* lengths(int set) const { return lens.get<std::int32_t>() + static_cast<std::size_t>(set) * batch; }
 };
 RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::int64_t length, std::uint64_t seed);
+RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vector<std::int64_t>& lengths,
+                              std::uint64_t seed);
 
 // Index rows [sets, B, q_len, topk]: for each of a request's q_len newest tokens (token i sees
 // positions t < context - q_len + i + 1), topk distinct visible positions (all of them when fewer)

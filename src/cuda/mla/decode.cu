@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
   const int row_base = blockIdx.x * kGroups * kRowsPerGroup;
 
   wait_for_previous_kernels();
-  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTileTokens);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, a.num_splits, kTileTokens);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // Queries of this CTA's rows into shared memory (rows past the last are zero).
   for (int c = tid; c < kGroups * kRowsPerGroup * 72; c += kThreads) {

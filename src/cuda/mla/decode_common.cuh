@@ -105,30 +105,34 @@ struct DecodeArgs {
   int rows;
   int num_splits;
   bool merge_splits;                 // the kernel merges the splits itself (narrow kernel, cooperative launch)
+  bool balanced;                     // the narrow kernel's CTAs are shared out by length (decode_narrow.cu)
   float scale_log2;                  // softmax_scale * log2(e)
 };
 
-// The tokens [begin, end) of request b that split `split` covers: the request's length (clamped to
-// its block table's capacity; a length outside it is noted by split 0's first thread) cut into
-// num_splits chunks of whole tiles. Read on the device, so a captured step follows the lengths as
-// they grow.
+// The tokens [begin, end) of request b that split `split` of `splits` covers: the request's length
+// (clamped to its block table's capacity; a length outside it is noted by split 0's first thread)
+// cut into `splits` chunks of whole tiles (a.num_splits, or the request's own count in the narrow
+// kernel's balanced grid, which passes the length it read as known_len). Read on the device, so a
+// captured step follows the lengths as they grow.
 // Sparse decode has no lengths: a row's tokens are the index_cols entries of its index row.
 struct SplitRange {
   int len, begin, end, num_tiles;
 };
+__device__ __forceinline__ int request_length(const DecodeArgs& a, int b) {
+  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+  return static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+}
 template <bool kChecks>
 __device__ __forceinline__ SplitRange split_range(const DecodeArgs& a, const FaultSink& fault, int b, int split,
-                                                  int tile_tokens) {
-  const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+                                                  int splits, int tile_tokens, int known_len = -1) {
   SplitRange s;
-  s.len = a.indices != nullptr ? a.index_cols
-                               : static_cast<int>(min(static_cast<std::int64_t>(max(a.seq_lens[b], 0)), capacity));
+  s.len = a.indices != nullptr ? a.index_cols : known_len >= 0 ? known_len : request_length(a, b);
   if constexpr (kChecks) {
     if (a.indices == nullptr && split == 0 && threadIdx.x == 0) {
       check_length(fault, b, a.seq_lens[b], a.max_pages, a.page_size);
     }
   }
-  int chunk = (s.len + a.num_splits - 1) / a.num_splits;
+  int chunk = (s.len + splits - 1) / splits;
   chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
   s.begin = min(split * chunk, s.len);
   s.end = min(s.begin + chunk, s.len);
@@ -176,6 +180,14 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const Request
 // disturb the loop's scheduling); the kernel notes it in the call's record after the loop. Every
 // kernel comes in two instances, with these checks (a call given a fault record) and without, so
 // that a call without a record runs exactly the unchecked code.
+// (entry_row and row_entry split it further: a loop over one request's tokens keeps one pointer.)
+__device__ __forceinline__ const std::int32_t* entry_row(const DecodeArgs& a, int b) {
+  return a.indices != nullptr ? a.indices + static_cast<std::int64_t>(b) * a.index_cols
+                              : a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+}
+__device__ __forceinline__ std::int32_t row_entry(const DecodeArgs& a, const std::int32_t* row, int t) {
+  return row[a.indices != nullptr ? t : position_page(t, a.page_size, a.page_shift)];
+}
 __device__ __forceinline__ std::int32_t load_token_entry(const DecodeArgs& a, int b, int t) {
   if (a.indices != nullptr) return a.indices[static_cast<std::int64_t>(b) * a.index_cols + t];
   return a.block_table[static_cast<std::int64_t>(b) * a.max_pages + position_page(t, a.page_size, a.page_shift)];

@@ -43,6 +43,12 @@
 // launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
 // outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
 // be zeroed. Otherwise decode.cu's combine kernel merges them.
+// A dense decode merged in the kernel (on bulk copies) hands its CTAs out by the requests' lengths
+// rather than num_splits to each (the balanced grid, balanced_piece below): in a batch of mixed
+// lengths an even grid waits for the pieces of its longest request. H200, glm5 tp 8, B 64 of 1K to
+// 16K tokens, even / balanced: 150.8 / 115.1 us (H 16: 246.5 / 176.0); at equal lengths, where both
+// cut the same pieces, the balanced grid's prologue costs 1-2% (B 64 x 8K 95.4 / 96.6 us, H 16
+// 137.2 / 138.3) - docs/benchmarks.md, twenty-sixth session.
 // A dense prefill on few heads runs here in groups of new tokens (up to 16 rows: DecodeGroups in
 // launch.hpp) where the wgmma kernel does not serve it (sm_89, sm_100, sm_120, an sm_90 build
 // without sm_90a code, LATENTKV_MLA_KERNEL=mma).
@@ -94,7 +100,8 @@ struct NarrowSmem {
   static constexpr int kSPart = kQRope + kRows * kRopeStride;        // f32 [2][kRows][kSStride]
   static constexpr int kRowQScale = kSPart + 4 * 2 * kRows * kSStride;  // f32 [kRows], 2^-e of the f16 queries
   static constexpr int kSlots = kRowQScale + 4 * kRows;              // i32 [kStages][kTile]
-  static constexpr int kBars = (kSlots + 4 * kStages * kTile + 7) / 8 * 8;  // u64 [kStages] (bulk copies)
+  static constexpr int kPiece = kSlots + 4 * kStages * kTile;        // i32 [5]: the CTA's Piece (balanced grid)
+  static constexpr int kBars = (kPiece + 20 + 7) / 8 * 8;            // u64 [kStages] (bulk copies)
   static constexpr int kBytes = kBars + 8 * kStages;
   static_assert(kBytes <= 99 * 1024, "must fit the 99 KB per block of sm_89 and sm_120");
   static_assert(kRows * kOutStride * 4 <= kStages * kStageBytes, "the output rows are staged over the tiles");
@@ -131,21 +138,106 @@ __host__ __device__ constexpr std::size_t merge_bytes(int splits, int rows) {
   const MergeShape m(splits, rows);
   return 16 * (static_cast<std::size_t>(m.most_units) * splits + kThreads) + 4 * static_cast<std::size_t>(m.most_rows) * (splits + 1);
 }
+// The most of any merge of 2 to kMergeMostSplits splits (a balanced grid's requests have any count).
+constexpr std::size_t most_merge_bytes(int rows) {
+  std::size_t most = 0;
+  for (int s = 2; s <= kMergeMostSplits; ++s) most = merge_bytes(s, rows) > most ? merge_bytes(s, rows) : most;
+  return most;
+}
 
-// The split combine inside the kernel, after the grid barrier: the CTA of split `split` of request
-// b merges its units over the S splits (o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse),
-// as decode.cu's combine_kernel), and writes the lse of the rows whose first unit it owns. One round
-// trip to L2: every partial it needs goes out at once by cp.async (which reads past L1, so other
-// SMs' writes are seen) while the warps load the rows' lse; the sums then run from shared memory,
-// `groups` threads per unit sharing the splits when the CTA has few units.
-__device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned char* scratch) {
-  const int splits = a.num_splits, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+// A CTA's share of the call: piece j of request b's `count` pieces (its tokens cut into `count`
+// chunks of whole tiles, split_range), whose partial rows (count > 1) go to workspace slot
+// first + j x stride: slot y x batch + x of CTA (x, y) in an even grid, the CTA's own index in a
+// balanced one, which also knows the request's length (len; -1: not read yet). b = -1: a CTA of a
+// balanced grid left without work.
+struct Piece {
+  int b, j, count, first, stride, len;
+  __device__ std::int64_t slot_row(int piece, int row, int rows) const {
+    return (static_cast<std::int64_t>(first) + static_cast<std::int64_t>(piece) * stride) * rows + row;
+  }
+};
+
+// The balanced grid (DecodeArgs::balanced: the in-kernel merge of a dense decode). An even grid cuts
+// every request into num_splits pieces, so in a batch of mixed lengths the pieces of the longest
+// take the longest and the call waits for them. Here the grid's G CTAs, in dispatch order (c = y x
+// num_splits + x), go to the requests by length: request b, of tiles_b 32-token tiles (T over the
+// batch, B requests), takes 1 + floor(tiles_b (G - B) / T) consecutive CTAs, at most
+// kMergeMostSplits, so that no piece holds much more than T / (G - B) tiles whatever the lengths
+// (equal lengths: num_splits pieces each, the even grid). Every CTA works it out from the lengths,
+// kBalancedPerThread requests a thread at most (a load each, a block sum, a block scan; the
+// products in double, exact, and the quotient's floor never above the exact one, so the counts sum
+// to at most G), and puts its piece in `out` (5 ints) for the epilogue; `scratch` takes 8 doubles.
+// Larger batches, sparse decodes (every row reads index_cols tokens) and calls merged by
+// decode.cu's combine keep the even grid.
+constexpr int kBalancedPerThread = 4;
+constexpr int kBalancedMostBatch = kBalancedPerThread * kThreads;
+__device__ Piece balanced_piece(const DecodeArgs& a, double* scratch, int* out) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int ctas = a.num_splits * a.batch;
+  const int c = static_cast<int>(blockIdx.y) * a.num_splits + static_cast<int>(blockIdx.x);  // dispatch order
+  int len[kBalancedPerThread];
+  double tiles[kBalancedPerThread], sum = 0.0;
+#pragma unroll
+  for (int k = 0; k < kBalancedPerThread; ++k) {  // this thread's requests tid x 4 + k
+    const int b = tid * kBalancedPerThread + k;
+    len[k] = b < a.batch ? request_length(a, b) : -1;
+    tiles[k] = len[k] > 0 ? static_cast<double>((len[k] + kTile - 1) / kTile) : 0.0;
+    sum += tiles[k];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) scratch[warp] = sum;
+  __syncthreads();
+  const double total = scratch[0] + scratch[1] + scratch[2] + scratch[3];
+  const double spare = ctas - a.batch;
+  int pieces[kBalancedPerThread], mine = 0;
+#pragma unroll
+  for (int k = 0; k < kBalancedPerThread; ++k) {
+    const double more = total > 0.0 ? floor(tiles[k] * spare / total) : 0.0;
+    pieces[k] = len[k] >= 0 ? 1 + static_cast<int>(fmin(more, kMergeMostSplits - 1.0)) : 0;
+    mine += pieces[k];
+  }
+  int first = mine;  // inclusive scan over the warp, then over the warps before, then exclusive
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, first, off);
+    if (lane >= off) first += v;
+  }
+  if (lane == 31) scratch[4 + warp] = first;
+  if (tid == 0) out[0] = -1;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) first += static_cast<int>(scratch[4 + w]);
+  first -= mine;
+#pragma unroll
+  for (int k = 0; k < kBalancedPerThread; ++k) {
+    if (c >= first && c < first + pieces[k]) {
+      out[0] = tid * kBalancedPerThread + k;
+      out[1] = c - first;
+      out[2] = pieces[k];
+      out[3] = first;
+      out[4] = len[k];
+    }
+    first += pieces[k];
+  }
+  __syncthreads();
+  return {out[0], out[1], out[2], out[3], 1, out[4]};
+}
+
+// The split combine inside the kernel, after the grid barrier: the CTA of piece j of request b
+// merges its units over the request's S pieces (o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max
+// lse), as decode.cu's combine_kernel), and writes the lse of the rows whose first unit it owns.
+// One round trip to L2: every partial it needs goes out at once by cp.async (which reads past L1,
+// so other SMs' writes are seen) while the warps load the rows' lse; the sums then run from shared
+// memory, `groups` threads per unit sharing the pieces when the CTA has few units.
+__device__ void merge_splits(const DecodeArgs& a, const Piece& piece, unsigned char* scratch) {
+  const int splits = piece.count, split = piece.j, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const MergeShape shape(splits, a.rows);
   const int q0 = static_cast<int>(static_cast<std::int64_t>(split) * shape.units / splits);
   const int units = static_cast<int>(static_cast<std::int64_t>(split + 1) * shape.units / splits) - q0;
   if (units == 0) return;  // more splits than units: nothing left for this CTA
-  const std::int64_t stride = static_cast<std::int64_t>(a.batch) * a.rows;  // rows from one split's partials to the next
-  const std::int64_t row0 = static_cast<std::int64_t>(b) * a.rows;
+  const std::int64_t row0 = static_cast<std::int64_t>(piece.b) * a.rows;  // of o and lse
+  const std::int64_t part0 = static_cast<std::int64_t>(piece.first) * a.rows;           // piece 0's partial rows
+  const std::int64_t part_stride = static_cast<std::int64_t>(piece.stride) * a.rows;  // from one piece's to the next
   const int first_row = q0 / 128, rows = (q0 + units - 1) / 128 - first_row + 1;
   float4* part_s = reinterpret_cast<float4*>(scratch);  // [splits][units]
   float4* red_s = part_s + static_cast<std::size_t>(splits) * units;  // [kThreads]
@@ -155,7 +247,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
   const int step_s = kThreads / units, step_j = kThreads % units;
   for (int i = tid, s = tid / units, j = tid % units; i < splits * units; i += kThreads) {
     const int q = q0 + j;
-    cp_async_16(part_s + i, a.o_part + (s * stride + row0 + q / 128) * 512 + 4 * (q % 128), 16);
+    cp_async_16(part_s + i, a.o_part + (s * part_stride + part0 + q / 128) * 512 + 4 * (q % 128), 16);
     s += step_s, j += step_j;
     if (j >= units) s += 1, j -= units;
   }
@@ -165,7 +257,7 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
     float* w = weight_s + t * splits;
     float m = -INFINITY;
     for (int s = lane; s < splits; s += 32) {
-      w[s] = __ldcg(&a.lse_part[s * stride + row0 + row]);
+      w[s] = __ldcg(&a.lse_part[s * part_stride + part0 + row]);
       m = fmaxf(m, w[s]);
     }
 #pragma unroll
@@ -213,10 +305,11 @@ __device__ void merge_splits(const DecodeArgs& a, int b, int split, unsigned cha
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
 // request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
 // on; its splits are merged by decode.cu's combine (which knows the groups' rows).
-template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk>
+template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk, bool kBalanced>
 __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     narrow_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
+  static_assert(!(kGrouped && kBalanced), "a grouped prefill's splits are merged by decode.cu's combine");
   using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -227,30 +320,66 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   float* row_qscale = reinterpret_cast<float*>(smem + Smem::kRowQScale);
   std::int32_t* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(smem + Smem::kBars);
+  std::int32_t* piece_s = reinterpret_cast<std::int32_t*>(smem + Smem::kPiece);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int r = lane / 4, c = lane % 4;
-  const int b = blockIdx.y, split = blockIdx.x;
+  // The queries of request `rows` into registers (rows past its count are zero).
+  constexpr int kRowsPerWarp = kRows / 4;  // rows warp + 4 i
+  uint4 q_latent[kRowsPerWarp][2], q_rope[kRowsPerWarp];
+  const auto load_queries = [&](const RequestRows& rows) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int row = warp + 4 * i;
+      q_latent[i][0] = q_latent[i][1] = q_rope[i] = make_uint4(0, 0, 0, 0);
+      if (row < rows.count) {
+        const uint4* src = reinterpret_cast<const uint4*>(a.q + (rows.origin + row) * 576);
+        q_latent[i][0] = src[2 * lane];
+        q_latent[i][1] = src[2 * lane + 1];
+        if (lane < 8) q_rope[i] = src[64 + lane];
+      }
+    }
+  };
+  // This CTA's piece: the even grid's from the block index; the balanced grid's found before any
+  // work, while the queries of the even grid's request load (its request with equal lengths), and
+  // kept in shared memory, read again for the epilogue rather than held through the loop.
+  const auto even_piece = [&] {
+    return Piece{static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), a.num_splits, static_cast<int>(blockIdx.y),
+                 a.batch, -1};
+  };
 
   wait_for_previous_kernels();
+  Piece work = even_piece();
+  if constexpr (kBalanced) {
+    load_queries(request_rows<false>(a, spans, work.b));
+    work = balanced_piece(a, reinterpret_cast<double*>(s_part), piece_s);
+    if (work.b < 0) {  // no work left for this CTA: it only takes part in the grid barrier
+      allow_next_kernel();
+      cooperative_groups::this_grid().sync();
+      return;
+    }
+  }
+  const int b = work.b, split = work.j;
+  // Token t's block-table entry. The even grid finds its row from the block index, in uniform
+  // registers; the balanced grid's request is no block index: at 8 rows its row's address stays in
+  // a register pair through the loop, at 16 rows (where that pair spills into the loop) the address
+  // is worked out again from the request each time.
+  const std::int32_t* entries = kBalanced && kNt == 1 ? entry_row(a, b) : nullptr;
+  const auto entry_at = [&](int t) {
+    if constexpr (kBalanced && kNt == 1) return row_entry(a, entries, t);
+    else return load_token_entry(a, b, t);
+  };
   const RequestRows rows = request_rows<kGrouped>(a, spans, b);
-  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
+  const SplitRange range = kBalanced ? split_range<kChecks>(a, fault, b, split, work.count, kTile, work.len)
+                                      : split_range<kChecks>(a, fault, b, split, a.num_splits, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // ---- the first tiles go out before the queries are staged, so that the two overlap: the
   // queries' loads, the slots of the first kStages tiles (all their entries loaded before any is
   // used), then the copies ----
-  constexpr int kRowsPerWarp = kRows / 4;  // rows warp + 4 i
-  uint4 q_latent[kRowsPerWarp][2], q_rope[kRowsPerWarp];
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int row = warp + 4 * i;
-    q_latent[i][0] = q_latent[i][1] = q_rope[i] = make_uint4(0, 0, 0, 0);
-    if (row < rows.count) {
-      const uint4* src = reinterpret_cast<const uint4*>(a.q + (rows.origin + row) * 576);
-      q_latent[i][0] = src[2 * lane];
-      q_latent[i][1] = src[2 * lane + 1];
-      if (lane < 8) q_rope[i] = src[64 + lane];
-    }
+  if constexpr (kBalanced) {
+    if (b != static_cast<int>(blockIdx.y)) load_queries(rows);
+  } else {
+    load_queries(rows);
   }
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTile) {
@@ -258,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
 #pragma unroll
     for (int t = 0; t < kStages; ++t) {
       const int pos = begin + t * kTile + tid;
-      entry[t] = t < num_tiles && pos < end ? load_token_entry(a, b, pos) : -1;
+      entry[t] = t < num_tiles && pos < end ? entry_at(pos) : -1;
     }
 #pragma unroll
     for (int t = 0; t < kStages; ++t) {
@@ -389,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     issue_tile(tile + kStages - 1);
     std::int32_t ahead_entry = -1;  // token `tid` of tile + kStages: loaded now, made a slot at the end
     const int ahead_t = begin + (tile + kStages) * kTile + tid;
-    if (tid < kTile && tile + kStages < num_tiles && ahead_t < end) ahead_entry = load_token_entry(a, b, ahead_t);
+    if (tid < kTile && tile + kStages < num_tiles && ahead_t < end) ahead_entry = entry_at(ahead_t);
 
     const std::uint8_t* kv = stages + (tile % kStages) * kStageBytes;
     const std::int32_t* tile_slots = slot_s + (tile % kStages) * kTile;  // rewritten only at the end
@@ -583,7 +712,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // ---- epilogue: o = unit x O / sum, back in natural dim order, staged in shared memory so that
   // the rows go out as whole 16-byte pieces (o, or the split's partial) ----
   allow_next_kernel();
-  note_bad_entry<kChecks>(a, fault, b, bad_token);
+  const Piece done = kBalanced ? Piece{piece_s[0], piece_s[1], piece_s[2], piece_s[3], 1, piece_s[4]} : even_piece();
+  note_bad_entry<kChecks>(a, fault, done.b, bad_token);
   __syncthreads();  // every warp is done with the last tile: its stage is free
   float* out_s = reinterpret_cast<float*>(stages);  // f32 [kRows][kOutStride]
 #pragma unroll
@@ -602,7 +732,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       }
       if (warp == 0 && r == 0 && row < rows.count) {
         const float lse = row_lse(mx, l);
-        if (a.num_splits == 1) a.lse[rows.origin + row] = lse;
+        if (done.count == 1) a.lse[rows.origin + row] = lse;
+        else if constexpr (kBalanced) a.lse_part[done.slot_row(done.j, row, a.rows)] = lse;
         else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row] = lse;
       }
     }
@@ -611,17 +742,23 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   for (int idx = tid; idx < rows.count * (512 / 4); idx += kThreads) {
     const int row = idx / (512 / 4), piece = idx % (512 / 4);
     const float4 v = *reinterpret_cast<const float4*>(out_s + row * kOutStride + 4 * piece);
-    if (a.num_splits == 1) {
+    if (done.count == 1) {
       reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] =
           make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
-      const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row;
-      reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
+      if constexpr (kBalanced) {
+        reinterpret_cast<float4*>(a.o_part + done.slot_row(done.j, row, a.rows) * 512)[piece] = v;
+      } else {
+        const std::int64_t part_row = static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row;
+        reinterpret_cast<float4*>(a.o_part + part_row * 512)[piece] = v;
+      }
     }
   }
   if (!kGrouped && a.merge_splits) {
     cooperative_groups::this_grid().sync();  // every split's partials and lse are written
-    merge_splits(a, b, split, stages);       // the stages are free: the rows went out before the barrier
+    // The stages are free: the rows went out before the barrier. (A balanced grid's request of one
+    // piece wrote o and lse.)
+    if (!kBalanced || done.count > 1) merge_splits(a, done, stages);
   }
 }
 
@@ -637,30 +774,32 @@ bool bulk_copies(const DecodeArgs& a) {
   if (a.indices != nullptr || a.page_size < kTile) return false;
   return once_per_key(current_device("mla_decode"), [] {
     cudaFuncAttributes attributes{};
-    check(cudaFuncGetAttributes(&attributes, narrow_kernel<1, 2, false, false, true>), "mla_decode",
+    check(cudaFuncGetAttributes(&attributes, narrow_kernel<1, 2, false, false, true, false>), "mla_decode",
           "cudaFuncGetAttributes");
     return attributes.ptxVersion >= 90;
   });
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
-template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false, bool kBulk = false>
+template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false, bool kBulk = false, bool kBalanced = false>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk>, kSmem, "mla_decode");
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, kBalanced>, kSmem, "mla_decode");
 }
 
 // The plan asks it of the cp.async instance; a launch of the bulk one asks it of that (the two take
 // the same shared memory and launch bounds).
 template <int kNt, int kStages, bool kChecks = false, bool kBulk = false>
 int blocks_per_sm() {
-  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false, kBulk>, kThreads,
+  return resident_ctas_per_sm(narrow_kernel<kNt, kStages, kChecks, false, kBulk, false>, kThreads,
                               configure<kNt, kStages, kChecks, false, kBulk>(), "mla_decode");
 }
 
 // The grid (splits, B); merged in the kernel when there are 2 to kMergeMostSplits splits, the device
 // takes cooperative launches, the whole grid is resident at once and the merge's staging fits in the
-// tile stages. A grouped prefill's splits always go to the combine.
+// tile stages. A grouped prefill's splits always go to the combine. A dense decode merged in the
+// kernel on bulk copies, of at most kBalancedMostBatch requests, runs the balanced grid (its own
+// instance; the same shared memory and launch bounds, so the same CTAs per SM).
 template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk>
 bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   const int smem_bytes = configure<kNt, kStages, kChecks, kGrouped, kBulk>();
@@ -671,8 +810,17 @@ bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cu
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk>, grid, kThreads,
-                 smem_bytes, stream, a.merge_splits, a, fault, spans);
+  if constexpr (kBulk && !kGrouped) {
+    a.balanced = a.merge_splits && a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch &&
+                 most_merge_bytes(a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
+    if (a.balanced) {
+      launch_chained("mla_decode", narrow_kernel<kNt, kStages, kChecks, false, true, true>, grid, kThreads,
+                     configure<kNt, kStages, kChecks, false, true, true>(), stream, true, a, fault, spans);
+      return true;
+    }
+  }
+  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, false>,
+                 grid, kThreads, smem_bytes, stream, a.merge_splits, a, fault, spans);
   return a.merge_splits;
 }
 template <int kNt, int kStages, bool kBulk>

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_base = blockIdx.x * kRows;
   wait_for_previous_kernels();
   const RequestRows rows = request_rows<kGrouped>(a, spans, b);
-  const SplitRange range = split_range<kChecks>(a, fault, b, split, kTile);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, a.num_splits, kTile);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
 
   // Queries into the swizzled layout (rows past the last are zero): warp w takes rows 8w .. 8w + 7,
