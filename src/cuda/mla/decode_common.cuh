@@ -105,7 +105,6 @@ struct DecodeArgs {
   int rows;
   int num_splits;
   bool merge_splits;                 // the kernel merges the splits itself (narrow kernel, cooperative launch)
-  bool balanced;                     // the narrow kernel's CTAs are shared out by length (decode_narrow.cu)
   float scale_log2;                  // softmax_scale * log2(e)
 };
 

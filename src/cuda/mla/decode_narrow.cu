@@ -157,7 +157,7 @@ struct Piece {
   }
 };
 
-// The balanced grid (DecodeArgs::balanced: the in-kernel merge of a dense decode). An even grid cuts
+// The balanced grid (narrow_kernel's kBalanced: the in-kernel merge of a dense decode). An even grid cuts
 // every request into num_splits pieces, so in a batch of mixed lengths the pieces of the longest
 // take the longest and the call waits for them. Here the grid's G CTAs, in dispatch order (c = y x
 // num_splits + x), go to the requests by length: request b, of tiles_b 32-token tiles (T over the
@@ -811,9 +811,9 @@ bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cu
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
   if constexpr (kBulk && !kGrouped) {
-    a.balanced = a.merge_splits && a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch &&
-                 most_merge_bytes(a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
-    if (a.balanced) {
+    const bool balanced = a.merge_splits && a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch &&
+                          most_merge_bytes(a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
+    if (balanced) {
       launch_chained("mla_decode", narrow_kernel<kNt, kStages, kChecks, false, true, true>, grid, kThreads,
                      configure<kNt, kStages, kChecks, false, true, true>(), stream, true, a, fault, spans);
       return true;
