@@ -224,9 +224,8 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   }
 }
 
-// The fault tests' cache: three requests (300, 1000 and 129 tokens) of `dtype`.
-// Three requests, or (`requests` > 3) more of mixed lengths, which the narrow kernel merges itself
-// with its CTAs shared out by length.
+// The fault tests' cache: three requests (300, 1000 and 129 tokens) of `dtype`, and with `requests`
+// above 3 more of mixed lengths, which the narrow kernel merges itself in its balanced grid.
 PagedFixture fault_fixture(KvDtype dtype, Rng& rng, int requests = 3) {
   PagedFixtureOptions opt;
   opt.lengths = {300, 1000, 129};
