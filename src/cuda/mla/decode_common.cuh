@@ -179,7 +179,9 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const Request
 // disturb the loop's scheduling); the kernel notes it in the call's record after the loop. Every
 // kernel comes in two instances, with these checks (a call given a fault record) and without, so
 // that a call without a record runs exactly the unchecked code.
-// (entry_row and row_entry split it further: a loop over one request's tokens keeps one pointer.)
+// (entry_row and row_entry split it further, for a loop over one request's tokens that keeps one
+// pointer; load_token_entry stays in its own form, which the narrow kernel's even-grid loop was
+// measured with: through the two, its code changed.)
 __device__ __forceinline__ const std::int32_t* entry_row(const DecodeArgs& a, int b) {
   return a.indices != nullptr ? a.indices + static_cast<std::int64_t>(b) * a.index_cols
                               : a.block_table + static_cast<std::int64_t>(b) * a.max_pages;

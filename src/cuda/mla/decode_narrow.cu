@@ -370,17 +370,12 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     else return load_token_entry(a, b, t);
   };
   const RequestRows rows = request_rows<kGrouped>(a, spans, b);
-  const SplitRange range = kBalanced ? split_range<kChecks>(a, fault, b, split, work.count, kTile, work.len)
-                                      : split_range<kChecks>(a, fault, b, split, a.num_splits, kTile);
+  const SplitRange range = split_range<kChecks>(a, fault, b, split, work.count, kTile, work.len);
   const int len = range.len, begin = range.begin, end = range.end, num_tiles = range.num_tiles;
   // ---- the first tiles go out before the queries are staged, so that the two overlap: the
   // queries' loads, the slots of the first kStages tiles (all their entries loaded before any is
   // used), then the copies ----
-  if constexpr (kBalanced) {
-    if (b != static_cast<int>(blockIdx.y)) load_queries(rows);
-  } else {
-    load_queries(rows);
-  }
+  if (!kBalanced || b != static_cast<int>(blockIdx.y)) load_queries(rows);  // (the balanced grid's: unless loaded)
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
   if (tid < kTile) {
     std::int32_t entry[kStages];
@@ -746,6 +741,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] =
           make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
+      // (The same slot either way; the even grid's own arithmetic keeps its instances' code as it
+      // was measured: through slot_row the checked 16-row ones spill more.)
       if constexpr (kBalanced) {
         reinterpret_cast<float4*>(a.o_part + done.slot_row(done.j, row, a.rows) * 512)[piece] = v;
       } else {
