@@ -33,9 +33,9 @@ struct DsaDecodeParams {
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
   // True when the workspace was zeroed once after it was allocated and has been used since only by
-  // dsa_decode calls of the same shapes (and plan): the indexer's counters and the sparse decode's
-  // barrier words in it then stay zero from call to call, and those steps take them cleared
-  // (IndexerLogitsParams:: and SparseMlaDecodeParams::workspace_cleared). False: any content.
+  // dsa_decode calls of the same shapes (and plan): the indexer's counters in it then stay zero
+  // from call to call, and the indexer step takes them cleared (IndexerLogitsParams::
+  // workspace_cleared). False: any content.
   bool workspace_cleared = false;
   // Optional, device memory on a GPU backend (latentkv/device_fault.hpp): given to all three steps,
   // so that the record notes what the reference's dsa_decode refuses, a NaN logit included (the

@@ -62,15 +62,6 @@ struct MlaDecodeParams {
   int num_splits = 0;
   void* workspace = nullptr;    // device scratch of at least workspace_bytes
   std::size_t workspace_bytes = 0;
-  // True when the first plan().cleared_bytes of the workspace were zeroed once, when it was
-  // allocated, and used since only by calls of this op with this plan: they hold a barrier word per
-  // request, which every call leaves counting no arrivals (only its sense bit changes). A GPU call
-  // whose kernel merges its splits itself then waits for each request's own splits rather than for
-  // the whole grid, so that the requests done first merge while the others still run. False: any
-  // content (a grid-wide barrier; the words are not used). (Words that count arrivals when this says
-  // they do not give wrong outputs, and at worst a call that waits some seconds before it gives up;
-  // never reads or writes outside the tensors.)
-  bool workspace_cleared = false;
   DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 
@@ -174,7 +165,6 @@ struct SparseMlaDecodeParams {
   int num_splits = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
-  bool workspace_cleared = false;  // as in MlaDecodeParams
   DeviceFault* fault = nullptr; // optional, device memory on a GPU backend (latentkv/device_fault.hpp)
 };
 

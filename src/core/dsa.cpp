@@ -153,7 +153,6 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.sparse : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
-  s.sparse.workspace_cleared = p.workspace_cleared && plan.sparse.cleared_bytes > 0;
   return s;
 }
 

@@ -33,17 +33,12 @@ struct DecodeCase {
   int page_size;
   std::vector<std::int64_t> lengths;
   int splits = 0;  // 0: the backend's plan
-  // The workspace zeroed once and taken cleared (MlaDecodeParams::workspace_cleared: the kernel's
-  // per-request barrier words), and the call run twice: the second counts on the first leaving
-  // them zero, and is the one checked.
-  bool cleared = false;
 };
 
 std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
   os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_ps" << c.page_size
      << "_B" << c.lengths.size();
   if (c.splits) os << "_splits" << c.splits;
-  if (c.cleared) os << "_cleared";
   return os;
 }
 
@@ -78,36 +73,16 @@ struct DeviceDecode {
     params.fault = fault.get();
   }
 
-  // The backend's schedule (for a forced split count when one is given) and its workspace: any
-  // content, or its cleared bytes zero and taken so (`cleared`).
-  Plan plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0, bool cleared = false) {
+  // The backend's schedule (for a forced split count when one is given) and its workspace.
+  Plan plan(const Backend& backend, const DeviceInfo& device, int forced_splits = 0) {
     params.num_splits = forced_splits;
     const Plan plan = backend.plan(params, device);
     if (forced_splits > 0) EXPECT_EQ(plan.num_splits, forced_splits) << "the plan keeps an asked count";
     params.num_splits = plan.num_splits;
     workspace = DeviceBuffer(plan.workspace_bytes);
-    if (cleared) workspace.upload(std::vector<std::uint8_t>(plan.cleared_bytes).data(), plan.cleared_bytes);
     params.workspace = workspace.get();
     params.workspace_bytes = workspace.bytes();
-    params.workspace_cleared = cleared && plan.cleared_bytes > 0;
     return plan;
-  }
-
-  // Whether the barrier words in the workspace's first `bytes` count no CTA: zero but for the sense
-  // bit (bit 31), which a call flips.
-  bool no_arrivals(std::size_t bytes) const {
-    std::vector<std::uint32_t> words(bytes / 4);
-    workspace.download(words.data(), bytes);
-    for (std::uint32_t w : words) {
-      if ((w & 0x7fffffffu) != 0) return false;
-    }
-    return true;
-  }
-
-  // The outputs back to their sentinels.
-  void refill() {
-    o.upload(o_host.raw(), o_host.bytes());
-    lse.upload(lse_host.raw(), lse_host.bytes());
   }
 
   void download() {
@@ -134,17 +109,9 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   DeviceDecode d(f, q, scale);
   const Backend& backend = *find_backend(c.backend);
   const DeviceInfo device = detect_device();
-  const Plan plan = d.plan(backend, device, c.splits, c.cleared);
-  if (c.cleared) {
-    EXPECT_GT(plan.cleared_bytes, 0u) << "a split decode keeps its barrier words at the workspace's start";
-    run(backend, d.params, {}, device);
-    if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
-    EXPECT_TRUE(d.no_arrivals(plan.cleared_bytes)) << "the call left its barrier words counting none";
-    d.refill();
-  }
+  d.plan(backend, device, c.splits);
   run(backend, d.params, {}, device);
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
-  if (c.cleared) EXPECT_TRUE(d.no_arrivals(plan.cleared_bytes)) << "the second call left its barrier words counting none";
   EXPECT_EQ(d.fault.message(), "") << "a fault noted for good input";
   d.download();
   r.o = std::move(d.o_host);
@@ -191,16 +158,6 @@ std::vector<DecodeCase> cases() {
   std::vector<std::int64_t> close;
   for (int b = 0; b < 36; ++b) close.push_back(2500 + 211 * b);
   v.push_back({"cuda", fp8, 8, 1, 64, close});
-  // The same merged in the kernel behind a barrier per request (the workspace taken cleared): even
-  // and balanced grids, 8 and 16 rows, bulk copies and cp.async, and (40 requests x 16 splits) the
-  // combine kernel, which leaves the words alone.
-  for (int h : {8, 16}) v.push_back({"cuda", fp8, h, 1, 64, mixed, 0, true});
-  v.push_back({"cuda", fp8, 8, 1, 64, ragged, 0, true});
-  v.push_back({"cuda", fp8, 16, 1, 64, ragged, 0, true});
-  v.push_back({"cuda", fp8, 8, 2, 17, ragged, 0, true});
-  v.push_back({"cuda", fp8, 8, 1, 64, close, 0, true});
-  v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3, true});
-  v.push_back({"cuda", fp8, 8, 1, 64, forty, 16, true});
   // One head over 3 splits: 42 or 43 units of the merge per CTA, fewer than its 128 threads.
   v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3});
   // 8 rows on pages that are not a power of two: the division path of position_page.
@@ -398,9 +355,7 @@ TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
   const DeviceInfo device = detect_device();
   const Plan plan = d.plan(backend, device, 3);
   EXPECT_EQ(plan.num_splits, 3);
-  // A barrier word per request (16-byte multiple), then 3 splits' partial rows and lse.
-  EXPECT_EQ(plan.cleared_bytes, 16u);
-  EXPECT_EQ(plan.workspace_bytes, 16 + sizeof(float) * 3 * static_cast<std::size_t>(f.batch()) * 8 * 513);
+  EXPECT_EQ(plan.workspace_bytes, sizeof(float) * 3 * static_cast<std::size_t>(f.batch()) * 8 * 513);
   for (const int bad : {-1, 1025}) {
     MlaDecodeParams p = d.params;
     p.num_splits = bad;

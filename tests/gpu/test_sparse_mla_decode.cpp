@@ -32,13 +32,11 @@ struct SparseCase {
   std::vector<std::int64_t> lengths;
   std::string backend = "cuda";  // or a cast baseline: cast_full, gather_cast
   int splits = 0;                // 0: the backend's plan
-  bool cleared = false;          // as DecodeCase::cleared (test_mla_decode.cpp): run twice, barrier words zeroed once
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
-            << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string())
-            << (c.cleared ? "_cleared" : "");
+            << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string());
 }
 
 // Index rows [B, q_len, cols]: each query token's visible slots shuffled, at most cols of them, one
@@ -69,7 +67,7 @@ struct SparseRun {
   std::string fault;  // the record's message, "" when it holds none
 };
 SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const HostTensor& q, const HostTensor& indices,
-                     int splits = 0, bool cleared = false) {
+                     int splits = 0) {
   const auto& shape = q.shape();  // [B, q_len, H, 576]
   SparseRun r;
   r.o = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
@@ -94,24 +92,8 @@ SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const Hos
   p.num_splits = r.num_splits = plan.num_splits;
   p.workspace = workspace.get();
   p.workspace_bytes = workspace.bytes();
-  const std::vector<std::uint8_t> zeros(plan.cleared_bytes);
-  const auto no_arrivals = [&] {  // each barrier word zero but for its sense bit (bit 31), which a call flips
-    std::vector<std::uint32_t> words(plan.cleared_bytes / 4);
-    workspace.download(words.data(), plan.cleared_bytes);
-    return std::all_of(words.begin(), words.end(), [](std::uint32_t w) { return (w & 0x7fffffffu) == 0; });
-  };
-  if (cleared) {  // a first call on the zeroed words, then the checked one on what it left
-    workspace.upload(zeros.data(), zeros.size());
-    p.workspace_cleared = plan.cleared_bytes > 0;
-    run(backend, p, {}, device);
-    if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
-    EXPECT_TRUE(no_arrivals()) << "the call left its barrier words counting none";
-    d_o.upload(r.o.raw(), r.o.bytes());
-    d_lse.upload(r.lse.raw(), r.lse.bytes());
-  }
   run(backend, p, {}, device);
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error(cudaGetErrorString(cudaGetLastError()));
-  if (cleared) EXPECT_TRUE(no_arrivals()) << "the second call left its barrier words counting none";
   d_o.download(r.o.raw(), r.o.bytes());
   d_lse.download(r.lse.raw(), r.lse.bytes());
   r.fault = fault.message();
@@ -133,7 +115,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
   const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
-  const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits, c.cleared);
+  const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits);
   EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output())) << r.num_splits << " splits";
   EXPECT_TRUE(compare("lse", r.lse, ref.lse, Tolerance::lse()));
   if (c.backend == "cuda") EXPECT_EQ(r.fault, "") << "a fault noted for good input (-1 entries, a duplicate)";
@@ -205,10 +187,6 @@ std::vector<SparseCase> sparse_cases() {
       // Forced split counts (merged in the kernel); the 40-token rows are mostly -1.
       {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4},
       {fp8, 8, 2, 2048, 17, {3000, 900}, "cuda", 3},
-      // The same, and 16 rows, merged behind a barrier per query token (the workspace taken cleared).
-      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4, true},
-      {fp8, 8, 2, 2048, 17, {3000, 900}, "cuda", 3, true},
-      {fp8, 16, 2, 200, 17, {2, 150, 700}, "cuda", 4, true},
       {bf16, 8, 1, 128, 64, {0, 77, 400}},
       {bf16, 64, 2, 64, 3, {2, 100}},
       // The baselines: the same attention after casting the pool, or the selected slots, to bf16.

@@ -231,7 +231,6 @@ class StrategyOps {
         d.num_splits = dense_plan_.num_splits;
         d.workspace = workspace_.get();
         d.workspace_bytes = workspace_.bytes();
-        d.workspace_cleared = dense_plan_.cleared_bytes > 0;  // zeroed above
         d.fault = checked;
         dense_.push_back(d);
       } else {

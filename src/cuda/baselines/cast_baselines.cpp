@@ -55,14 +55,12 @@ class CastBaseline : public Backend {
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
       Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);
       plan.workspace_bytes += copy_bytes(*dense);
-      plan.cleared_bytes = 0;  // the workspace starts with the copy
       return plan;
     }
     const SparseMlaDecodeParams sparse = sparse_of(args);
     const char* op = std::holds_alternative<SparseMlaPrefillParams>(args) ? "sparse_mla_prefill" : "sparse_mla_decode";
     Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors, op);
     plan.workspace_bytes += copy_bytes(sparse);
-    plan.cleared_bytes = 0;
     return plan;
   }
 
@@ -88,7 +86,6 @@ class CastBaseline : public Backend {
     Params inner = cast(p, copy > 0 ? scratch : nullptr, s);  // nothing to cast: no launch
     inner.workspace = scratch + copy;
     inner.workspace_bytes = p.workspace_bytes - copy;
-    inner.workspace_cleared = false;  // the plan promises no cleared bytes (the copy comes first)
     inner.fault = nullptr;  // yardsticks: like the engines they stand for, they skip bad entries unnoted
     return inner;
   }

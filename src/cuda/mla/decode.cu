@@ -483,13 +483,10 @@ int blocks_per_sm(DecodeKernel kernel, bool fp8, int rows, int batch) {
 namespace mla {
 namespace {
 
-// The workspace of a call with splits (none without): a barrier word per request, whose 16-byte
-// multiple is the plan's cleared_bytes (MlaDecodeParams::workspace_cleared), then the splits' partial
-// rows and their lse.
-std::size_t arrival_bytes(int batch) { return (sizeof(unsigned) * static_cast<std::size_t>(batch) + 15) / 16 * 16; }
+// The workspace of a call: the splits' partial rows and their lse (none without splits).
 std::size_t partial_bytes(int batch, int rows, int num_splits) {
   if (num_splits < 2) return 0;
-  return arrival_bytes(batch) + sizeof(float) * static_cast<std::size_t>(num_splits) * batch * rows * (kDimV + 1);
+  return sizeof(float) * static_cast<std::size_t>(num_splits) * batch * rows * (kDimV + 1);
 }
 
 // The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
@@ -514,16 +511,13 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   plan.num_splits = requested > 0 ? requested
                                   : static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
   plan.workspace_bytes = partial_bytes(batch, rows, plan.num_splits);
-  plan.cleared_bytes = plan.num_splits > 1 ? arrival_bytes(batch) : 0;
   return plan;
 }
 
 // Checks the schedule and scratch, then runs the kernel these shapes take and the split combine.
-// `cleared`: the workspace's barrier words are zero (MlaDecodeParams::workspace_cleared).
 // `spans`: a grouped prefill's decode (decode_common.cuh), which the wgmma and narrow kernels serve.
 void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
-                std::size_t workspace_bytes, bool cleared, const char* op, cudaStream_t stream,
-                const int2* spans = nullptr) {
+                std::size_t workspace_bytes, const char* op, cudaStream_t stream, const int2* spans = nullptr) {
   a.num_splits = num_splits;
   if (a.num_splits < 1 || a.num_splits > kMaxSplits) {
     throw Error(op, "num_splits", std::to_string(num_splits),
@@ -536,8 +530,7 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
       throw Error(op, "workspace_bytes", std::to_string(workspace_bytes),
                   ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
     }
-    a.arrivals = cleared ? static_cast<unsigned*>(workspace) : nullptr;
-    a.o_part = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + arrival_bytes(a.batch));
+    a.o_part = static_cast<float*>(workspace);
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
   }
   check_aligned(op, "q", a.q, 16);  // read as 16-byte pieces of rows
@@ -608,8 +601,7 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   const DecodeArgs a = dense_args(p, static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1)),
                                   static_cast<int>(p.q.size(2)));
   const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaDecode, "mla_decode");
-  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
-             p.workspace_cleared, "mla_decode", stream);
+  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
 namespace mla {
@@ -667,7 +659,7 @@ Plan plan_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, int
 void launch_mla_decode_groups(const MlaDecodeParams& p, const DecodeGroups& g, cudaStream_t stream) {
   const mla::DecodeArgs a = mla::dense_args(p, g.groups, g.tokens, static_cast<int>(p.q.size(1)));
   mla::run_decode(a, FaultSink{}, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
-                  false, "mla_prefill", stream, g.spans);
+                  "mla_prefill", stream, g.spans);
 }
 
 // Sparse decode is the same kernels over each query token's own index row: the B x q_len query
@@ -696,8 +688,7 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
   a.scale_log2 = p.softmax_scale * kLog2e;
   FaultSink fault = fault_sink(p.fault, caller.fault_op, caller.op);
   fault.row_base = caller.first_row;
-  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes,
-             p.workspace_cleared, caller.op, stream);
+  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, caller.op, stream);
 }
 
 std::string mla_prefill_kernel_name(KvDtype dtype, int heads) {

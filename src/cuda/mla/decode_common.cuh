@@ -95,7 +95,6 @@ struct DecodeArgs {
   float* lse;                        // [B, rows]
   float* o_part;                     // [splits, B, rows, 512] f32, when num_splits > 1
   float* lse_part;                   // [splits, B, rows] f32
-  unsigned* arrivals;                // [B] a barrier word per request, counting none on entry and exit, or null (narrow_kernel)
   std::int64_t num_pages;
   int page_size;
   int page_shift = -1;               // page_shift_of(page_size) (dense), or -1

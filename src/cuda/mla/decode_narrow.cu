@@ -40,13 +40,9 @@
 // B 1 x 32K 19.8 against 18.6 - docs/benchmarks.md, twenty-second session.)
 // With splits, each CTA writes its split's partial rows and lse. With few splits per request (many
 // requests) and the whole grid resident at once (the plan sizes it to one wave), the kernel is
-// launched cooperatively, and once the request's splits are all written each CTA merges a slice of
-// its request's outputs over all of them (merge_splits): no combine kernel. The CTAs wait for their
-// request's splits alone (request_barrier) when the caller keeps the workspace's barrier words
-// (MlaDecodeParams::workspace_cleared), else for the whole grid. H200, glm5 tp 8, grid / request
-// barrier: dsa_decode B 64 x 8K 80.4 / 77.1 us; the dense and sparse decodes alone unchanged (B 64 x
-// 8K 97.4 / 97.6, sparse 41.4 / 41.2) - docs/benchmarks.md, twenty-seventh session.
-// Otherwise decode.cu's combine kernel merges them.
+// launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
+// outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
+// be zeroed. Otherwise decode.cu's combine kernel merges them.
 // A dense decode merged in the kernel (on bulk copies) hands its CTAs out by the requests' lengths
 // rather than num_splits to each (the balanced grid, balanced_piece below): in a batch of mixed
 // lengths an even grid waits for the pieces of its longest request. H200, glm5 tp 8, B 64 of 1K to
@@ -227,41 +223,7 @@ __device__ Piece balanced_piece(const DecodeArgs& a, double* scratch, int* out) 
   return {out[0], out[1], out[2], out[3], 1, out[4]};
 }
 
-// Returns once all `count` CTAs of a request have called it with the request's barrier word
-// (DecodeArgs::arrivals), every one's partials then visible to every other. The word counts the CTAs
-// arrived (bits 0-30) under a sense bit (31): the last to arrive sets the count back to zero and
-// flips the sense, which releases the others, and leaves the word counting none for the next call.
-// The CTAs of a request are resident together (a cooperative launch of one wave), so waiting is
-// safe; a word that counted arrivals on entry (a caller's broken promise) could leave some waiting
-// for good, so a wait gives up after kGiveUpNs and the merge reads what is there.
-__device__ void request_barrier(unsigned* word, int count) {
-  constexpr unsigned kSense = 0x80000000u;
-  constexpr unsigned long long kGiveUpNs = 4'000'000'000ull;
-  __syncthreads();  // the CTA's partials are written
-  if (threadIdx.x == 0) {
-    __threadfence();  // and visible to the GPU before it arrives
-    const unsigned old = atomicAdd(word, 1u);
-    const unsigned sense = old & kSense;
-    if (static_cast<int>(old & ~kSense) + 1 == count) {
-      atomicExch(word, sense ^ kSense);
-    } else {
-      unsigned long long start, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-      for (;;) {
-        unsigned seen;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(word) : "memory");
-        if ((seen & kSense) != sense) break;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > kGiveUpNs) break;
-        __nanosleep(64);
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// The split combine inside the kernel, after the barrier: the CTA of piece j of request b
+// The split combine inside the kernel, after the grid barrier: the CTA of piece j of request b
 // merges its units over the request's S pieces (o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max
 // lse), as decode.cu's combine_kernel), and writes the lse of the rows whose first unit it owns.
 // One round trip to L2: every partial it needs goes out at once by cp.async (which reads past L1,
@@ -391,9 +353,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   if constexpr (kBalanced) {
     load_queries(request_rows<false>(a, spans, work.b));
     work = balanced_piece(a, reinterpret_cast<double*>(s_part), piece_s);
-    if (work.b < 0) {  // no work left for this CTA: it only takes part in the grid barrier, if any
+    if (work.b < 0) {  // no work left for this CTA: it only takes part in the grid barrier
       allow_next_kernel();
-      if (a.arrivals == nullptr) cooperative_groups::this_grid().sync();
+      cooperative_groups::this_grid().sync();
       return;
     }
   }
@@ -790,18 +752,10 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     }
   }
   if (!kGrouped && a.merge_splits) {
-    // Every split's partials and lse are written: those of the request, or of the grid. The stages
-    // are free: the rows went out before the barrier. (A balanced grid's request of one piece wrote
-    // o and lse.)
-    if (a.arrivals != nullptr) {
-      if (done.count > 1) {
-        request_barrier(a.arrivals + done.b, done.count);
-        merge_splits(a, done, stages);
-      }
-    } else {
-      cooperative_groups::this_grid().sync();
-      if (!kBalanced || done.count > 1) merge_splits(a, done, stages);
-    }
+    cooperative_groups::this_grid().sync();  // every split's partials and lse are written
+    // The stages are free: the rows went out before the barrier. (A balanced grid's request of one
+    // piece wrote o and lse.)
+    if (!kBalanced || done.count > 1) merge_splits(a, done, stages);
   }
 }
 

@@ -154,14 +154,12 @@ Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
     const Grouped g = grouped(p, tokens, nullptr);
     Plan plan = plan_mla_decode_groups(g.decode, g.groups, multiprocessors);
     plan.workspace_bytes += g.table_bytes;
-    plan.cleared_bytes = 0;  // the decode's barrier words are not taken cleared in a prefill
     return plan;
   }
   PerToken r = per_token(p, nullptr);
   r.decode.num_splits = p.num_splits;  // a count asked for is kept, as in decode
   Plan plan = plan_mla_decode(r.decode, multiprocessors, "mla_prefill");
   plan.workspace_bytes += r.table_bytes;
-  plan.cleared_bytes = 0;
   return plan;
 }
 
@@ -203,9 +201,7 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
 }
 
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
-  Plan plan = plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors, "sparse_mla_prefill");
-  plan.cleared_bytes = 0;
-  return plan;
+  return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors, "sparse_mla_prefill");
 }
 
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
