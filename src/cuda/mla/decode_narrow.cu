@@ -42,7 +42,9 @@
 // requests) and the whole grid resident at once (the plan sizes it to one wave), the kernel is
 // launched cooperatively, and after one grid barrier each CTA merges a slice of its request's
 // outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
-// be zeroed. Otherwise decode.cu's combine kernel merges them.
+// be zeroed. Otherwise decode.cu's combine kernel merges them. (A barrier per request instead, on
+// a word per request in a workspace the caller keeps zeroed, left the dense and sparse decodes
+// where they were: the last request still ends last - docs/benchmarks.md, twenty-seventh session.)
 // A dense decode merged in the kernel (on bulk copies) hands its CTAs out by the requests' lengths
 // rather than num_splits to each (the balanced grid, balanced_piece below): in a batch of mixed
 // lengths an even grid waits for the pieces of its longest request. H200, glm5 tp 8, B 64 of 1K to
