@@ -58,11 +58,25 @@ void check_workspace(std::string_view op, std::string_view planner, const void* 
   }
 }
 
+// The step views agree on [B, q_len] with q (each step checks the rest), so that a mismatch is
+// named here after the caller's argument, not after a workspace view of a later step.
 void check_shapes(const DsaDecodeParams& p) {
   if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
-  if (p.q_idx.rank != 4) throw Error(std::string(kOp), "q_idx", p.q_idx.shape_string(), "[B, q_len, Hi, 128] fp8");
-  if (p.block_table.rank != 2) {
-    throw Error(std::string(kOp), "block_table", p.block_table.shape_string(), "[B, max_pages] i32");
+  const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
+  const std::string rows = " with B = " + std::to_string(b) + ", q_len = " + std::to_string(q_len) + " (q's)";
+  if (p.q_idx.rank != 4 || p.q_idx.size(0) != b || p.q_idx.size(1) != q_len) {
+    throw Error(std::string(kOp), "q_idx", p.q_idx.shape_string(), "[B, q_len, Hi, 128] fp8" + rows);
+  }
+  if (p.weights.rank != 3 || p.weights.size(0) != b || p.weights.size(1) != q_len) {
+    throw Error(std::string(kOp), "weights", p.weights.shape_string(), "[B, q_len, Hi] f32" + rows);
+  }
+  if (p.block_table.rank != 2 || p.block_table.size(0) != b) {
+    throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
+                "[B, max_pages] i32 with B = " + std::to_string(b) + " (q's)");
+  }
+  if (p.seq_lens.rank != 1 || p.seq_lens.size(0) != b) {
+    throw Error(std::string(kOp), "seq_lens", p.seq_lens.shape_string(),
+                "[B] i32 with B = " + std::to_string(b) + " (q's)");
   }
   check_caches_and_topk(kOp, p.indexer, p.cache, p.topk);
   if (p.max_len < 0) throw Error(std::string(kOp), "max_len", std::to_string(p.max_len), ">= 0 (0: table capacity)");
@@ -264,8 +278,8 @@ void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
                  const ExecContext& context, const DeviceInfo& device) {
   check_prefill_backends(backends);
   const DsaPrefillSteps s = dsa_prefill_steps(p, plan);
-  if (p.q.size(0) == 0) return;  // no new tokens
-  // Both steps' arguments before either runs: a bad o must not leave the indexer step queued.
+  // Both steps' arguments before either runs: a bad o must not leave the indexer step queued. Both
+  // run without new tokens too: nothing to compute, but their offsets, lengths and pages are checked.
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.sparse, p.q.device, detail::Outputs::kReferenceTypes);
   run(*backends.indexer_prefill, s.indexer, context, device);

@@ -42,14 +42,20 @@ const PageAllocator::Request& PageAllocator::find(std::string_view op, RequestId
 void PageAllocator::grow(RequestId request, std::int64_t n_tokens) {
   auto& r = const_cast<Request&>(find("page_allocator.grow", request));
   if (n_tokens < 0) throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens), ">= 0");
-  const std::int64_t new_length = r.length + n_tokens;
-  const std::int64_t needed = pages_for(new_length) - static_cast<std::int64_t>(r.pages.size());
+  // The room left: the free tail of the request's last page, then whole free pages. Computed this way
+  // round so that no count can overflow, whatever n_tokens is.
+  const std::int64_t tail = static_cast<std::int64_t>(r.pages.size()) * page_size_ - r.length;
+  const std::int64_t beyond_tail = std::max<std::int64_t>(n_tokens - tail, 0);
+  const std::int64_t needed = beyond_tail / page_size_ + (beyond_tail % page_size_ != 0);
   if (needed > free_pages()) {
     throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens),
-                "at most " + std::to_string(free_pages() * page_size_ +
-                                            (static_cast<std::int64_t>(r.pages.size()) * page_size_ - r.length)) +
+                "at most " + std::to_string(free_pages() * page_size_ + tail) +
                     " more tokens: the pool is exhausted (" + std::to_string(free_pages()) + " of " +
                     std::to_string(num_pages_) + " pages free, " + std::to_string(needed) + " needed)");
+  }
+  if (r.length + n_tokens > INT32_MAX) {  // lengths are int32 in the ops' seq_lens
+    throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens),
+                "at most " + std::to_string(INT32_MAX - r.length) + " more tokens (request lengths stay below 2^31)");
   }
   for (std::int64_t i = 0; i < needed; ++i) {
     const std::int32_t page = free_.back();
@@ -57,7 +63,7 @@ void PageAllocator::grow(RequestId request, std::int64_t n_tokens) {
     allocated_[static_cast<std::size_t>(page)] = 1;
     r.pages.push_back(page);
   }
-  r.length = new_length;
+  r.length += n_tokens;
 }
 
 void PageAllocator::release(RequestId request) {

@@ -1,5 +1,7 @@
 #include "latentkv/tensor.hpp"
 
+#include <algorithm>
+
 #include "latentkv/error.hpp"
 
 namespace latentkv {
@@ -49,15 +51,23 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
   return view;
 }
 
+namespace {
+
+// The dims a view holds, even when a hand-built view's rank field says otherwise (validation
+// refuses such a view; its message still reads the shape).
+int held_rank(int rank) { return std::clamp(rank, 0, TensorView::kMaxRank); }
+
+}  // namespace
+
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[static_cast<std::size_t>(d)];
+  for (int d = 0; d < held_rank(rank); ++d) n *= shape[static_cast<std::size_t>(d)];
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   std::int64_t stride = 1;
-  for (int d = rank - 1; d >= 0; --d) {
+  for (int d = held_rank(rank) - 1; d >= 0; --d) {
     const auto i = static_cast<std::size_t>(d);
     if (shape[i] != 1 && strides[i] != stride) return false;
     stride *= shape[i];
@@ -67,7 +77,7 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::shape_string() const {
   std::string s = "[";
-  for (int d = 0; d < rank; ++d) {
+  for (int d = 0; d < held_rank(rank); ++d) {
     if (d) s += ", ";
     s += std::to_string(shape[static_cast<std::size_t>(d)]);
   }

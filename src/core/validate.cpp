@@ -1,5 +1,6 @@
 #include "validate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -83,12 +84,18 @@ namespace {
 // pointer. Any other view with null data is absent.
 bool empty_view(const TensorView& v) { return v.rank > 0 && v.numel() == 0; }
 
+// "cpu", or "cuda:N": CUDA views and caches must be on the device the call runs on.
+std::string device_text(Device d) { return d.kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(d.index); }
+
+bool same_device(Device have, Device want) {
+  return have.kind == want.kind && (want.kind == DeviceKind::kCpu || have.index == want.index);
+}
+
 }  // namespace
 
 std::string describe(const TensorView& v) {
   if (!v.present() && !empty_view(v)) return "absent";
-  return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " +
-         std::string(device_kind_name(v.device.kind));
+  return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " + device_text(v.device);
 }
 
 namespace {
@@ -108,12 +115,30 @@ std::string shape_text(std::initializer_list<std::int64_t> dims, std::initialize
 
 // Checks a required view: present (or empty), one of `dtypes`, contiguous, on `device`, and shaped
 // `dims` (kAny matches any extent; `names` spell the dims out in the message).
+// A view's descriptor before anything reads it: a rank it holds, extents >= 0, and (unless an extent
+// is 0) an element count whose bytes fit int64. A wrapped count could pass a null view as empty.
+void expect_descriptor(std::string_view op, std::string_view arg, const TensorView& v) {
+  if (v.rank < 0 || v.rank > TensorView::kMaxRank) {
+    fail(op, arg, "rank " + std::to_string(v.rank), "0 .. " + std::to_string(TensorView::kMaxRank) + " dims");
+  }
+  if (std::any_of(v.shape.begin(), v.shape.begin() + v.rank, [](std::int64_t e) { return e == 0; })) return;
+  std::int64_t bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
+  for (int d = 0; d < v.rank; ++d) {
+    const std::int64_t extent = v.shape[static_cast<std::size_t>(d)];
+    if (extent < 0) fail(op, arg, v.shape_string(), "extents >= 0");
+    if (__builtin_mul_overflow(bytes, extent, &bytes)) {
+      fail(op, arg, v.shape_string(), "a shape whose size in bytes fits 64 bits");
+    }
+  }
+}
+
 void expect_view(std::string_view op, std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
                  std::initializer_list<std::int64_t> dims, std::initializer_list<const char*> names, Device device) {
+  expect_descriptor(op, arg, v);
   const std::string want_shape = shape_text(dims, names);
   std::string want_types;
   for (DType t : dtypes) want_types += (want_types.empty() ? "" : " or ") + std::string(dtype_name(t));
-  const std::string expected = want_types + " " + want_shape + " on " + std::string(device_kind_name(device.kind));
+  const std::string expected = want_types + " " + want_shape + " on " + device_text(device);
   if (!v.present() && !empty_view(v)) fail(op, arg, "absent (null data)", expected);
   bool type_ok = false;
   for (DType t : dtypes) type_ok |= v.dtype == t;
@@ -124,7 +149,7 @@ void expect_view(std::string_view op, std::string_view arg, const TensorView& v,
     const std::int64_t got = v.shape[static_cast<std::size_t>(d++)];
     if (got < 0 || (want != kAny && got != want)) fail(op, arg, describe(v), expected);
   }
-  if (v.device.kind != device.kind) fail(op, arg, describe(v), expected);
+  if (!same_device(v.device, device)) fail(op, arg, describe(v), expected);
   if (!v.is_contiguous()) fail(op, arg, describe(v) + " (strided)", "a contiguous tensor");
 }
 
@@ -146,17 +171,20 @@ void expect_cache(std::string_view op, const Cache& c, const char* what, Device 
   if (c.data == nullptr) fail(op, "cache.data", "null", std::string("the ") + what + " cache's memory");
   if (c.page_size < 1) fail(op, "cache.page_size", std::to_string(c.page_size), ">= 1");
   if (c.num_pages < 1) fail(op, "cache.num_pages", std::to_string(c.num_pages), ">= 1");
-  if (c.num_slots() > INT32_MAX) {
-    fail(op, "cache.num_pages", std::to_string(c.num_pages), "num_pages * page_size < 2^31 (slots are int32)");
+  if (c.num_pages > INT32_MAX / c.page_size) {  // the product itself could wrap
+    fail(op, "cache.num_pages", std::to_string(c.num_pages),
+         "num_pages * page_size < 2^31 (slots are int32; page_size " + std::to_string(c.page_size) + ")");
   }
-  if (c.device.kind != device.kind) {
-    fail(op, "cache.device", std::string(device_kind_name(c.device.kind)),
-         std::string(device_kind_name(device.kind)) + " memory");
+  if (!same_device(c.device, device)) {
+    fail(op, "cache.device", device_text(c.device), device_text(device) + " memory");
   }
 }
 
 void expect_latent_cache(std::string_view op, const LatentCache& c, Device device) {
   expect_cache(op, c, "latent", device);
+  if (c.dtype != KvDtype::kFp8E4M3 && c.dtype != KvDtype::kBf16) {
+    fail(op, "cache.dtype", std::to_string(static_cast<int>(c.dtype)), "KvDtype::kFp8E4M3 or KvDtype::kBf16");
+  }
 }
 
 void expect_indexer_cache(std::string_view op, const IndexerCache& c, Device device) {
@@ -250,6 +278,9 @@ void check_slots(std::string_view op, std::string_view arg, const TensorView& sl
 void validate_shapes(const AppendParams& p, Device device) {
   constexpr std::string_view op = "append";
   expect_latent_cache(op, p.cache, device);
+  if (p.scale_mode != ScaleMode::kPow2 && p.scale_mode != ScaleMode::kExact) {
+    fail(op, "scale_mode", std::to_string(static_cast<int>(p.scale_mode)), "ScaleMode::kPow2 or ScaleMode::kExact");
+  }
   expect_view(op, "latent", p.latent, {DType::kBF16}, {kAny, kQkDim}, {"n"}, device);
   const std::int64_t n = p.latent.size(0);
   expect_view(op, "slots", p.slots, {DType::kI32}, {n}, {"n"}, device);
@@ -262,9 +293,8 @@ void validate_shapes(const AppendParams& p, Device device) {
       fail(op, "indexer.num_pages", std::to_string(p.indexer.num_pages),
            std::to_string(p.cache.num_pages) + " (the main cache's: both caches share slots)");
     }
-    if (p.indexer.device.kind != device.kind) {
-      fail(op, "indexer.device", std::string(device_kind_name(p.indexer.device.kind)),
-           std::string(device_kind_name(device.kind)) + " memory");
+    if (!same_device(p.indexer.device, device)) {
+      fail(op, "indexer.device", device_text(p.indexer.device), device_text(device) + " memory");
     }
     expect_view(op, "indexer_keys", p.indexer_keys, {DType::kBF16}, {n, kIndexerDim}, {"n"}, device);
   } else if (p.indexer_keys.present()) {
@@ -394,8 +424,8 @@ void validate_values(const MlaDecodeParams& p) {
 
 void validate_values(const MlaPrefillParams& p) {
   constexpr std::string_view op = "mla_prefill";
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);  // lengths first
   check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   check_finite_bf16(op, "q", p.q);
 }
 
@@ -442,8 +472,8 @@ void validate_values(const SparseMlaPrefillParams& p) {
 
 void validate_values(const IndexerPrefillParams& p) {
   constexpr std::string_view op = "indexer_prefill";
+  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);  // lengths first
   check_new_tokens(op, p.cu_new_tokens, p.seq_lens, p.q.size(0));
-  check_paging_values(op, p.block_table, p.seq_lens, p.cache.page_size, p.cache.num_pages);
   check_fp8_finite(op, "q", p.q);
   check_finite_f32(op, "weights", p.weights);
 }

@@ -20,8 +20,11 @@ class ReferenceBackend final : public Backend {
     if (problem.device.kind != DeviceKind::kCpu) {
       return Selection::no("runs on the CPU only (device is " + problem.device.name + ")");
     }
-    if (problem.heads > kMaxHeads) {
-      return Selection::no("heads " + std::to_string(problem.heads) + " > " + std::to_string(kMaxHeads));
+    const bool indexer = problem.op == Op::kIndexerLogits || problem.op == Op::kIndexerPrefill;
+    const int max_heads = indexer ? kMaxIndexerHeads : kMaxHeads;
+    if (problem.heads > max_heads) {
+      return Selection::no(std::string(indexer ? "indexer heads " : "heads ") + std::to_string(problem.heads) +
+                           " outside 1 .. " + std::to_string(max_heads));
     }
     return Selection::yes(Kernel{"reference." + std::string(op_name(problem.op)), launch}, "float64 reference");
   }

@@ -39,27 +39,28 @@ class CudaBackend final : public Backend {
       case Op::kAppend:
         return Selection::yes(Kernel{std::string("append<") + std::string(kv_dtype_name(p.kv_dtype)) + ">", run_append});
       case Op::kMlaDecode:
-        return Selection::yes(Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p)), run_decode},
+        return Selection::yes(Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p), p.device.sm), run_decode},
                               "split-KV decode, any head count and page size");
       case Op::kIndexerLogits:
         if (p.heads > kMaxIndexerHeads) {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
-        return Selection::yes(Kernel{cuda::indexer_logits_kernel_name(p.page_size), run_indexer_logits},
+        return Selection::yes(Kernel{cuda::indexer_logits_kernel_name(p.page_size, p.device.sm), run_indexer_logits},
                               "tensor cores over the fp8 keys converted exactly to f16 on chip, float32 sums");
       case Op::kTopk:
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},
                               "exact radix select over the float bits; rows seeing <= k tokens take them all");
       case Op::kMlaPrefill:
-        return Selection::yes(Kernel{cuda::mla_prefill_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1), run_prefill},
-                              "the new tokens (in groups on few heads) as query rows of the decode kernels over "
-                              "their visible prefix");
+        return Selection::yes(
+            Kernel{cuda::mla_prefill_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm), run_prefill},
+            "the new tokens (in groups on few heads) as query rows of the decode kernels over "
+            "their visible prefix");
       case Op::kSparseMlaPrefill:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
             Kernel{"sparse_mla_prefill = per-token " +
-                       cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, true),
+                       cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
                    run_sparse_prefill},
             "each new token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       case Op::kIndexerPrefill:
@@ -67,13 +68,14 @@ class CudaBackend final : public Backend {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{cuda::indexer_prefill_kernel_name(p.page_size), run_indexer_prefill},
+        return Selection::yes(Kernel{cuda::indexer_prefill_kernel_name(p.page_size, p.device.sm), run_indexer_prefill},
                               "the new tokens (in groups of 4 on the wgmma indexer) as requests of the decode indexer, "
                               "then each its own top-k row, in chunks of new tokens whose logits fit the workspace");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
-            Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, true), run_sparse_decode},
+            Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
+                   run_sparse_decode},
             "each query token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       default:
         return Selection::no(std::string(op_name(p.op)) + " has no CUDA kernel yet");
@@ -100,42 +102,42 @@ class CudaBackend final : public Backend {
  private:
   static void run_append(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<AppendParams>(args);
-    detail::validate_shapes(p, Device::cuda());
+    detail::validate_shapes(p, cuda::launch_device("append"));
     cuda::launch_append(p, stream_of(c));
   }
   static void run_decode(const OpArgs& args, const ExecContext& c) {
     const auto& p = decode_args(args);
-    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    detail::validate_shapes(p, cuda::launch_device("mla_decode"), detail::Outputs::kDeviceTypes);
     cuda::launch_mla_decode(p, stream_of(c));
   }
   static void run_indexer_logits(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<IndexerLogitsParams>(args);
-    detail::validate_shapes(p, Device::cuda());
+    detail::validate_shapes(p, cuda::launch_device("indexer_logits"));
     cuda::launch_indexer_logits(p, stream_of(c));
   }
   static void run_prefill(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<MlaPrefillParams>(args);
-    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    detail::validate_shapes(p, cuda::launch_device("mla_prefill"), detail::Outputs::kDeviceTypes);
     cuda::launch_mla_prefill(p, stream_of(c));
   }
   static void run_sparse_prefill(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<SparseMlaPrefillParams>(args);
-    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    detail::validate_shapes(p, cuda::launch_device("sparse_mla_prefill"), detail::Outputs::kDeviceTypes);
     cuda::launch_sparse_mla_prefill(p, stream_of(c));
   }
   static void run_indexer_prefill(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<IndexerPrefillParams>(args);
-    detail::validate_shapes(p, Device::cuda());
+    detail::validate_shapes(p, cuda::launch_device("indexer_prefill"));
     cuda::launch_indexer_prefill(p, stream_of(c));
   }
   static void run_topk(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<TopkParams>(args);
-    detail::validate_shapes(p, Device::cuda());
+    detail::validate_shapes(p, cuda::launch_device("topk"));
     cuda::launch_topk(p, stream_of(c));
   }
   static void run_sparse_decode(const OpArgs& args, const ExecContext& c) {
     const auto& p = std::get<SparseMlaDecodeParams>(args);
-    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    detail::validate_shapes(p, cuda::launch_device("sparse_mla_decode"), detail::Outputs::kDeviceTypes);
     cuda::launch_sparse_mla_decode(p, stream_of(c));
   }
 };

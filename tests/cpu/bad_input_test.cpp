@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "core/validate.hpp"
 #include "cpu/reference.hpp"
+#include "latentkv/backend.hpp"
 #include "latentkv/model.hpp"
 #include "support/expect_error.hpp"
 #include "support/reference_ops.hpp"
@@ -516,6 +518,107 @@ TEST(BadInput, IndexerWorkspace) {
   p.workspace = scratch;
   cpu::indexer_logits(p);
   EXPECT_FALSE(is_sentinel(t.logits));
+}
+
+// A view's descriptor is checked before anything reads its data or counts its elements: a count
+// that wraps past 2^64 must not pass null data as an empty view, nor a rank past the shape array.
+TEST(BadInput, ViewDescriptorsThatCannotBeRead) {
+  DecodeCase c;
+  const std::int64_t huge = std::int64_t{1} << 58;
+  SparseMlaPrefillParams s;
+  s.q = TensorView::contiguous(nullptr, DType::kBF16, {huge, 64, kQkDim});  // 2^70 elements
+  s.cache = c.f.cache();
+  s.indices = TensorView::contiguous(nullptr, DType::kI32, {huge, 64});
+  s.o = TensorView::contiguous(nullptr, DType::kBF16, {huge, 64, kLatentDim});
+  s.lse = TensorView::contiguous(nullptr, DType::kF32, {huge, 64});
+  s.softmax_scale = 0.0625f;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(s); }, "sparse_mla_prefill", "q", std::to_string(huge)));
+
+  MlaDecodeParams p = c.params();
+  p.q.rank = 7;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q", "rank 7"));
+  p = c.params();
+  p.o.shape[3] = -kLatentDim;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "o", std::to_string(-kLatentDim)));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+// The cache descriptor: slots must fit int32 however num_pages * page_size would wrap, and its dtype
+// must be one the layouts define; the append's scale mode likewise.
+TEST(BadInput, CacheDescriptorsOutOfRange) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  p.cache.num_pages = std::int64_t{1} << 61;  // x 4 tokens: 2^63 slots, negative as int64
+  EXPECT_TRUE(
+      throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.num_pages", std::to_string(p.cache.num_pages)));
+  p.cache = c.f.cache();
+  p.cache.num_pages = (std::int64_t{1} << 29) + 1;  // 2^31 + 4 slots
+  EXPECT_TRUE(
+      throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.num_pages", std::to_string(p.cache.num_pages)));
+  p.cache = c.f.cache();
+  p.cache.dtype = static_cast<KvDtype>(7);
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.dtype", "7"));
+  EXPECT_TRUE(c.outputs_untouched());
+
+  AppendCase a;
+  AppendParams ap = a.params();
+  ap.cache.dtype = static_cast<KvDtype>(7);
+  EXPECT_TRUE(throws_error([&] { cpu::append(ap); }, "append", "cache.dtype", "7"));
+  ap = a.params();
+  ap.scale_mode = static_cast<ScaleMode>(9);
+  EXPECT_TRUE(throws_error([&] { cpu::append(ap); }, "append", "scale_mode", "9"));
+  EXPECT_TRUE(a.unchanged());
+}
+
+// CUDA views must be on the device the call runs on, index included (the reference runs on the CPU;
+// the shape check is what the CUDA backend calls with its current device).
+TEST(BadInput, ViewsOnAnotherDevice) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  const auto on = [](TensorView v, Device d) {
+    v.device = d;
+    return v;
+  };
+  p.q = on(p.q, Device::cuda(1));
+  p.cache.device = Device::cuda(0);
+  p.block_table = on(p.block_table, Device::cuda(0));
+  p.seq_lens = on(p.seq_lens, Device::cuda(0));
+  p.o = on(p.o, Device::cuda(0));
+  p.lse = on(p.lse, Device::cuda(0));
+  using detail::Outputs;
+  EXPECT_TRUE(throws_error([&] { detail::validate_shapes(p, Device::cuda(0), Outputs::kDeviceTypes); }, "mla_decode",
+                           "q", "cuda:1"));
+  p.q = on(p.q, Device::cuda(0));
+  EXPECT_NO_THROW(detail::validate_shapes(p, Device::cuda(0), Outputs::kReferenceTypes));
+  p.cache.device = Device::cuda(2);
+  EXPECT_TRUE(throws_error([&] { detail::validate_shapes(p, Device::cuda(0), Outputs::kReferenceTypes); }, "mla_decode",
+                           "cache.device", "cuda:2"));
+}
+
+// A prefill's negative length is named as the length, not as the new-token offsets it also breaks.
+TEST(BadInput, PrefillNegativeLengthIsNamed) {
+  DecodeCase c;
+  HostTensor q(DType::kBF16, {0, 4, kQkDim}), o(DType::kBF16, {0, 4, kLatentDim}), lse(DType::kF32, {0, 4});
+  std::vector<std::int32_t> cu = {0, 0, 0};
+  MlaPrefillParams p = c.prefill_params(q, cu, o, lse);
+  std::vector<std::int32_t> lens = {-5, 3};
+  p.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {2});
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "seq_lens[0]", "-5"));
+}
+
+// Through the registry: a call a backend's shape limits refuse says which limit.
+TEST(BadInput, RunNamesTheIndexerHeadLimit) {
+  IndexerCase t;
+  HostTensor q = random_fp8(t.c.rng, {2, 1, 200, kIndexerDim});
+  HostTensor w = random_f32(t.c.rng, {2, 1, 200}, -1, 1);
+  IndexerLogitsParams p = t.params();
+  p.q = q.view();
+  p.weights = w.view();
+  const Backend* reference = find_backend("reference");
+  ASSERT_NE(reference, nullptr);
+  EXPECT_EQ(error_of([&] { run(*reference, p, {}, DeviceInfo{}); }),
+            "indexer_logits: backend 'reference' cannot run this call: indexer heads 200 outside 1 .. 64");
+  EXPECT_TRUE(is_sentinel(t.logits));
 }
 
 TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {

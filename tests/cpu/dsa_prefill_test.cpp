@@ -194,6 +194,22 @@ TEST(DsaPrefillEmpty, NoNewTokensNeedNoWorkspace) {
   EXPECT_NO_THROW(dsa_prefill_steps(d.params, d.plan));
 }
 
+// Without new tokens both steps still check what they would check with some: offsets, lengths, o.
+TEST(DsaPrefillEmpty, NoNewTokensAreStillChecked) {
+  HostDsaPrefill d(test_rng(), {{5, 3}, {0, 0}}, 4, 4, 4, 3, DType::kBF16, DType::kF32);
+  d.params.workspace = nullptr;
+  d.params.workspace_bytes = 0;
+  d.cu[0] = 1;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "indexer_prefill", "cu_new_tokens[0]", "1"));
+  d.cu[0] = 0;
+  std::vector<std::int32_t> lens = {5, 1000};
+  d.params.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {2});
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "indexer_prefill", "seq_lens[1]", "1000"));
+  d.params.seq_lens = d.f.seq_lens_view();
+  d.params.softmax_scale = -1.0f;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "softmax_scale", "-1"));
+}
+
 // ---- rejected inputs ---------------------------------------------------------------------------
 
 // Requests of 4 new tokens over 5, 2 over 1 and 1 over 1 (T = 7) in pages of 4, topk 3; bf16 o and

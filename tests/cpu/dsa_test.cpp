@@ -206,6 +206,25 @@ TEST(DsaDecodeBadInput, TopkOutsideOneTo2048) {
   }
 }
 
+// Arguments whose batch or q_len disagree with q are named as the caller passed them, not as the
+// workspace views of a later step.
+TEST(DsaDecodeBadInput, BatchUnlikeTheQueries) {
+  HostDsa d = small_case();
+  HostTensor q_idx = random_fp8(d.rng, {d.f.batch() + 1, 1, 4, kIndexerDim});
+  d.params.q_idx = q_idx.view();
+  EXPECT_TRUE(
+      throws_error([&] { d.run(); }, "dsa_decode", "q_idx", "[" + std::to_string(d.f.batch() + 1) + ", 1, 4, 128]"));
+  d.params.q_idx = d.q_idx.view();
+  HostTensor weights = random_f32(d.rng, {d.f.batch(), 3, 4}, -1.0, 1.0);
+  d.params.weights = weights.view();
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "weights", "[" + std::to_string(d.f.batch()) + ", 3, 4]"));
+  d.params.weights = d.weights.view();
+  std::vector<std::int32_t> lens(static_cast<std::size_t>(d.f.batch() - 1), 1);
+  d.params.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {d.f.batch() - 1});
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "seq_lens", "[" + std::to_string(d.f.batch() - 1) + "]"));
+  EXPECT_TRUE(d.untouched());
+}
+
 TEST(DsaDecodeBadInput, NegativeMaxLen) {
   HostDsa d = small_case();
   d.params.max_len = -1;

@@ -406,7 +406,15 @@ TEST(IndexerPrefillBadInput, TooManyIndexerHeads) {
   PrefillCase c;
   c.q = random_fp8(c.rng, {PrefillCase::kRows, kMaxIndexerHeads + 1, kIndexerDim});
   c.w = random_f32(c.rng, {PrefillCase::kRows, kMaxIndexerHeads + 1}, -1.0, 1.0);
-  EXPECT_TRUE(c.rejects(c.params(), "indexer heads", std::to_string(kMaxIndexerHeads + 1)));
+  const std::vector<std::uint8_t> cache_before = c.f.indexer_bytes;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(c.params()); }, "indexer_prefill", "indexer heads",
+                           std::to_string(kMaxIndexerHeads + 1)));
+  // Through the registry the backend's select() refuses it first, naming the limit.
+  EXPECT_EQ(error_of([&] { run(reference_backend(), c.params(), {}, reference_device()); }),
+            "indexer_prefill: backend 'reference' cannot run this call: indexer heads " +
+                std::to_string(kMaxIndexerHeads + 1) + " outside 1 .. " + std::to_string(kMaxIndexerHeads));
+  EXPECT_TRUE(is_sentinel(c.slots));
+  EXPECT_EQ(c.f.indexer_bytes, cache_before);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <vector>
 
@@ -106,6 +107,26 @@ TEST(PageAllocator, ExhaustionThrowsAndChangesNothing) {
   EXPECT_EQ(c2.free_pages(), 0);
   EXPECT_THROW(c2.grow(r1, 2), Error);
   EXPECT_EQ(c2.length(r1), 2);
+}
+
+// Counts near int64's limit are refused as the exhausted pool they are, not wrapped into lengths.
+TEST(PageAllocator, HugeGrowthIsRefusedWithoutOverflow) {
+  PageAllocator a(6, 3);
+  const RequestId r0 = a.add_request(), r1 = a.add_request();
+  a.grow(r0, 10);
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+  EXPECT_TRUE(throws_error([&] { a.grow(r0, huge - 5); }, "page_allocator.grow", "n_tokens", std::to_string(huge - 5)));
+  EXPECT_TRUE(throws_error([&] { a.grow(r1, huge); }, "page_allocator.grow", "n_tokens", std::to_string(huge)));
+  EXPECT_EQ(a.length(r0), 10);
+  EXPECT_EQ(a.length(r1), 0);
+  EXPECT_TRUE(throws_error([&] { a.slot(r1, 1000000); }, "page_allocator.slot", "position", "1000000"));
+
+  // A pool of more than 2^31 slots: a request's length stays below 2^31 (seq_lens are int32).
+  PageAllocator big(3, 1 << 30);
+  const RequestId r = big.add_request();
+  big.grow(r, std::numeric_limits<std::int32_t>::max());
+  EXPECT_TRUE(throws_error([&] { big.grow(r, 1); }, "page_allocator.grow", "n_tokens", "1"));
+  EXPECT_EQ(big.length(r), std::numeric_limits<std::int32_t>::max());
 }
 
 TEST(PageAllocator, BlockTableMatrixPadsWithMinusOne) {

@@ -596,7 +596,7 @@ TEST(Config, DenseSlotsServeOnlyRowsWithinIndexTopk) {
 
 // ---- the capability matrix ----------------------------------------------------------------------
 
-TEST(ConfigCapabilities, ReferenceRunsEveryOpOnCpuUpTo128Heads) {
+TEST(ConfigCapabilities, ReferenceRunsEveryOpOnCpuUpToItsHeadLimit) {
   const ProbeGrid grid = default_probe_grid();
   ASSERT_EQ(grid.devices.size(), 5u);
   const std::vector<CapabilityRow> rows = probe_capabilities(reference(), grid);
@@ -608,7 +608,8 @@ TEST(ConfigCapabilities, ReferenceRunsEveryOpOnCpuUpTo128Heads) {
     EXPECT_TRUE(on_cpu.supported);
     EXPECT_TRUE(on_cpu.every_combination);
     EXPECT_EQ(on_cpu.page_sizes, grid.page_sizes);
-    if (!on_cpu.heads.empty()) EXPECT_EQ(on_cpu.heads.back(), 128) << op_name(on_cpu.op);
+    const bool indexer = on_cpu.op == Op::kIndexerLogits || on_cpu.op == Op::kIndexerPrefill;
+    if (!on_cpu.heads.empty()) EXPECT_EQ(on_cpu.heads.back(), indexer ? 64 : 128) << op_name(on_cpu.op);
     EXPECT_EQ(on_cpu.kernels, std::vector<std::string>{"reference." + std::string(op_name(on_cpu.op))});
     EXPECT_EQ(on_gpu.devices, (std::vector<std::string>{"sm_89", "sm_90", "sm_100", "sm_120"}));
     EXPECT_FALSE(on_gpu.supported);

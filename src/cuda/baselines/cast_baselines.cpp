@@ -43,7 +43,8 @@ class CastBaseline : public Backend {
       return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
     }
     const Backend* self = this;
-    const std::string inner = cuda::mla_decode_kernel_name(KvDtype::kBf16, sparse ? std::max(p.heads, 1) : rows_of(p), sparse);
+    const std::string inner =
+        cuda::mla_decode_kernel_name(KvDtype::kBf16, sparse ? std::max(p.heads, 1) : rows_of(p), p.device.sm, sparse);
     return Selection::yes(Kernel{std::string(name()) + " + " + inner,
                                  [self](const OpArgs& args, const ExecContext& c) {
                                    static_cast<const CastBaseline*>(self)->run(args, stream_of(c));
@@ -76,7 +77,7 @@ class CastBaseline : public Backend {
  private:
   template <typename Params>
   Params with_copy(const Params& p, std::string_view op, cudaStream_t s) const {
-    detail::validate_shapes(p, Device::cuda(), detail::Outputs::kDeviceTypes);
+    detail::validate_shapes(p, cuda::launch_device(std::string(op).c_str()), detail::Outputs::kDeviceTypes);
     const std::size_t copy = copy_bytes(p);  // 0 for gather_cast over no requests or no index entries
     if (copy > 0 && (p.workspace == nullptr || p.workspace_bytes < copy)) {
       throw Error(std::string(op), "workspace_bytes", std::to_string(p.workspace_bytes),
@@ -95,7 +96,9 @@ class CastBaseline : public Backend {
       cuda::launch_mla_decode(with_copy(*dense, "mla_decode", s), s);
     } else {
       const auto* prefill = std::get_if<SparseMlaPrefillParams>(&args);
-      if (prefill != nullptr) detail::validate_shapes(*prefill, Device::cuda(), detail::Outputs::kDeviceTypes);
+      if (prefill != nullptr) {
+        detail::validate_shapes(*prefill, cuda::launch_device("sparse_mla_prefill"), detail::Outputs::kDeviceTypes);
+      }
       cuda::launch_sparse_mla_decode(with_copy(sparse_of(args), prefill ? "sparse_mla_prefill" : "sparse_mla_decode", s), s);
     }
   }

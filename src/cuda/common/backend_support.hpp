@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "cuda/common/cuda_check.hpp"
 #include "latentkv/backend.hpp"
 
 namespace latentkv::cuda {
@@ -12,6 +13,9 @@ namespace latentkv::cuda {
 inline constexpr int kMinSm = 89;  // cvt.e4m3x2 and the 99 KB shared-memory plan
 
 inline cudaStream_t stream_of(const ExecContext& c) { return static_cast<cudaStream_t>(c.stream); }
+
+// The device a call launches on (the current one): its views and caches must be there.
+inline Device launch_device(const char* op) { return Device::cuda(current_device(op)); }
 
 // Support common to every CUDA backend; an empty string means supported.
 inline std::string device_problem(const Problem& p) {

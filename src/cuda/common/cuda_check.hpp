@@ -71,11 +71,12 @@ inline const DeviceLimits& current_device_limits(const char* op) {
 // The current device's compute capability as major * 10 + minor (90 for sm_90).
 inline int current_device_sm(const char* op) { return current_device_limits(op).sm; }
 
-// Whether a launcher may pick a warpgroup (wgmma) kernel: the library holds sm_90a code, the current
-// device is sm_90, and the environment variable `env` is unset or "auto". "mma" keeps the mma.sync
-// kernels that sm_89, sm_100 and sm_120 run (for comparison, and to test them on an sm_90); any other
-// value is an error naming `op`.
-bool wgmma_kernels_enabled(const char* op, const char* env);
+// Whether a warpgroup (wgmma) kernel serves a device of compute capability `sm` (the current device's
+// for a launch, the asked one for a backend's select()): the library holds sm_90a code, `sm` is 90,
+// and the environment variable `env` is unset or "auto". "mma" keeps the mma.sync kernels that sm_89,
+// sm_100 and sm_120 run (for comparison, and to test them on an sm_90); any other value is an error
+// naming `op`.
+bool wgmma_kernels_enabled(const char* op, const char* env, int sm);
 
 // CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) that one SM of the
 // current device holds at once; queried once per kernel, device and configuration, so that launchers

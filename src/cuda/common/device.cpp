@@ -32,16 +32,16 @@ bool cuda_detect_device(DeviceInfo& info) {
 
 namespace latentkv::cuda {
 
-bool wgmma_kernels_enabled(const char* op, const char* env) {
+bool wgmma_kernels_enabled(const char* op, const char* env, int sm) {
 #if defined(LKV_HAVE_SM90A)
   const char* choice = std::getenv(env);
   if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
   if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
     throw Error(op, env, choice, "unset, \"auto\" or \"mma\"");
   }
-  return current_device_sm(op) == 90;
+  return sm == 90;
 #else
-  (void)op, (void)env;
+  (void)op, (void)env, (void)sm;
   return false;
 #endif
 }

@@ -21,18 +21,19 @@ __device__ __forceinline__ bool count_ok(const PrefillRows& in, int b) {
   return n >= 0 && n <= in.seq_lens[b];
 }
 
-// The reference's checks of request b (validate.cpp: check_new_tokens, check_paging_values), by a
-// whole CTA: its new tokens within its length, its length within the block table, the pages that
-// length uses within the pool; request 0's CTA checks cu[0], the last request's cu[B]. A fault goes
-// to in.fault. The reference names the first of these in its order, and one bad offset cu[b] breaks
-// two counts (requests b - 1 and b) or a count and cu[B]: a check defers to the one before it in
-// that order when that one fails too, so that one bad offset gives the reference's fault.
+// The reference's checks of request b (validate.cpp: check_paging_values, check_new_tokens), by a
+// whole CTA: its length within the block table, the pages that length uses within the pool, its new
+// tokens within its length; request 0's CTA checks cu[0], the last request's cu[B]. A fault goes to
+// in.fault. The reference names the first of these in its order; a negative length also breaks its
+// request's count, and one bad offset cu[b] breaks two counts (requests b - 1 and b) or a count and
+// cu[B]: a check defers to the one before it in that order when that one fails too, so that one bad
+// value gives the reference's fault.
 __device__ void check_request(const PrefillRows& in, int b) {
   if (threadIdx.x == 0) {
     const std::int32_t lo = in.cu_new_tokens[b], hi = in.cu_new_tokens[b + 1], len = in.seq_lens[b];
     if (b == 0 && lo != 0) record_fault(in.fault, DeviceFaultCode::kNewTokensStart, {.value = lo});
     const bool ok = count_ok(in, b);
-    if (!ok && (b == 0 ? lo == 0 : count_ok(in, b - 1))) {
+    if (!ok && len >= 0 && (b == 0 ? lo == 0 : count_ok(in, b - 1))) {
       record_fault(in.fault, DeviceFaultCode::kNewTokensCount, {.index = b + 1, .value = hi, .bound = lo, .length = len});
     }
     if (b == in.batch - 1 && hi != in.new_tokens && ok) {

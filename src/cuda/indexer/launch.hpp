@@ -21,12 +21,13 @@ Plan plan_indexer_logits(const IndexerLogitsParams& p);
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 
 // Whether indexer_logits runs its warpgroup (wgmma) kernel for caches of `page_size` tokens per
-// page on the current device: sm_90 with the library's sm_90a code, pages of a multiple of 64
-// tokens, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the mma.sync kernel.
-bool indexer_uses_wgmma(int page_size);
+// page on a device of compute capability `sm`: sm_90 with the library's sm_90a code, pages of a
+// multiple of 64 tokens, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the mma.sync
+// kernel.
+bool indexer_uses_wgmma(int page_size, int sm);
 // The kernel's name for reports: "indexer_logits<...>"; the prefill's: "indexer_prefill = ...".
-std::string indexer_logits_kernel_name(int page_size);
-std::string indexer_prefill_kernel_name(int page_size);
+std::string indexer_logits_kernel_name(int page_size, int sm);
+std::string indexer_prefill_kernel_name(int page_size, int sm);
 
 // An indexer prefill's new tokens in groups of up to `tokens` (<= kMaxDecodeQLen) on the wgmma
 // kernel (prefill.cpp): for launch_indexer_logits_groups, p.q [rows, 1, Hi, 128], p.weights and

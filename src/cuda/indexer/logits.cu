@@ -857,7 +857,7 @@ void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* cla
 template <bool kChecks>
 void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
                        cudaStream_t stream) {
-  if (!indexer_uses_wgmma(a.page_size)) {
+  if (!indexer_uses_wgmma(a.page_size, current_device_sm("indexer_logits"))) {
     // 132 x page_size bytes: keys 16-byte aligned
     if (a.page_size % 4 == 0) return launch_mma<true, kChecks>(a, fault, batch, stream);
     return launch_mma<false, kChecks>(a, fault, batch, stream);
@@ -871,17 +871,17 @@ void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, u
 
 }  // namespace
 
-bool indexer_uses_wgmma(int page_size) {
-  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL");
+bool indexer_uses_wgmma(int page_size, int sm) {
+  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL", sm);
 }
 
-std::string indexer_logits_kernel_name(int page_size) {
-  if (page_size == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL")) {  // pages not known yet
+std::string indexer_logits_kernel_name(int page_size, int sm) {
+  if (page_size == 0 && indexer_uses_wgmma(kTurnTokens, sm)) {  // pages not known yet
     return "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring, for pages of a multiple of 64 tokens; else f16 mma "
            "m16n8k16>";
   }
-  return page_size > 0 && indexer_uses_wgmma(page_size) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
-                                                        : "indexer_logits<f16 mma m16n8k16>";
+  return page_size > 0 && indexer_uses_wgmma(page_size, sm) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
+                                                            : "indexer_logits<f16 mma m16n8k16>";
 }
 
 Plan plan_indexer_logits(const IndexerLogitsParams& p) {
@@ -917,7 +917,8 @@ LogitsArgs logits_args(const IndexerLogitsParams& p) {
 void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGroups& g, cudaStream_t stream) {
   LogitsArgs a = logits_args(p);
   a.q_len = g.tokens;
-  if (!indexer_uses_wgmma(a.page_size) || g.tokens < 1 || g.tokens > kMaxDecodeQLen) {
+  if (!indexer_uses_wgmma(a.page_size, current_device_sm("indexer_logits")) || g.tokens < 1 ||
+      g.tokens > kMaxDecodeQLen) {
     throw Error("indexer_prefill", "groups", std::to_string(g.tokens) + " new tokens a group",
                 "1 to " + std::to_string(kMaxDecodeQLen) + ", on the wgmma kernel (indexer/prefill.cpp)");
   }

@@ -54,7 +54,7 @@ std::int64_t capacity_of(const IndexerPrefillParams& p) {
 std::size_t bytes_per_token(const IndexerPrefillParams& p) {
   TopkParams one;
   one.logits = TensorView::contiguous(nullptr, DType::kF32, {1, 1, capacity_of(p)}, p.q.device);
-  const std::size_t group = indexer_uses_wgmma(p.cache.page_size)
+  const std::size_t group = indexer_uses_wgmma(p.cache.page_size, current_device_sm("indexer_prefill"))
                                 ? static_cast<std::size_t>(p.block_table.size(1) + 3) * sizeof(float) / kGroupTokens
                                 : 0;
   return static_cast<std::size_t>(capacity_of(p) + p.block_table.size(1) + 1) * sizeof(float) +
@@ -72,7 +72,7 @@ std::int64_t chunk_of(const IndexerPrefillParams& p) {
 // New tokens per group: kGroupTokens on the wgmma indexer where a full chunk's groups are at least
 // half full on average and fit one launch's grid; else 1 (per token).
 int group_tokens(const IndexerPrefillParams& p) {
-  if (!indexer_uses_wgmma(p.cache.page_size)) return 1;
+  if (!indexer_uses_wgmma(p.cache.page_size, current_device_sm("indexer_prefill"))) return 1;
   const std::int64_t rows = std::min<std::int64_t>(p.q.size(0), chunk_of(p));
   const std::int64_t slots = group_slots(rows, kGroupTokens, p.seq_lens.size(0));
   return 2 * rows >= slots * kGroupTokens && slots <= kMaxIndexerBatch ? kGroupTokens : 1;
@@ -145,17 +145,17 @@ Chunk chunk_views(const IndexerPrefillParams& p, std::int64_t first, std::int64_
 
 }  // namespace
 
-std::string indexer_prefill_kernel_name(int page_size) {
+std::string indexer_prefill_kernel_name(int page_size, int sm) {
   const std::string topk = " + topk<radix select, 12+10+10 bits>";
-  const std::string per_token = "per-token " + indexer_logits_kernel_name(page_size);
+  const std::string per_token = "per-token " + indexer_logits_kernel_name(page_size, sm);
   const std::string groups = "groups of " + std::to_string(kGroupTokens) + " new tokens on ";
-  if (page_size > 0 && indexer_uses_wgmma(page_size)) {
-    return "indexer_prefill = " + groups + indexer_logits_kernel_name(page_size) + topk +
+  if (page_size > 0 && indexer_uses_wgmma(page_size, sm)) {
+    return "indexer_prefill = " + groups + indexer_logits_kernel_name(page_size, sm) + topk +
            " (per token when the groups would be less than half full)";
   }
-  if (page_size == 0 && indexer_uses_wgmma(kWgmmaPageTokens)) {  // pages not known yet
-    return "indexer_prefill = " + groups + indexer_logits_kernel_name(kWgmmaPageTokens) + " for pages of a multiple of " +
-           std::to_string(kWgmmaPageTokens) + " tokens, else " + per_token + topk;
+  if (page_size == 0 && indexer_uses_wgmma(kWgmmaPageTokens, sm)) {  // pages not known yet
+    return "indexer_prefill = " + groups + indexer_logits_kernel_name(kWgmmaPageTokens, sm) +
+           " for pages of a multiple of " + std::to_string(kWgmmaPageTokens) + " tokens, else " + per_token + topk;
   }
   return "indexer_prefill = " + per_token + topk;
 }

@@ -450,9 +450,10 @@ int wide_blocks_per_sm() {
 
 // The kernel a call runs, decided in one place for planning, launching and naming.
 enum class DecodeKernel { kNarrow, kWide, kWgmma };
-DecodeKernel kernel_for(bool fp8, int rows) {
+// `sm`: the device's compute capability (the current device's for planning and launching).
+DecodeKernel kernel_for(bool fp8, int rows, int sm) {
   if (fp8 && rows <= kNarrowMaxRows) return DecodeKernel::kNarrow;
-  if (fp8 && rows >= kWgmmaMinRows && wgmma_decode_available()) return DecodeKernel::kWgmma;
+  if (fp8 && rows >= kWgmmaMinRows && wgmma_decode_available(sm)) return DecodeKernel::kWgmma;
   return DecodeKernel::kWide;
 }
 int tile_tokens(DecodeKernel kernel) { return kernel == DecodeKernel::kWgmma ? kWgmmaTile : kTileTokens; }
@@ -498,7 +499,7 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
     throw Error(op, "num_splits", std::to_string(requested),
                 "0 (the backend's choice) or a count from 1 to " + std::to_string(kMaxSplits));
   }
-  const DecodeKernel kernel = kernel_for(fp8, rows);
+  const DecodeKernel kernel = kernel_for(fp8, rows, current_device_sm(op));
   const int per_cta = rows_per_cta(kernel, rows);
   const int row_blocks = (rows + per_cta - 1) / per_cta;
   // A split holds whole tiles: fewer tokens than one tile would leave the last splits empty.
@@ -540,7 +541,7 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
                 "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
   }
   const int groups = groups_for(a.rows);
-  const DecodeKernel kernel = kernel_for(fp8, a.rows);
+  const DecodeKernel kernel = kernel_for(fp8, a.rows, current_device_sm(op));
   if (spans != nullptr && kernel != DecodeKernel::kWgmma && kernel != DecodeKernel::kNarrow) {
     throw Error(op, "q", std::to_string(a.rows) + " rows a group",
                 "a group the wgmma or narrow kernel takes (mla_prefill_group_tokens)");
@@ -618,9 +619,9 @@ struct GroupShape {
 // / in groups: 32 requests of 8 new tokens over 4K 194.6 / 224.0, 4 of 256 over 4K 695.2 / 725.3, a
 // 2K prompt 392.8 / 287.6, 8 requests of 512 over 4K 2547.6 / 1988.9.
 constexpr std::int64_t kNarrowGroupsFrom = 2048;
-GroupShape group_shape(KvDtype dtype, int heads) {
+GroupShape group_shape(KvDtype dtype, int heads, int sm) {
   const bool fp8 = dtype == KvDtype::kFp8E4M3;
-  if (heads <= kWgmmaRows / 2 && kernel_for(fp8, kWgmmaRows / heads * heads) == DecodeKernel::kWgmma) {
+  if (heads <= kWgmmaRows / 2 && kernel_for(fp8, kWgmmaRows / heads * heads, sm) == DecodeKernel::kWgmma) {
     return {kWgmmaRows / heads, DecodeKernel::kWgmma};
   }
   if (fp8 && heads <= kNarrowMaxRows / 2) return {kNarrowMaxRows / heads, DecodeKernel::kNarrow};
@@ -633,7 +634,7 @@ int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   using namespace mla;
   const std::int64_t t = p.q.size(0), h = p.q.size(1), batch = p.seq_lens.size(0);
   if (t == 0 || batch == 0 || h > kWgmmaRows) return 1;
-  const GroupShape shape = group_shape(p.cache.dtype, static_cast<int>(h));
+  const GroupShape shape = group_shape(p.cache.dtype, static_cast<int>(h), current_device_sm("mla_prefill"));
   if (shape.tokens == 1) return 1;
   const std::int64_t slots = group_slots(t, shape.tokens, batch);
   // The wgmma kernel: groups of at least half its 64 rows on average. Against per token (the narrow
@@ -691,22 +692,22 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, caller.op, stream);
 }
 
-std::string mla_prefill_kernel_name(KvDtype dtype, int heads) {
-  const std::string per_token = "per-token " + mla_decode_kernel_name(dtype, heads);
-  const mla::GroupShape shape = heads <= mla::kWgmmaRows ? mla::group_shape(dtype, heads) : mla::GroupShape{};
+std::string mla_prefill_kernel_name(KvDtype dtype, int heads, int sm) {
+  const std::string per_token = "per-token " + mla_decode_kernel_name(dtype, heads, sm);
+  const mla::GroupShape shape = heads <= mla::kWgmmaRows ? mla::group_shape(dtype, heads, sm) : mla::GroupShape{};
   if (shape.tokens == 1) return "mla_prefill = " + per_token;
   const std::string when = shape.kernel == mla::DecodeKernel::kWgmma
                                ? "when the groups would be less than half full on average"
                                : "below " + std::to_string(mla::kNarrowGroupsFrom) +
                                      " new tokens or groups of fewer than 1.5 on average";
   return "mla_prefill = groups of " + std::to_string(shape.tokens) + " new tokens on " +
-         mla_decode_kernel_name(dtype, shape.tokens * heads) + " (" + per_token + " " + when + ")";
+         mla_decode_kernel_name(dtype, shape.tokens * heads, sm) + " (" + per_token + " " + when + ")";
 }
 
-std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse) {
+std::string mla_decode_kernel_name(KvDtype dtype, int rows, int sm, bool sparse) {
   const std::string op = sparse ? "sparse_mla_decode" : "mla_decode";
   const bool fp8 = dtype == KvDtype::kFp8E4M3;
-  switch (mla::kernel_for(fp8, rows)) {
+  switch (mla::kernel_for(fp8, rows, sm)) {
     case mla::DecodeKernel::kNarrow: return op + "_narrow<fp8, " + std::to_string(rows <= 8 ? 8 : 16) + " rows>";
     case mla::DecodeKernel::kWgmma: return op + "_wgmma<fp8, " + std::to_string(mla::kWgmmaRows) + " rows/cta>";
     case mla::DecodeKernel::kWide: break;

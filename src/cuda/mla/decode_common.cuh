@@ -247,12 +247,13 @@ int narrow_blocks_per_sm(int rows, int batch);
 
 // More than 32 query rows over an fp8 cache on sm_90: the warpgroup tensor-core kernel of
 // decode_wgmma.cu, 64 rows per CTA, 64 tokens per tile. Available when the library holds sm_90a
-// code and the current device is sm_90, unless the environment sets LATENTKV_MLA_KERNEL=mma (which
-// keeps the mma.sync kernels, for comparison; any value but "mma" or "auto" is an error).
+// code and the device (compute capability `sm`) is sm_90, unless the environment sets
+// LATENTKV_MLA_KERNEL=mma (which keeps the mma.sync kernels, for comparison; any value but "mma" or
+// "auto" is an error).
 inline constexpr int kWgmmaRows = 64;
 inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
-bool wgmma_decode_available();
+bool wgmma_decode_available(int sm);
 // `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record.
 void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream);
 int wgmma_blocks_per_sm();

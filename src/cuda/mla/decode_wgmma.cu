@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #else
   (void)a;
   (void)spans;
-  __trap();  // launched only where wgmma_decode_available() holds
+  __trap();  // launched only where wgmma_decode_available(sm) holds
 #endif
 }
 
@@ -523,7 +523,7 @@ int configure() {
 
 }  // namespace
 
-bool wgmma_decode_available() { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL"); }
+bool wgmma_decode_available(int sm) { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL", sm); }
 
 int wgmma_blocks_per_sm() {
   return resident_ctas_per_sm(decode_wgmma_kernel<false, false>, kThreads, configure(), "mla_decode");

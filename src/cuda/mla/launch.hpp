@@ -64,8 +64,9 @@ Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessor
 SparseMlaDecodeParams as_sparse_decode(const SparseMlaPrefillParams& p);
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream);
 
-// The kernel instance a call with these shapes runs (rows = q_len x heads dense, heads sparse).
-std::string mla_decode_kernel_name(KvDtype dtype, int rows, bool sparse = false);
-std::string mla_prefill_kernel_name(KvDtype dtype, int heads);
+// The kernel instance a call with these shapes runs on a device of compute capability `sm` (rows =
+// q_len x heads dense, heads sparse).
+std::string mla_decode_kernel_name(KvDtype dtype, int rows, int sm, bool sparse = false);
+std::string mla_prefill_kernel_name(KvDtype dtype, int heads, int sm);
 
 }  // namespace latentkv::cuda
