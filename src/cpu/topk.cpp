@@ -1,5 +1,6 @@
 // Top-k over the indexer logits, returned as physical slots (SPEC section 4.5).
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <vector>
 
@@ -16,9 +17,16 @@ void topk_row(const float* x, std::int64_t visible, std::int64_t k, const std::v
   std::vector<std::int64_t> positions(static_cast<std::size_t>(visible));
   std::iota(positions.begin(), positions.end(), 0);
   const std::int64_t chosen = std::min(k, visible);
-  // Largest logit first; ties go to the earlier position (any choice is allowed).
-  std::partial_sort(positions.begin(), positions.begin() + chosen, positions.end(),
-                    [x](std::int64_t a, std::int64_t c) { return x[a] > x[c] || (x[a] == x[c] && a < c); });
+  // Largest logit first; ties go to the earlier position (any choice is allowed). A NaN, which only
+  // indexer_prefill lets through (from a NaN key scale in a cache the append did not write), ranks
+  // below every number, so that the order stays a strict weak ordering.
+  const auto before = [x](std::int64_t a, std::int64_t c) {
+    const bool a_nan = std::isnan(x[a]), c_nan = std::isnan(x[c]);
+    if (a_nan != c_nan) return c_nan;
+    if (!a_nan && x[a] != x[c]) return x[a] > x[c];
+    return a < c;
+  };
+  std::partial_sort(positions.begin(), positions.begin() + chosen, positions.end(), before);
   for (std::int64_t j = 0; j < chosen; ++j) {
     out[j] = static_cast<std::int32_t>(slots[static_cast<std::size_t>(positions[static_cast<std::size_t>(j)])]);
   }

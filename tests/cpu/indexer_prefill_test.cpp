@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <set>
@@ -400,6 +401,21 @@ TEST(IndexerPrefillBadInput, NegativeChunkTokens) {
   IndexerPrefillParams p = c.params();
   p.chunk_tokens = -1;
   EXPECT_TRUE(c.rejects(p, "chunk_tokens", "-1"));
+}
+
+// A NaN key scale (a cache the append did not write) gives that token a NaN logit, which the indexer
+// prefill does not refuse; it ranks below every number, so a row with k numbers never selects it.
+TEST(IndexerPrefill, NanLogitRanksLast) {
+  PrefillCase c;
+  const std::int32_t nan_slot = c.f.slots(0, 9)[0];  // request 0, position 0: visible to all its rows
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(c.f.indexer().scale_ptr(nan_slot), &nan, sizeof nan);
+  ASSERT_NO_THROW(cpu::indexer_prefill(c.params()));
+  for (std::int64_t row = 0; row < 4; ++row) {  // request 0's rows see 6 .. 9 tokens, k = 5
+    const std::int32_t* chosen = c.slots.data<std::int32_t>() + row * c.k;
+    EXPECT_EQ(std::count(chosen, chosen + c.k, nan_slot), 0) << "row " << row;
+    EXPECT_EQ(std::count(chosen, chosen + c.k, -1), 0) << "row " << row;
+  }
 }
 
 TEST(IndexerPrefillBadInput, TooManyIndexerHeads) {
