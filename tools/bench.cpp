@@ -3,13 +3,14 @@
 #include "bench.hpp"
 
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 
+#include "cli_checks.hpp"
 #include "commands.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/model.hpp"
 
 namespace latentkv::tools {
 namespace {
@@ -34,6 +35,7 @@ std::string repro_line(const BenchOptions& o) {
      << (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill" ? " --topk " + std::to_string(o.topk) : "")
      << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends)
      << " --iters " << o.iters << " --warmup " << o.warmup << " --launch " << o.launch << " --seed " << o.seed;
+  if (o.check_requests != BenchOptions{}.check_requests) os << " --check-requests " << o.check_requests;
   return os.str();
 }
 
@@ -123,7 +125,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
     }
     j["rows"].push_back(x);
   }
-  std::ofstream(path) << j.dump(2) << "\n";
+  write_output_file("bench", "--json", path, j.dump(2) + "\n");
 }
 
 }  // namespace
@@ -134,43 +136,52 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--op", opt->op, "Operation to time")->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode",
                                                                       "mla_prefill", "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}));
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
-  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
-  cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(CLI::Range(1, 128));
-  cmd->add_option("--batch", opt->batch, "Requests")->check(CLI::Range(1, 4096));
-  cmd->add_option("--context", opt->context, "Tokens per request")->check(CLI::PositiveNumber);
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
+  cmd->add_option("--heads", opt->heads, "Query heads per GPU (overrides model / tp)")->check(integer_in(1, 128));
+  cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 4096));
+  cmd->add_option("--context", opt->context, "Tokens per request")->check(integer_in(1, kIntMax));
   cmd->add_option("--context-min", opt->context_min,
                   "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")->check(CLI::PositiveNumber);
-  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, 4));
-  cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")->check(CLI::PositiveNumber);
-  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
-  cmd->add_option("--topk", opt->topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")->check(CLI::Range(1, 2048));
+      ->check(integer_in(1, kIntMax));
+  cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")
+      ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
+  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(integer_in(1, 4));
+  cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")
+      ->check(integer_in(1, kIntMax));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
+  cmd->add_option("--topk", opt->topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")
+      ->check(integer_in(1, 2048));
   cmd->add_option("--splits", opt->splits,
                   "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
-      ->check(CLI::Range(1, 1024));
+      ->check(integer_in(1, 1024));
   cmd->add_option("--kv-dtype", opt->kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
   cmd->add_option("--backends", opt->backends, "Backends to time, comma separated")->delimiter(',');
-  cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--iters", opt->iters, "Timed calls")->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", opt->warmup, "Untimed calls first")->check(integer_in(0, 100000));
+  cmd->add_option("--iters", opt->iters, "Timed calls")->check(integer_in(1, 100000));
   cmd->add_option("--launch", opt->launch,
                   "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
                   "GPU time); paced: the host launches each as it goes (its launch latency included)")
       ->check(CLI::IsMember({"queued", "paced"}));
-  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the reference (0: none)");
+  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the reference (0: none)")
+      ->check(integer_in(0, kIntMax));
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
   cmd->callback([opt] {
-    if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
-      throw Error("bench", "--op", opt->op, "mla_decode or sparse_mla_decode with --splits");
-    }
-    if (opt->context_min > 0 && opt->op != "mla_decode") {
-      throw Error("bench", "--op", opt->op, "mla_decode with --context-min");
-    }
-    if (opt->context_min > opt->context) {
-      throw Error("bench", "--context-min", std::to_string(opt->context_min),
-                  "at most --context (" + std::to_string(opt->context) + ")");
-    }
+    // What the command line can get wrong, checked before anything runs: exit code 2 when it does.
+    or_usage_error([&] {
+      if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
+        throw Error("bench", "--op", opt->op, "mla_decode or sparse_mla_decode with --splits");
+      }
+      if (opt->context_min > 0 && opt->op != "mla_decode") {
+        throw Error("bench", "--op", opt->op, "mla_decode with --context-min");
+      }
+      if (opt->context_min > opt->context) {
+        throw Error("bench", "--context-min", std::to_string(opt->context_min),
+                    "at most --context (" + std::to_string(opt->context) + ")");
+      }
+      shard_model(model_preset(opt->model), opt->tp);
+      if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
+    });
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)
                                : opt->op == "dsa_prefill"     ? run_dsa_prefill_bench(*opt)

@@ -133,17 +133,28 @@ void print_matrix(std::ostream& out, const std::vector<const Backend*>& backends
       << "  kv_dtype {fp8_e4m3,bf16} x heads {" << ints_text(grid.heads) << "} x page {" << ints_text(grid.page_sizes)
       << "}\n  x q_len {" << ints_text(grid.q_lens) << "} x topk {" << ints_text(grid.topks) << "} x device {"
       << join(devices) << "};\n  each op shows the fields it has; \"all\" means every probed value\n";
+  // Every backend probed first, so that the device column is as wide as its widest entry.
+  std::vector<std::vector<CapabilityRow>> rows_of;
+  std::size_t device_column = 0;
   for (const Backend* b : backends) {
+    rows_of.push_back(probe_capabilities(*b, grid));
+    for (const CapabilityRow& row : rows_of.back()) {
+      device_column = std::max(device_column, join(row.devices, ",").size());
+    }
+  }
+  device_column = std::max<std::size_t>(device_column + 2, 27);
+  for (std::size_t i = 0; i < backends.size(); ++i) {
+    const Backend* b = backends[i];
     const std::string traffic = b->extra_traffic().empty() ? "none" : std::string(b->extra_traffic());
     out << "\n" << b->name() << "  (preference " << b->preference() << "; extra traffic: " << traffic << ")\n"
         << "  " << wrap(std::string(b->description()), 2, "  ") << "\n";
     Op last = Op::kAppend;
     bool first = true;
-    for (const CapabilityRow& row : probe_capabilities(*b, grid)) {
+    for (const CapabilityRow& row : rows_of[i]) {
       const std::string op = (first || row.op != last) ? std::string(op_name(row.op)) : "";
       first = false;
       last = row.op;
-      const std::string lead = "  " + pad(op, 20) + pad(join(row.devices, ","), 27);
+      const std::string lead = "  " + pad(op, 20) + pad(join(row.devices, ","), device_column);
       out << lead << wrap(row_text(row, grid), lead.size(), std::string(lead.size(), ' ')) << "\n";
     }
   }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_checks.hpp"
 #include "commands.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/fp8.hpp"
@@ -41,19 +42,39 @@ void print_step(const char* step, const std::string& what, double bytes_read, do
               seconds);
 }
 
+// Fails before anything is allocated when the demo cannot fit in host memory: the caches of the
+// pool, every token's bf16 inputs, slot and logit, the page tables, and the small per-request rest.
+void check_memory(const DemoOptions& o, std::int64_t num_pages, const ModelShard& shard) {
+  const double slots = static_cast<double>(num_pages) * o.page_size;
+  const double cache = slots * static_cast<double>(kFp8TokenBytes + kIndexerTokenBytes);
+  const double inputs = static_cast<double>(o.batch) * static_cast<double>(o.context) * (2.0 * (576 + 128) + 4 + 4);
+  const double rest = 9.0 * static_cast<double>(num_pages) +
+                      o.batch * (shard.heads_per_gpu * (2.0 * (576 + 512) + 4) +
+                                 shard.model.indexer_heads * (128 + 4.0) + 4.0 * shard.model.index_topk);
+  constexpr double kHeadroomBytes = 256e6;  // the reference's own scratch and the program itself
+  check_host_memory("demo", cache + inputs + rest + kHeadroomBytes,
+                    std::to_string(num_pages * o.page_size) + " cache slots take " + gigabytes(cache) +
+                        " and the inputs of " + std::to_string(o.batch) + " x " + std::to_string(o.context) +
+                        " tokens " + gigabytes(inputs) + "; with the rest and " + gigabytes(kHeadroomBytes) +
+                        " of headroom",
+                    "--batch, --context or --page-size");
+}
+
 void run_demo(const DemoOptions& o) {
-  const ModelShard shard = shard_model(model_preset(o.model), o.tp);
+  const ModelShard shard = or_usage_error([&] { return shard_model(model_preset(o.model), o.tp); });
   const ModelPreset& m = shard.model;
   const int heads = shard.heads_per_gpu, hi = m.indexer_heads, topk = m.index_topk;
   const Backend& ref = *find_backend("reference");
+  // Pages for every request from a shuffled pool, with a few pages to spare.
+  const std::int64_t num_pages = (o.context + o.page_size - 1) / o.page_size * o.batch + 4;
+  check_memory(o, num_pages, shard);
   std::mt19937_64 rng(o.seed);
   std::printf("latentkv demo: one layer of %s at tp %d (%d heads here, %d indexer heads, top-%d), "
               "%d requests x %lld tokens, page size %d, seed %llu\n",
               m.name.c_str(), o.tp, heads, hi, topk, o.batch, static_cast<long long>(o.context), o.page_size,
               static_cast<unsigned long long>(o.seed));
 
-  // Pages for every request from a shuffled pool, with a few pages to spare.
-  PageAllocator pool((o.context + o.page_size - 1) / o.page_size * o.batch + 4, o.page_size, o.seed);
+  PageAllocator pool(num_pages, o.page_size, o.seed);
   std::vector<RequestId> requests;
   for (int b = 0; b < o.batch; ++b) {
     requests.push_back(pool.add_request());
@@ -161,10 +182,10 @@ void add_demo_command(CLI::App& app) {
   auto opt = std::make_shared<DemoOptions>();
   CLI::App* cmd = app.add_subcommand("demo", "One layer's DSA decode on the CPU reference, step by step");
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
-  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
-  cmd->add_option("--batch", opt->batch, "Requests")->check(CLI::Range(1, 64));
-  cmd->add_option("--context", opt->context, "Tokens per request")->check(CLI::Range(1, 200000));
-  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
+  cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 64));
+  cmd->add_option("--context", opt->context, "Tokens per request")->check(integer_in(1, 200000));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
   cmd->add_option("--seed", opt->seed, "Random seed");
   cmd->callback([opt] { run_demo(*opt); });
 }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_checks.hpp"
 #include "commands.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
@@ -61,9 +62,9 @@ constexpr int kGpuWarmup = 3, kGpuIters = 20, kCpuWarmup = 1, kCpuIters = 3;
 const std::vector<std::string> kGpuStrategies = {"fp8", "gather_cast", "cast_full", "dense", "sparse"};
 const std::vector<std::string> kCpuStrategies = {"fp8", "dense", "sparse"};
 
-std::string join(const std::vector<std::string>& v) {
+std::string join(const std::vector<std::string>& v, const std::string& separator = ",") {
   std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  for (const auto& x : v) s += (s.empty() ? "" : separator) + x;
   return s;
 }
 
@@ -101,33 +102,42 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   s.q_len = o.q_len;
   s.page_size = o.page_size;
   if (s.layers > m.layers) {
-    throw Error("step", "layers", std::to_string(s.layers),
+    throw Error("step", "--layers", std::to_string(s.layers),
                 "1 .. " + std::to_string(m.layers) + " (the layers of " + m.name + ")");
   }
   if (s.context < s.q_len) {
-    throw Error("step", "context", std::to_string(s.context), ">= q_len " + std::to_string(s.q_len));
+    throw Error("step", "--context", std::to_string(s.context), ">= q_len " + std::to_string(s.q_len));
   }
   if (s.context > m.max_positions) {
-    throw Error("step", "context", std::to_string(s.context),
+    throw Error("step", "--context", std::to_string(s.context),
                 "<= " + std::to_string(m.max_positions) + " (max positions of " + m.name + ")");
   }
-  // The pool must hold every request's pages; the default leaves room as a server would.
+  // The pool must hold every request's pages, in whole pages of int32 slots; the default leaves
+  // room as a server would. (--context and --pool are at most 2^31 - 1, so nothing here overflows.)
+  const std::string pages_of = " in whole pages of " + std::to_string(s.page_size);
+  const std::int64_t max_pool = kMaxSlots / s.page_size * s.page_size;
   const std::int64_t needed = static_cast<std::int64_t>(s.batch) * round_up(s.context, s.page_size);
+  if (needed > max_pool) {
+    throw Error("step", std::to_string(s.batch) + " requests of " + std::to_string(s.context) + " tokens" + pages_of +
+                            " need " + std::to_string(needed) + " slots, more than the " + std::to_string(max_pool) +
+                            " a pool of int32 slots holds: lower --batch, --context or --page-size");
+  }
   std::int64_t pool = o.pool;
   if (pool == 0) {
-    pool = cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8);
+    pool = std::min(max_pool, cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8));
     if (!cpu && pool != kGpuPool) {
       run.notes.push_back("pool grown to " + std::to_string(pool) + " tokens per layer to hold the batch");
     }
+  } else if (pool > max_pool) {  // --pool itself is below 2^31; rounded up to whole pages it is not
+    throw Error("step", "--pool", std::to_string(o.pool),
+                "at most " + std::to_string(max_pool) + " (rounded up to whole pages of " +
+                    std::to_string(s.page_size) + " tokens, the pool must stay below 2^31 slots: slots are int32)");
   }
   s.pool_tokens = round_up(pool, s.page_size);
   if (s.pool_tokens < needed) {
-    throw Error("step", "pool", std::to_string(o.pool),
+    throw Error("step", "--pool", std::to_string(o.pool),
                 ">= " + std::to_string(needed) + " tokens (" + std::to_string(s.batch) + " requests of " +
-                    std::to_string(s.context) + " tokens in whole pages of " + std::to_string(s.page_size) + ")");
-  }
-  if (s.pool_tokens > INT32_MAX) {
-    throw Error("step", "pool", std::to_string(s.pool_tokens), "fewer than 2^31 slots (slots are int32)");
+                    std::to_string(s.context) + " tokens" + pages_of + ")");
   }
 
   run.warmup = o.warmup >= 0 ? o.warmup : (cpu ? kCpuWarmup : kGpuWarmup);
@@ -150,7 +160,9 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
       return x.dense == spec.dense && x.backend == spec.backend;
     });
     if (same != run.strategies.end()) {
-      if (!o.strategies.empty()) {
+      if (name == same->name) {
+        run.notes.push_back(name + " is listed twice in --strategies: the second is left out");
+      } else if (!o.strategies.empty()) {
         const std::string why =
             spec.by_rule || same->by_rule
                 ? std::string(" (the model's rule picks ") + (spec.dense ? "dense" : "sparse") + " at this context)"
@@ -172,12 +184,6 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
     run.notes.insert(run.notes.begin(), buf);
   }
   return run;
-}
-
-void write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-  if (!out) throw Error("step", "file", path, "a writable path");
 }
 
 std::string shell_quote(const std::string& s) {
@@ -242,11 +248,11 @@ bool plot_report(const std::string& json_text, const std::string& json_path, con
   if (path.empty()) {
     char name[] = "/tmp/latentkv-step-XXXXXX.json";
     const int fd = mkstemps(name, 5);
-    if (fd < 0) throw Error("step", "plot", out_path, "a writable /tmp for the run's JSON");
+    if (fd < 0) throw Error("step", "--plot", out_path, "a writable /tmp for the run's JSON");
     close(fd);
     path = name;
     temporary = true;
-    write_file(path, json_text);
+    write_output_file("step", "--plot", path, json_text);
   }
   const bool drawn = draw_plot(path, out_path);
   if (drawn && temporary) std::remove(path.c_str());
@@ -264,44 +270,55 @@ bool any_failed(const StepReport& r) {
 // Reads a saved report; what is not one is a usage error.
 StepReport load_report(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("step", "from-json", path, "a readable file");
+  if (!in) throw Error("step", "--from-json", path, "a readable file");
   std::ostringstream text;
   text << in.rdbuf();
   try {
     return parse_report_json(text.str());
   } catch (const std::invalid_argument& e) {
-    throw Error("step", "from-json", path, std::string("a report of `latentkv step --json` (") + e.what() + ")");
+    throw Error("step", "--from-json", path, std::string("a report of `latentkv step --json` (") + e.what() + ")");
   }
 }
 
-// Everything about the command line that can be wrong, checked before anything runs; exit code 2
-// (a usage error) when it is, as the other subcommands do.
-template <typename F>
-auto or_usage_error(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    throw CLI::RuntimeError(kExitUsage);
+// The options given that shape a run, which a saved report (--from-json) cannot honour.
+std::vector<std::string> run_options_given(const CLI::App& cmd) {
+  const std::vector<std::string> report_options = {"--from-json", "--json", "--plot", "--no-progress"};
+  std::vector<std::string> given;
+  for (const CLI::Option* option : cmd.get_options()) {
+    const std::string name = option->get_name();
+    if (option->count() > 0 && std::find(report_options.begin(), report_options.end(), name) == report_options.end()) {
+      given.push_back(name);
+    }
   }
+  return given;
 }
 
-void run_step_command(const StepOptions& o) {
+void run_step_command(const StepOptions& o, const CLI::App& cmd) {
   StepReport report;
   bool cpu = false;
   StepRun run;
+  // Everything about the command line that can be wrong, the output files included, checked before
+  // anything runs: exit code 2 when it is.
   or_usage_error([&] {
     if (!o.plot.empty()) {
       const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
-      if (ext != ".png" && ext != ".svg") throw Error("step", "plot", o.plot, "a file name ending in .png or .svg");
+      if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");
+      check_output_path("step", "--plot", o.plot);
     }
+    if (!o.json.empty()) check_output_path("step", "--json", o.json);
     if (!o.from_json.empty()) {
+      const std::vector<std::string> given = run_options_given(cmd);
+      if (!given.empty()) {
+        throw Error("step", "--from-json", o.from_json,
+                    "no option of a run beside it (it prints a saved report; only --json and --plot apply), but " +
+                        join(given, ", ") + (given.size() == 1 ? " was" : " were") + " given");
+      }
       report = load_report(o.from_json);
       return;
     }
     const bool have_gpu = detect_device().kind == DeviceKind::kCuda;
     if (o.device == "cuda" && !have_gpu) {
-      throw Error("step", "device", "cuda", "a CUDA GPU (none was found, or this build has no CUDA backends)");
+      throw Error("step", "--device", "cuda", "a CUDA GPU (none was found, or this build has no CUDA backends)");
     }
     cpu = o.device == "cpu" || !have_gpu;
     run = resolve_run(o, cpu, o.device != "cpu");
@@ -314,14 +331,14 @@ void run_step_command(const StepOptions& o) {
   }
   std::fputs(format_report(report).c_str(), stdout);
   std::fflush(stdout);
+  // A saved report is written (and drawn) again, with every derived field recomputed.
   const std::string json_text = report_json(report);
-  if (!o.json.empty() && o.from_json.empty()) {
-    write_file(o.json, json_text);
+  if (!o.json.empty()) {
+    write_output_file("step", "--json", o.json, json_text);
     std::printf("json: %s\n", o.json.c_str());
   }
   bool ok = !any_failed(report);
-  // A saved report is drawn from its JSON written again, with every derived field recomputed.
-  if (!o.plot.empty()) ok = plot_report(json_text, o.from_json.empty() ? o.json : "", o.plot) && ok;
+  if (!o.plot.empty()) ok = plot_report(json_text, o.json, o.plot) && ok;
   if (!ok) throw CLI::RuntimeError(kExitFailure);
 }
 
@@ -348,7 +365,7 @@ StrategySpec parse_strategy(const std::string& name, const StepShape& shape) {
   } else if (backend == "gather_cast" || backend == "cast_full") {
     s.backend = backend;
   } else {
-    throw Error("step", "strategies", "'" + name + "'",
+    throw Error("step", "--strategies", "'" + name + "'",
                 "fp8, gather_cast, cast_full (the path by the model's rule), dense, sparse, or dense_/sparse_ "
                 "followed by fp8, gather_cast or cast_full");
   }
@@ -402,25 +419,25 @@ void add_step_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "step", "One decode step of a whole model's attention, strategies side by side, with the gap to the floors");
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
-  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(CLI::PositiveNumber);
-  cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(CLI::Range(1, 4096));
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
+  cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(integer_in(1, 4096));
   cmd->add_option("--context", opt->context, "Tokens per request, new ones included (default 32768; 3000 on the CPU)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kIntMax));
   cmd->add_option("--pool", opt->pool, "Cache slots per layer (default 495000, or what the batch needs)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(CLI::Range(1, kMaxDecodeQLen));
-  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
+  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(integer_in(1, kMaxDecodeQLen));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kIntMax));
   cmd->add_option("--strategies", opt->strategies,
                   "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse, "
                   "dense_<backend>, sparse_<backend>")
       ->delimiter(',');
   cmd->add_option("--warmup", opt->warmup, "Untimed replays first (default 3; 1 on the CPU)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(CLI::Range(1, 100000));
+      ->check(integer_in(0, 100000));
+  cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(integer_in(1, 100000));
   cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the float64 reference (0: none)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, kIntMax));
   cmd->add_flag("--fault-checks", opt->fault_checks,
                 "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
                 "pages, slots and values (q, weights) they read (latentkv/device_fault.hpp), and the step fails "
@@ -430,14 +447,15 @@ void add_step_command(CLI::App& app) {
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables");
   cmd->add_option("--json", opt->json, "Also write the report as JSON to this file");
   cmd->add_option("--plot", opt->plot, "Draw the step per strategy and each op against its floor (.png or .svg)");
-  cmd->add_option("--from-json", opt->from_json, "Print (and with --plot draw) a saved report instead of running");
+  cmd->add_option("--from-json", opt->from_json,
+                  "Print a saved report instead of running (--json writes it again, --plot draws it)");
   cmd->add_flag("!--no-progress", opt->progress, "No progress line on stderr");
-  cmd->callback([opt] { run_step_command(*opt); });
+  cmd->callback([opt, cmd] { run_step_command(*opt, *cmd); });
 }
 
 #ifndef LKV_WITH_CUDA
 StepReport run_step_gpu(const StepRun&) {
-  throw Error("step", "device", "cuda", "a build with CUDA (this one has the CPU reference only: --device cpu)");
+  throw Error("step", "--device", "cuda", "a build with CUDA (this one has the CPU reference only: --device cpu)");
 }
 #endif
 

@@ -12,6 +12,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/dsa.hpp"
 #include "latentkv/error.hpp"
+#include "cli_checks.hpp"
 #include "latentkv/model.hpp"
 #include "step.hpp"
 
@@ -103,6 +104,29 @@ void fill_layer(HostLayer& layer, const StepShape& s, std::int64_t num_pages, st
                   1.0f / std::sqrt(static_cast<float>(s.indexer_heads * kIndexerDim)));
 }
 
+// Room for the reference's own scratch and the program itself.
+constexpr double kHostHeadroomBytes = 256e6;
+
+// Fails before anything is allocated when the run cannot fit in host memory: every layer's caches,
+// inputs and outputs (HostLayer), the page tables, and the DSA workspace (every row's logits and slots).
+void check_memory(const StepShape& s) {
+  const double slots = static_cast<double>(s.pool_tokens), rows = static_cast<double>(s.batch) * s.q_len;
+  const double max_pages = std::ceil(static_cast<double>(s.context) / s.page_size);
+  const double cache = s.layers * slots * static_cast<double>(kFp8TokenBytes + kIndexerTokenBytes);
+  const double inputs = s.layers * rows *
+                        (2.0 * (kQkDim + kIndexerDim) + s.heads * (2.0 * (kQkDim + kLatentDim) + 4) +
+                         s.indexer_heads * (kIndexerDim + 4.0));
+  const double tables = 5.0 * slots / s.page_size + 8.0 * s.batch * max_pages;
+  const double workspace = 4.0 * rows * (max_pages * s.page_size + s.topk);
+  const double rest = inputs + tables + workspace;
+  check_host_memory("step", cache + rest + kHostHeadroomBytes,
+                    std::to_string(s.layers) + " layers x " + std::to_string(s.pool_tokens) + " slots of cache take " +
+                        gigabytes(cache) + " (" + std::to_string(kFp8TokenBytes + kIndexerTokenBytes) +
+                        " B a slot: main + indexer); with the inputs, page tables and workspace (" + gigabytes(rest) +
+                        ") and " + gigabytes(kHostHeadroomBytes) + " of headroom",
+                    "--pool, --layers, --batch or --context");
+}
+
 }  // namespace
 
 StepReport run_step_cpu(const StepRun& job) {
@@ -121,6 +145,7 @@ StepReport run_step_cpu(const StepRun& job) {
   report.iters = job.iters;
   report.seed = job.seed;
 
+  check_memory(s);
   StepTables tables = make_step_tables(s, job.seed);
   const std::int64_t b = s.batch, q_len = s.q_len, n_new = b * q_len;
   const TensorView block_table = host_view(tables.block_table, DType::kI32, {b, tables.max_pages});

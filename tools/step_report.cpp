@@ -301,7 +301,7 @@ std::string format_report(const StepReport& r) {
     char signed_rest[40];
     std::snprintf(signed_rest, sizeof signed_rest, "%s%s", rest >= 0 ? "+" : "-", t(std::fabs(rest)).c_str());
     add(out, "  %-16s %10s %6.1f%%   (the whole step minus its ops timed one by one)\n", "between ops", signed_rest,
-        100.0 * rest / s.step_us);
+        s.step_us > 0 ? 100.0 * rest / s.step_us : 0.0);
   }
   if (floors) {
     add(out,

@@ -29,6 +29,10 @@ OP_COLOURS = {
 BETWEEN_COLOUR = "#e0e0e0"
 
 
+def layers_text(n):
+    return "1 layer" if n == 1 else "%d layers" % n
+
+
 def label_of(strategy):
     return "%s\n(%s, %s)" % (strategy["name"], strategy["path"], strategy["backend"])
 
@@ -73,7 +77,8 @@ def draw_step_bars(ax, report, strategies):
                         textcoords="offset points")
     ax.set_xticks(range(len(strategies)))
     ax.set_xticklabels([label_of(s) for s in strategies], fontsize=8)
-    ax.set_ylabel("ms per step (all %d layers)" % report["shape"]["layers"])
+    layers = report["shape"]["layers"]
+    ax.set_ylabel("ms per step (%s%s)" % ("" if layers == 1 else "all ", layers_text(layers)))
     clock = "host wall-clock, CPU reference" if report.get("cpu_reference") else "CUDA graph replay, median"
     ax.set_title("the step by op (%s)" % clock, fontsize=10)
     ax.set_ylim(0, top)
@@ -137,9 +142,9 @@ def main(argv):
     # One legend for both panels: the colours are the ops'.
     handles, labels = left.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.suptitle("latentkv step: %s tp %d (%d heads), %d layers, batch %d x q_len %d, context %d, pool %d; %s"
-                 % (shape["model"], shape["tp"], shape["heads"], shape["layers"], shape["batch"], shape["q_len"],
-                    shape["context"], shape["pool_tokens"], report["device"]), fontsize=11)
+    fig.suptitle("latentkv step: %s tp %d (%d heads), %s, batch %d x q_len %d, context %d, pool %d; %s"
+                 % (shape["model"], shape["tp"], shape["heads"], layers_text(shape["layers"]), shape["batch"],
+                    shape["q_len"], shape["context"], shape["pool_tokens"], report["device"]), fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     fig.savefig(argv[2], dpi=120)
     return 0

@@ -1,0 +1,114 @@
+#include "cli_checks.hpp"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace latentkv::tools {
+namespace {
+
+// MemAvailable of /proc/meminfo, else the free pages sysconf counts; 0 when neither says.
+double available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    std::istringstream fields(line);
+    std::string key;
+    double kib = 0;
+    if (fields >> key >> kib && key == "MemAvailable:") return kib * 1024.0;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_bytes > 0 ? static_cast<double>(pages) * static_cast<double>(page_bytes) : 0.0;
+}
+
+// What the address-space limit (ulimit -v) leaves this process: the limit less what it maps now.
+// Infinite without a limit.
+double address_space_left_bytes() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return std::numeric_limits<double>::infinity();
+  }
+  double mapped_pages = 0;
+  std::ifstream("/proc/self/statm") >> mapped_pages;
+  const double mapped = mapped_pages * static_cast<double>(sysconf(_SC_PAGESIZE));
+  return std::max(0.0, static_cast<double>(limit.rlim_cur) - mapped);
+}
+
+}  // namespace
+
+CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why) {
+  const std::string bounds = std::to_string(lo) + " .. " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, why, bounds](std::string& text) -> std::string {
+        const char* first = text.data();
+        const char* last = first + text.size();
+        if (first != last && *first == '+') ++first;
+        std::int64_t value = 0;
+        const auto [end, ec] = std::from_chars(first, last, value);
+        const bool out_of_range = ec == std::errc::result_out_of_range;
+        if (first == last || end != last || (ec != std::errc() && !out_of_range)) {
+          return "'" + text + "' is not an integer";
+        }
+        if (out_of_range || value < lo || value > hi) return text + " is not in " + bounds + why;
+        return "";
+      },
+      "[" + bounds + "]");
+}
+
+void check_output_path(const std::string& command, const std::string& option, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(fs::status(path, ec))) {
+    if (fs::is_directory(fs::status(path, ec))) throw Error(command, option, path, "a file name (this is a directory)");
+    if (access(path.c_str(), W_OK) != 0) {
+      throw Error(command, option, path, std::string("a writable file (") + std::strerror(errno) + ")");
+    }
+    return;
+  }
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  if (!fs::is_directory(fs::status(dir, ec))) {
+    throw Error(command, option, path,
+                "a file in an existing directory (" + dir.string() +
+                    (fs::exists(fs::status(dir, ec)) ? " is not a directory)" : " does not exist)"));
+  }
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    throw Error(command, option, path,
+                "a file in a writable directory (" + dir.string() + ": " + std::strerror(errno) + ")");
+  }
+}
+
+void write_output_file(const std::string& command, const std::string& option, const std::string& path,
+                       const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  out.close();
+  if (!out) throw Error(command, option, path, "a writable file (writing it failed)");
+}
+
+std::string gigabytes(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GB", bytes / 1e9);
+  return buf;
+}
+
+void check_host_memory(const std::string& command, double needed, const std::string& what, const std::string& lower) {
+  const std::string need = what + ": " + gigabytes(needed) + " of host memory; ";
+  const double available = available_memory_bytes();
+  if (available > 0 && needed > available) {
+    throw Error(command, need + "this machine has " + gigabytes(available) + " available: lower " + lower);
+  }
+  const double left = address_space_left_bytes();
+  if (needed > left) {
+    throw Error(command, need + "the address-space limit (ulimit -v) leaves " + gigabytes(left) + ": lower " + lower);
+  }
+}
+
+}  // namespace latentkv::tools

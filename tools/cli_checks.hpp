@@ -1,0 +1,53 @@
+// tools/cli_checks.hpp - checks every subcommand makes of its command line and of the machine
+// before it runs: integer options against their real bounds, output files that must be writable,
+// the host memory a run needs. Each failure names the option, the value and what was expected.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+#include "commands.hpp"
+#include "latentkv/error.hpp"
+
+namespace latentkv::tools {
+
+inline constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max();  // slots are int32
+
+// A CLI11 check that the value is a decimal integer in [lo, hi]; its failures read
+// "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).
+CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why = "");
+
+// Throws latentkv::Error unless `path` can be written as `option`'s output file: an existing
+// regular file that is writable, or a new name in a writable directory. Creates and changes nothing.
+void check_output_path(const std::string& command, const std::string& option, const std::string& path);
+
+// Writes `text` to `path`; throws latentkv::Error naming `option` when that fails.
+void write_output_file(const std::string& command, const std::string& option, const std::string& path,
+                       const std::string& text);
+
+// "12.3 GB"
+std::string gigabytes(double bytes);
+
+// Throws latentkv::Error(command, ...) before anything is allocated when `needed` bytes of host
+// memory (`what` says of what) exceed what this process can still get: the machine's available
+// memory, and the address-space limit (ulimit -v) when one is set. `lower` names the options.
+void check_host_memory(const std::string& command, double needed, const std::string& what, const std::string& lower);
+
+// Runs `f`; a latentkv::Error from it is a usage error: printed, then exit code 2 (kExitUsage) through
+// CLI::RuntimeError. For what is wrong with the command line, checked before anything runs.
+template <typename F>
+auto or_usage_error(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    throw CLI::RuntimeError(kExitUsage);
+  }
+}
+
+}  // namespace latentkv::tools
