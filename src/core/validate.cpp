@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -23,8 +24,8 @@ void fail_slot(std::string_view op, std::string_view argument, std::int64_t inde
 }
 
 void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index, std::uint16_t bits) {
-  fail(op, std::string(argument) + " element " + std::to_string(index), std::isnan(bf16_decode(bits)) ? "nan" : "inf",
-       "a finite value");
+  const char* value = std::isnan(bf16_decode(bits)) ? "nan" : (bits & 0x8000u) != 0 ? "-inf" : "inf";
+  fail(op, std::string(argument) + " element " + std::to_string(index), value, "a finite value");
 }
 
 void fail_nonfinite_f32(std::string_view op, std::string_view argument, std::int64_t index, float x) {
@@ -161,7 +162,11 @@ void expect_range(std::string_view op, std::string_view arg, std::int64_t value,
 }
 
 void expect_scale(std::string_view op, float scale) {
-  if (!(std::isfinite(scale) && scale > 0.0f)) fail(op, "softmax_scale", std::to_string(scale), "a finite value > 0");
+  if (!(std::isfinite(scale) && scale > 0.0f)) {
+    char text[32];  // every digit a float needs: -1e-09 must not read as -0.000000
+    std::snprintf(text, sizeof text, "%.9g", scale);
+    fail(op, "softmax_scale", text, "a finite value > 0");
+  }
 }
 
 // A paged cache (LatentCache or IndexerCache): memory, a page size, pages whose slots fit int32, on

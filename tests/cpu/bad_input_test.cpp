@@ -9,6 +9,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/validate.hpp"
@@ -639,6 +640,327 @@ TEST(BadInput, DequantizeSlotOutsideThePool) {
   double key[kIndexerDim], scale;
   EXPECT_TRUE(throws_error([&] { cpu::dequantize_indexer_key(c.f.indexer(), -1, key, &scale); },
                            "dequantize_indexer_key", "slot", "-1"));
+}
+
+
+// ---- sparse_mla_decode -----------------------------------------------------------------------
+
+// Index rows [2, q_len, width] for DecodeCase's two requests: each row's first entry is a slot its
+// request holds, the rest -1.
+HostTensor valid_indices(DecodeCase& c, std::int64_t q_len = 1, std::int64_t width = 3) {
+  HostTensor idx(DType::kI32, {2, q_len, width});
+  std::fill_n(idx.data<std::int32_t>(), idx.numel(), -1);
+  for (std::int64_t b = 0; b < 2; ++b) {
+    for (std::int64_t i = 0; i < q_len; ++i) idx.data<std::int32_t>()[(b * q_len + i) * width] = static_cast<std::int32_t>(c.f.slot(b, 0));
+  }
+  return idx;
+}
+
+TEST(BadInput, SparseDecodeNanOrInfQuery) {
+  DecodeCase c;
+  HostTensor idx = valid_indices(c);
+  const SparseMlaDecodeParams p = c.sparse_params(idx);
+  EXPECT_NO_THROW(cpu::sparse_mla_decode(p));  // the case itself is valid
+  fill_sentinel(c.o);
+  fill_sentinel(c.lse);
+
+  c.q.data<std::uint16_t>()[777] = kBf16Nan;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "q element 777", "nan"));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.q.data<std::uint16_t>()[777] = 0;
+  const std::int64_t element = 5 * kQkDim + 570;  // request 1, a rope dim
+  c.q.data<std::uint16_t>()[element] = kBf16Inf;
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "q element " + std::to_string(element), "inf"));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.q.data<std::uint16_t>()[element] = 0xFF80;  // -inf
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "q element " + std::to_string(element), "inf"));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+TEST(BadInput, SparseDecodeTooManyHeads) {
+  DecodeCase ok(128);
+  HostTensor ok_idx = valid_indices(ok);
+  EXPECT_NO_THROW(cpu::sparse_mla_decode(ok.sparse_params(ok_idx)));  // 128 heads: the limit
+
+  DecodeCase c(129);
+  HostTensor idx = valid_indices(c);
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(c.sparse_params(idx)); }, "sparse_mla_decode", "heads", "129"));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+TEST(BadInput, SparseDecodeQueryLongerThanFour) {
+  DecodeCase c;
+  for (const std::int64_t q_len : {4, 5}) {  // 4 is the limit; q, indices, o and lse all agree
+    HostTensor q = random_bf16(c.rng, {2, q_len, 4, kQkDim});
+    HostTensor o = sentinel_tensor(DType::kBF16, {2, q_len, 4, kLatentDim});
+    HostTensor lse = sentinel_tensor(DType::kF32, {2, q_len, 4});
+    HostTensor idx = valid_indices(c, q_len);
+    SparseMlaDecodeParams p = c.sparse_params(idx);
+    p.q = q.view();
+    p.o = o.view();
+    p.lse = lse.view();
+    if (q_len == 4) {
+      EXPECT_NO_THROW(cpu::sparse_mla_decode(p));
+      continue;
+    }
+    EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "q_len", "5"));
+    EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
+  }
+}
+
+TEST(BadInput, SparseDecodeMoreThan2048IndexColumns) {
+  DecodeCase c;
+  HostTensor ok_idx = valid_indices(c, 1, 2048);
+  EXPECT_NO_THROW(cpu::sparse_mla_decode(c.sparse_params(ok_idx)));  // 2048: the limit
+  fill_sentinel(c.o);
+  fill_sentinel(c.lse);
+
+  HostTensor idx = valid_indices(c, 1, 2049);
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(c.sparse_params(idx)); }, "sparse_mla_decode",
+                           "indices.shape[2]", "2049"));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+// softmax_scale must be a finite number above 0; the value is named as given.
+TEST(BadInput, SparseDecodeScaleNotPositiveAndFinite) {
+  DecodeCase c;
+  HostTensor idx = valid_indices(c);
+  const std::pair<float, const char*> bad[] = {
+      {0.0f, "0"}, {-0.5f, "-0.5"}, {std::numeric_limits<float>::infinity(), "inf"}};
+  for (const auto& [scale, text] : bad) {
+    SparseMlaDecodeParams p = c.sparse_params(idx);
+    p.softmax_scale = scale;
+    EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(p); }, "sparse_mla_decode", "softmax_scale", text));
+    EXPECT_TRUE(c.outputs_untouched());
+  }
+}
+
+// ---- mla_prefill ------------------------------------------------------------------------------
+
+// A prefill over DecodeCase's fixture: request 0's last 4 tokens are new (q, o and lse of 4 rows
+// and 4 heads, sentinel outputs), over the case's own copy of the block table and lengths.
+struct PrefillCase {
+  DecodeCase c;
+  HostTensor q = random_bf16(c.rng, {4, 4, kQkDim});
+  HostTensor o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim});
+  HostTensor lse = sentinel_tensor(DType::kF32, {4, 4});
+  std::vector<std::int32_t> cu = {0, 4, 4};
+  MlaPrefillParams params() {
+    MlaPrefillParams p = c.prefill_params(q, cu, o, lse);
+    p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, c.f.max_pages});
+    p.seq_lens = TensorView::contiguous(c.lens.data(), DType::kI32, {2});
+    return p;
+  }
+  bool outputs_untouched() const { return is_sentinel(o) && is_sentinel(lse); }
+};
+
+TEST(BadInput, PrefillBlockTableOutsideThePool) {
+  PrefillCase t;
+  EXPECT_NO_THROW(cpu::mla_prefill(t.params()));  // the case itself is valid
+  fill_sentinel(t.o);
+  fill_sentinel(t.lse);
+
+  const std::int64_t num_pages = t.c.f.num_pages();
+  t.c.table[2] = static_cast<std::int32_t>(num_pages);  // request 0's third page (it has 9 tokens)
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "block_table[0][2]", std::to_string(num_pages)));
+  EXPECT_TRUE(t.outputs_untouched());
+  t.c.table[2] = -1;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "block_table[0][2]", "-1"));
+  EXPECT_TRUE(t.outputs_untouched());
+}
+
+TEST(BadInput, PrefillLengthBeyondCapacity) {
+  PrefillCase t;
+  const std::int64_t capacity = static_cast<std::int64_t>(t.c.f.max_pages) * t.c.f.page_size;
+  t.c.lens[1] = static_cast<std::int32_t>(capacity + 1);
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "seq_lens[1]", std::to_string(capacity + 1)));
+  EXPECT_NE(error_of([&] { cpu::mla_prefill(t.params()); }).find("capacity"), std::string::npos);
+  EXPECT_TRUE(t.outputs_untouched());
+}
+
+TEST(BadInput, PrefillNanOrInfQuery) {
+  PrefillCase t;
+  const std::int64_t element = 2 * 4 * kQkDim + 100;  // row 2, head 0
+  t.q.data<std::uint16_t>()[element] = kBf16Nan;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "q element " + std::to_string(element), "nan"));
+  EXPECT_TRUE(t.outputs_untouched());
+  t.q.data<std::uint16_t>()[element] = kBf16Inf;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "q element " + std::to_string(element), "inf"));
+  EXPECT_TRUE(t.outputs_untouched());
+}
+
+TEST(BadInput, PrefillTooManyHeads) {
+  PrefillCase t;
+  t.q = random_bf16(t.c.rng, {4, 129, kQkDim});
+  t.o = sentinel_tensor(DType::kBF16, {4, 129, kLatentDim});
+  t.lse = sentinel_tensor(DType::kF32, {4, 129});
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "heads", "129"));
+  EXPECT_TRUE(t.outputs_untouched());
+}
+
+TEST(BadInput, PrefillOutputsOfTheWrongShape) {
+  PrefillCase t;
+  t.o = sentinel_tensor(DType::kBF16, {3, 4, kLatentDim});  // one row short of q's 4
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "o", "[3, 4, 512]"));
+  EXPECT_TRUE(t.outputs_untouched());
+
+  t.o = sentinel_tensor(DType::kBF16, {4, 4, kLatentDim});
+  t.lse = sentinel_tensor(DType::kF32, {4, 5});  // a head too many
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(t.params()); }, "mla_prefill", "lse", "[4, 5]"));
+  EXPECT_TRUE(t.outputs_untouched());
+}
+
+// ---- indexer_logits ---------------------------------------------------------------------------
+
+// IndexerCase's call over its DecodeCase's own copy of the block table and lengths.
+IndexerLogitsParams own_paging(IndexerCase& t) {
+  IndexerLogitsParams p = t.params();
+  p.block_table = TensorView::contiguous(t.c.table.data(), DType::kI32, {2, t.c.f.max_pages});
+  p.seq_lens = TensorView::contiguous(t.c.lens.data(), DType::kI32, {2});
+  return p;
+}
+
+TEST(BadInput, IndexerBlockTableOutsideThePool) {
+  IndexerCase t;
+  EXPECT_NO_THROW(cpu::indexer_logits(own_paging(t)));  // the case itself is valid
+  fill_sentinel(t.logits);
+
+  const std::int64_t num_pages = t.c.f.num_pages();
+  t.c.table[2] = static_cast<std::int32_t>(num_pages);  // request 0's third page (it has 9 tokens)
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(own_paging(t)); }, "indexer_logits", "block_table[0][2]",
+                           std::to_string(num_pages)));
+  EXPECT_TRUE(is_sentinel(t.logits));
+}
+
+TEST(BadInput, IndexerNegativeLength) {
+  IndexerCase t;
+  t.c.lens[1] = -1;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(own_paging(t)); }, "indexer_logits", "seq_lens[1]", "-1"));
+  EXPECT_TRUE(is_sentinel(t.logits));
+}
+
+// Past the block table's capacity, with logits columns enough for it: the capacity is what refuses.
+TEST(BadInput, IndexerLengthBeyondCapacity) {
+  IndexerCase t;
+  const std::int64_t capacity = static_cast<std::int64_t>(t.c.f.max_pages) * t.c.f.page_size;
+  t.logits = sentinel_tensor(DType::kF32, {2, 1, capacity + 4});
+  t.c.lens[1] = static_cast<std::int32_t>(capacity + 1);
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(own_paging(t)); }, "indexer_logits", "seq_lens[1]",
+                           std::to_string(capacity + 1)));
+  EXPECT_NE(error_of([&] { cpu::indexer_logits(own_paging(t)); }).find("capacity"), std::string::npos);
+  EXPECT_TRUE(is_sentinel(t.logits));
+}
+
+TEST(BadInput, IndexerQueryLongerThanFour) {
+  IndexerCase t;
+  t.q = random_fp8(t.c.rng, {2, 5, 4, kIndexerDim});
+  t.w = random_f32(t.c.rng, {2, 5, 4}, -1, 1);
+  t.logits = sentinel_tensor(DType::kF32, {2, 5, 12});
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(t.params()); }, "indexer_logits", "q_len", "5"));
+  EXPECT_TRUE(is_sentinel(t.logits));
+}
+
+// ---- topk -------------------------------------------------------------------------------------
+
+TEST(BadInput, TopkNegativeLength) {
+  DecodeCase c;
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams p = c.topk_params(logits, slots, 4);
+  p.seq_lens = TensorView::contiguous(c.lens.data(), DType::kI32, {2});
+  EXPECT_NO_THROW(cpu::topk(p));  // the case itself is valid
+  fill_sentinel(slots);
+
+  c.lens[0] = -3;
+  EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "seq_lens[0]", "-3"));
+  EXPECT_TRUE(is_sentinel(slots));
+}
+
+TEST(BadInput, TopkQueryLongerThanFour) {
+  DecodeCase c;
+  HostTensor logits = random_f32(c.rng, {2, 5, 12}, -1, 1);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 5, 4});
+  const TopkParams p = c.topk_params(logits, slots, 4);
+  EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "q_len", "5"));
+  EXPECT_TRUE(is_sentinel(slots));
+}
+
+// ---- append -----------------------------------------------------------------------------------
+
+TEST(BadInput, AppendIndexerPagesDiffer) {
+  AppendCase c;
+  const std::int64_t num_pages = c.f.num_pages();
+  for (const std::int64_t pages : {num_pages - 1, num_pages + 1}) {
+    AppendParams p = c.params();
+    p.indexer.num_pages = pages;
+    EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer.num_pages", std::to_string(pages)));
+    EXPECT_TRUE(c.unchanged());
+  }
+}
+
+TEST(BadInput, AppendIndexerKeysWithoutIndexerCache) {
+  AppendCase c;
+  AppendParams p = c.params();
+  p.indexer = IndexerCache{};  // no indexer cache, but keys given: they would be dropped silently
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer", "absent"));
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("indexer_keys"), std::string::npos);
+  EXPECT_TRUE(c.unchanged());
+}
+
+// The CPU reference takes host memory only: a cache or view marked CUDA is refused, not read.
+TEST(BadInput, AppendOnAnotherDevice) {
+  AppendCase c;
+  AppendParams p = c.params();
+  p.cache.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "cache.device", "cuda:0"));
+  EXPECT_TRUE(c.unchanged());
+
+  p = c.params();
+  p.indexer.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer.device", "cuda:0"));
+  EXPECT_TRUE(c.unchanged());
+
+  p = c.params();
+  p.latent.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "latent", "cuda:0"));
+  EXPECT_TRUE(c.unchanged());
+
+  p = c.params();
+  p.slots.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots", "cuda:0"));
+  EXPECT_TRUE(c.unchanged());
+
+  p = c.params();
+  p.indexer_keys.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer_keys", "cuda:0"));
+  EXPECT_TRUE(c.unchanged());
+}
+
+// ---- mla_decode -------------------------------------------------------------------------------
+
+// softmax_scale must be a finite number above 0 (NaN: DecodeTooManyHeadsOrLongQuery).
+TEST(BadInput, DecodeScaleNotPositiveAndFinite) {
+  DecodeCase c;
+  const std::pair<float, const char*> bad[] = {
+      {0.0f, "0"}, {-0.5f, "-0.5"}, {std::numeric_limits<float>::infinity(), "inf"}};
+  for (const auto& [scale, text] : bad) {
+    MlaDecodeParams p = c.params();
+    p.softmax_scale = scale;
+    EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "softmax_scale", text));
+    EXPECT_TRUE(c.outputs_untouched());
+  }
+}
+
+// q must be contiguous: a view of 4 of 8 heads has the right shape but strides of 8 heads.
+TEST(BadInput, DecodeStridedQuery) {
+  DecodeCase c;
+  HostTensor wide = random_bf16(c.rng, {2, 1, 8, kQkDim});
+  MlaDecodeParams p = c.params();
+  p.q = wide.view();
+  p.q.shape[2] = 4;  // strides stay {8 * 576, 8 * 576, 576, 1}
+  ASSERT_FALSE(p.q.is_contiguous());
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q", "strided"));
+  EXPECT_TRUE(c.outputs_untouched());
 }
 
 }  // namespace
