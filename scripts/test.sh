@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 scripts/deps.sh
 BUILD=${BUILD:-build}
 JOBS=${JOBS:-$(nproc)}
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+ARCHS=()  # LKV_CUDA_ARCHS in the environment: the architectures the library holds code for (default 90a)
+if [[ -n "${LKV_CUDA_ARCHS:-}" ]]; then ARCHS=(-DLKV_CUDA_ARCHS="$LKV_CUDA_ARCHS"); fi
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCHS[@]}"
 cmake --build "$BUILD" -j"$JOBS"
 if ninja -C "$BUILD" -t query latentkv_cuda_arch_check >/dev/null 2>&1; then  # configured with CUDA
   echo "== compiling the CUDA sources for every target architecture"

@@ -149,7 +149,7 @@ struct Candidate {
 
 // The backend and kernel that run one op of the configuration, and why.
 struct OpResolution {
-  std::string role;        // a slot name, or a supporting op: "append", "indexer_logits", "topk"
+  std::string role;        // a slot name, or a supporting op: "append", "indexer_logits", "topk", "indexer_prefill"
   Problem problem;         // what was asked of select(); for decode ops q_len is the largest asked
   std::string requested;   // "auto" or a backend name
   Provenance source;       // of `requested`
@@ -164,7 +164,7 @@ struct ResolvedConfig {
   ModelShard shard;
   DeviceInfo device;
   std::array<OpResolution, 4> slots;    // in kAllSlots order
-  std::vector<OpResolution> supporting;  // what the sparse path also needs: append, indexer_logits, topk
+  std::vector<OpResolution> supporting;  // what the sparse path also needs: append, indexer_logits, topk, indexer_prefill
   // DSA rule: a dense slot serves a query row only when the row sees at most this many tokens
   // (index_topk), where the top-k keeps every visible token and sparse attention equals dense.
   int dense_max_visible_tokens = 0;

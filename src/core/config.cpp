@@ -989,13 +989,24 @@ std::vector<CapabilityRow> probe_capabilities(const Backend& backend, const Prob
       answers.push_back(std::move(a));
     }
 
+    // Devices share a line when they answer alike: the same points, kernels and reason for a refusal
+    // (read with the device's own name left out, which a reason may quote).
+    const auto reason_of = [&](std::size_t d) {
+      std::string reason = answers[d].rejection;
+      const std::string name = grid.devices[d].kind == DeviceKind::kCpu ? "cpu" : describe_device(grid.devices[d]);
+      for (std::size_t at = reason.find(name); at != std::string::npos; at = reason.find(name, at + 1)) {
+        reason.replace(at, name.size(), "\x01");
+      }
+      return reason;
+    };
     std::vector<bool> grouped(grid.devices.size(), false);
     for (std::size_t i = 0; i < grid.devices.size(); ++i) {
       if (grouped[i]) continue;
       CapabilityRow row;
       row.op = op;
       for (std::size_t j = i; j < grid.devices.size(); ++j) {
-        if (!grouped[j] && answers[j].accepted == answers[i].accepted && answers[j].kernels == answers[i].kernels) {
+        if (!grouped[j] && answers[j].accepted == answers[i].accepted && answers[j].kernels == answers[i].kernels &&
+            reason_of(j) == reason_of(i)) {
           grouped[j] = true;
           row.devices.push_back(grid.devices[j].kind == DeviceKind::kCpu ? "cpu" : describe_device(grid.devices[j]));
         }
@@ -1003,6 +1014,12 @@ std::vector<CapabilityRow> probe_capabilities(const Backend& backend, const Prob
       const Answer& a = answers[i];
       row.kernels.assign(a.kernels.begin(), a.kernels.end());
       row.rejection = a.rejection;
+      if (row.devices.size() > 1) {  // a reason that quotes its device speaks for the whole line
+        std::string all;
+        for (const std::string& d : row.devices) all += (all.empty() ? "" : ",") + d;
+        const std::size_t at = row.rejection.find(row.devices.front());
+        if (at != std::string::npos) row.rejection.replace(at, row.devices.front().size(), all);
+      }
       // Project the accepted points onto each dimension.
       std::set<int> dt_seen, h_seen, ps_seen, q_seen, k_seen;
       std::size_t index = 0, accepted = 0;

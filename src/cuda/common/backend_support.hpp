@@ -17,12 +17,19 @@ inline cudaStream_t stream_of(const ExecContext& c) { return static_cast<cudaStr
 // The device a call launches on (the current one): its views and caches must be there.
 inline Device launch_device(const char* op) { return Device::cuda(current_device(op)); }
 
+// Why the library's device code cannot run on a GPU of compute capability `sm` (90 for sm_90), from
+// the architectures it was built for (LKV_CUDA_ARCHS, in CMake's CUDA_ARCHITECTURES syntax: "89" is
+// sm_89 code that later minors of 8.x run plus PTX that any later GPU compiles, "89-real" the code
+// alone, "89-virtual" the PTX alone, "90a" code for sm_90 only); empty when it can.
+std::string arch_problem(int sm);
+
 // Support common to every CUDA backend; an empty string means supported.
 inline std::string device_problem(const Problem& p) {
   if (p.device.kind != DeviceKind::kCuda) return "needs a CUDA GPU (device is " + p.device.name + ")";
   if (p.device.sm < kMinSm) {
     return "needs sm_" + std::to_string(kMinSm) + " or newer (device is sm_" + std::to_string(p.device.sm) + ")";
   }
+  if (std::string why = arch_problem(p.device.sm); !why.empty()) return why;
   if (p.heads > kMaxHeads) return "heads " + std::to_string(p.heads) + " outside 1 .. " + std::to_string(kMaxHeads);
   if (p.q_len > kMaxDecodeQLen) {
     return "q_len " + std::to_string(p.q_len) + " outside 1 .. " + std::to_string(kMaxDecodeQLen);
