@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "core/selection.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv {
@@ -103,14 +104,22 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
   return p;
 }
 
-void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {
+namespace detail {
+
+Selection select_or_throw(const Backend& backend, const OpArgs& args, const DeviceInfo& device) {
   const Problem problem = problem_of(args, device);
   Selection s = backend.select(problem);
   if (!s) {
     throw Error(std::string(op_name(problem.op)),
                 "backend '" + std::string(backend.name()) + "' cannot run this call: " + s.reason);
   }
-  s.kernel->launch(args, context);
+  return s;
+}
+
+}  // namespace detail
+
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {
+  detail::select_or_throw(backend, args, device).kernel->launch(args, context);
 }
 
 const std::vector<const Backend*>& registered_backends() {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/selection.hpp"
 #include "core/validate.hpp"
 #include "core/workspace.hpp"
 #include "latentkv/error.hpp"
@@ -43,6 +44,11 @@ void check_caches_and_topk(std::string_view op, const IndexerCache& indexer, con
   if (topk < 1 || topk > kMaxTopk) {
     throw Error(std::string(op), "topk", std::to_string(topk), "1 .. " + std::to_string(kMaxTopk));
   }
+}
+
+// The output dtypes a step on `device` takes: bf16 o and f32 lse on a GPU, also f32/f64 on the CPU.
+detail::Outputs outputs_on(Device device) {
+  return device.kind == DeviceKind::kCuda ? detail::Outputs::kDeviceTypes : detail::Outputs::kReferenceTypes;
 }
 
 // The caller's workspace against the `need` bytes the planner (named in messages) asked for.
@@ -174,10 +180,14 @@ void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
                 const ExecContext& context, const DeviceInfo& device) {
   check_backends(backends);
   const DsaSteps s = dsa_steps(p, plan);
-  // Every step's arguments before any runs: a bad o must not leave the first steps queued.
+  // Every step's arguments, and every backend's consent to its step, before any runs: a bad o must
+  // not leave the first steps queued.
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.topk, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, detail::Outputs::kReferenceTypes);
+  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  detail::select_or_throw(*backends.indexer_logits, s.indexer, device);
+  detail::select_or_throw(*backends.topk, s.topk, device);
+  detail::select_or_throw(*backends.sparse_decode, s.sparse, device);
   run(*backends.indexer_logits, s.indexer, context, device);
   run(*backends.topk, s.topk, context, device);
   run(*backends.sparse_decode, s.sparse, context, device);
@@ -278,10 +288,13 @@ void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
                  const ExecContext& context, const DeviceInfo& device) {
   check_prefill_backends(backends);
   const DsaPrefillSteps s = dsa_prefill_steps(p, plan);
-  // Both steps' arguments before either runs: a bad o must not leave the indexer step queued. Both
-  // run without new tokens too: nothing to compute, but their offsets, lengths and pages are checked.
+  // Both steps' arguments, and both backends' consent, before either runs: a bad o must not leave the
+  // indexer step queued. Both run without new tokens too: nothing to compute, but their offsets,
+  // lengths and pages are checked.
   detail::validate_shapes(s.indexer, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, detail::Outputs::kReferenceTypes);
+  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  detail::select_or_throw(*backends.indexer_prefill, s.indexer, device);
+  detail::select_or_throw(*backends.sparse_prefill, s.sparse, device);
   run(*backends.indexer_prefill, s.indexer, context, device);
   run(*backends.sparse_prefill, s.sparse, context, device);
 }

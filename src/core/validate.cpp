@@ -215,6 +215,20 @@ void expect_paging(std::string_view op, const TensorView& block_table, const Ten
   expect_view(op, "seq_lens", seq_lens, {DType::kI32}, {batch}, {"B"}, device);
 }
 
+// The block table's capacity (max_pages x page_size tokens) within int32, as lengths and the GPU's
+// token positions are.
+void expect_capacity(std::string_view op, const TensorView& block_table, std::int64_t page_size) {
+  if (block_table.size(1) > INT32_MAX / page_size) {
+    fail(op, "block_table", describe(block_table),
+         "max_pages * page_size < 2^31 (page_size " + std::to_string(page_size) + ")");
+  }
+}
+
+// Logits columns within int32.
+void expect_columns(std::string_view op, const TensorView& logits) {
+  if (logits.size(2) > INT32_MAX) fail(op, "logits", describe(logits), "max_len < 2^31 columns");
+}
+
 // seq_lens within [0, capacity] and the block-table pages they use within the pool.
 void check_paging_values(std::string_view op, const TensorView& block_table, const TensorView& seq_lens,
                          int page_size, std::int64_t num_pages) {
@@ -315,6 +329,7 @@ void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
   expect_range(op, "q.shape[2] (heads)", h, 1, kMaxHeads);
   expect_latent_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_capacity(op, p.block_table, p.cache.page_size);
   expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
   expect_scale(op, p.softmax_scale);
@@ -330,6 +345,7 @@ void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) 
   if (b < 0) fail(op, "cu_new_tokens", describe(p.cu_new_tokens), "i32 [B + 1] with B >= 0");
   expect_latent_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_capacity(op, p.block_table, p.cache.page_size);
   expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
   expect_scale(op, p.softmax_scale);
@@ -344,7 +360,9 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
   expect_view(op, "weights", p.weights, {DType::kF32}, {b, q_len, hi}, {}, device);
   expect_indexer_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_capacity(op, p.block_table, p.cache.page_size);
   expect_view(op, "logits", p.logits, {DType::kF32}, {b, q_len, kAny}, {"B", "q_len", "max_len"}, device);
+  expect_columns(op, p.logits);
   if (p.workspace_bytes > 0 && p.workspace == nullptr) {
     fail(op, "workspace", "null", std::to_string(p.workspace_bytes) + " bytes (workspace_bytes)");
   }
@@ -365,6 +383,8 @@ void validate_shapes(const TopkParams& p, Device device) {
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
   if (p.page_size < 1) fail(op, "page_size", std::to_string(p.page_size), ">= 1");
   expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_capacity(op, p.block_table, p.page_size);
+  expect_columns(op, p.logits);
   expect_view(op, "slots", p.slots, {DType::kI32}, {b, q_len, p.k}, {}, device);
 }
 
@@ -406,6 +426,7 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
   if (b < 0) fail(op, "cu_new_tokens", describe(p.cu_new_tokens), "i32 [B + 1] with B >= 0");
   expect_indexer_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
+  expect_capacity(op, p.block_table, p.cache.page_size);
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
   expect_view(op, "slots", p.slots, {DType::kI32}, {t, p.k}, {}, device);
   if (p.chunk_tokens < 0) fail(op, "chunk_tokens", std::to_string(p.chunk_tokens), ">= 0 (0: the backend's default)");

@@ -596,6 +596,16 @@ TEST(BadInput, ViewsOnAnotherDevice) {
                            "cache.device", "cuda:2"));
 }
 
+// A block table whose capacity (max_pages x page_size) passes 2^31 tokens is refused by its shape,
+// before any of its entries is read (the view claims more rows than its memory holds).
+TEST(BadInput, BlockTableCapacityBeyondInt32) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, std::int64_t{1} << 30});  // x 4 tokens
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "block_table", std::to_string(std::int64_t{1} << 30)));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
 // A prefill's negative length is named as the length, not as the new-token offsets it also breaks.
 TEST(BadInput, PrefillNegativeLengthIsNamed) {
   DecodeCase c;

@@ -4,6 +4,7 @@
 // decode; and a rejected call names dsa_decode and the argument and writes nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <ostream>
 #include <sstream>
@@ -222,6 +223,27 @@ TEST(DsaDecodeBadInput, BatchUnlikeTheQueries) {
   std::vector<std::int32_t> lens(static_cast<std::size_t>(d.f.batch() - 1), 1);
   d.params.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {d.f.batch() - 1});
   EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "seq_lens", "[" + std::to_string(d.f.batch() - 1) + "]"));
+  EXPECT_TRUE(d.untouched());
+}
+
+// A sparse-step backend that refuses the call: found before the indexer and top-k steps run (their
+// logits and slots stay the workspace's garbage), not after they are queued.
+class RefusesSparse final : public Backend {
+ public:
+  std::string_view name() const override { return "refuses_sparse"; }
+  std::string_view description() const override { return "test-only: no sparse decode"; }
+  int preference() const override { return 0; }
+  Selection select(const Problem&) const override { return Selection::no("no sparse decode here"); }
+};
+
+TEST(DsaDecodeBadInput, AStepsBackendRefusesBeforeAnyStepRuns) {
+  HostDsa d = small_case();
+  const RefusesSparse refuses;
+  DsaBackends backends = same_backend(reference());
+  backends.sparse_decode = &refuses;
+  EXPECT_EQ(error_of([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }),
+            "sparse_mla_decode: backend 'refuses_sparse' cannot run this call: no sparse decode here");
+  EXPECT_TRUE(std::all_of(d.workspace.begin(), d.workspace.end(), [](std::uint8_t b) { return b == kWorkspaceGarbage; }));
   EXPECT_TRUE(d.untouched());
 }
 

@@ -233,6 +233,39 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
 
 // A page outside the pool in the block table that all three steps read: the indexer notes it first,
 // and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
+// No requests: nothing to compute or refuse; every step returns before it launches anything.
+TEST(GpuDsaDecodeEmpty, NoRequests) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions options;
+  options.page_size = 64;
+  options.lengths = {100};
+  options.with_indexer = true;
+  PagedFixture f = make_paged_fixture(options, rng);
+  DeviceBuffer cache(f.cache_bytes), indexer(f.indexer_bytes);
+  const Device gpu = Device::cuda();
+  DsaDecodeParams p;
+  p.q = TensorView::contiguous(nullptr, DType::kBF16, {0, 1, 8, kQkDim}, gpu);
+  p.q_idx = TensorView::contiguous(nullptr, DType::kFP8E4M3, {0, 1, 32, kIndexerDim}, gpu);
+  p.weights = TensorView::contiguous(nullptr, DType::kF32, {0, 1, 32}, gpu);
+  p.cache = f.cache(cache.get<std::uint8_t>(), gpu);
+  p.indexer = f.indexer(indexer.get<std::uint8_t>(), gpu);
+  p.block_table = TensorView::contiguous(nullptr, DType::kI32, {0, f.max_pages}, gpu);
+  p.seq_lens = TensorView::contiguous(nullptr, DType::kI32, {0}, gpu);
+  p.o = TensorView::contiguous(nullptr, DType::kBF16, {0, 1, 8, kLatentDim}, gpu);
+  p.lse = TensorView::contiguous(nullptr, DType::kF32, {0, 1, 8}, gpu);
+  p.softmax_scale = kScale;
+  p.topk = 2048;
+  const DsaBackends backends = same_backend(*find_backend("cuda"));
+  const DeviceInfo device = detect_device();
+  const DsaPlan plan = plan_dsa_decode(backends, p, device);
+  DeviceBuffer workspace(std::max<std::size_t>(plan.workspace_bytes, 16));
+  p.workspace = workspace.get();
+  p.workspace_bytes = plan.workspace_bytes;
+  EXPECT_EQ(error_of([&] { dsa_decode(backends, p, plan, {}, device); }), "");
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+}
+
 TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();

@@ -24,13 +24,19 @@ struct BenchContext {
   BenchContext() {
     device = detect_device();
     if (device.kind != DeviceKind::kCuda) throw Error("bench", "device", "cpu", "a CUDA GPU (bench times GPU kernels)");
-    cuda_ok(cudaStreamCreate(&stream), "stream");
     cudaDeviceProp prop{};
     cuda_ok(cudaGetDeviceProperties(&prop, device.index), "properties");
     l2_bytes = prop.l2CacheSize;
     report.device = device.name + " (sm_" + std::to_string(device.sm) + ", " +
                     std::to_string(device.multiprocessors) + " SMs)";
-    const Ceilings c = measure_ceilings(std::size_t{4} << 30, device.multiprocessors, stream);
+    cuda_ok(cudaStreamCreate(&stream), "stream");
+    Ceilings c;
+    try {
+      c = measure_ceilings(std::size_t{4} << 30, device.multiprocessors, stream);
+    } catch (...) {  // the destructor does not run for a constructor that throws
+      cudaStreamDestroy(stream);
+      throw;
+    }
     report.read_gbps = c.read_gbps;
     report.copy_gbps = c.copy_gbps;
     report.gather_gbps = c.gather_gbps;

@@ -26,7 +26,10 @@ class Graph {
       throw;
     }
     cuda_ok(cudaStreamEndCapture(stream, &graph_), "end graph capture (an op synchronized or allocated inside it?)");
-    cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate graph");
+    if (const cudaError_t e = cudaGraphInstantiate(&exec_, graph_, 0); e != cudaSuccess) {
+      cudaGraphDestroy(graph_);  // the destructor does not run for a constructor that throws
+      cuda_ok(e, "instantiate graph");
+    }
   }
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;

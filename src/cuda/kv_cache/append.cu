@@ -191,6 +191,12 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   a.pow2 = p.scale_mode == ScaleMode::kPow2;
   a.fault = fault_sink(p.fault, DeviceFaultOp::kAppend, "append");
   if (a.n == 0) return;
+  check_aligned("append", "latent", a.latent, 16);     // read as 16-byte chunks
+  check_aligned("append", "cache.data", a.cache, 16);  // written as 16-byte chunks
+  if (a.indexer != nullptr) {
+    check_aligned("append", "indexer_keys", a.indexer_keys, 8);  // read as 8-byte pieces
+    check_aligned("append", "indexer.data", a.indexer, 4);       // written as 4-byte words
+  }
   const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
   launch_chained("append", append_kernel, blocks, kWarpsPerBlock * 32, 0, stream, false, a);
 }

@@ -536,6 +536,7 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
   }
   check_aligned(op, "q", a.q, 16);  // read as 16-byte pieces of rows
   check_aligned(op, "o", a.o, 8);   // written as 4- to 8-byte pieces
+  check_aligned(op, "cache.data", a.cache, 16);  // entries read as 16-byte pieces and bulk copies
   if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
     throw Error(op, "q", std::to_string(a.batch) + " query tokens",
                 "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");

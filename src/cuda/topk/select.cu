@@ -622,7 +622,9 @@ Plan plan_topk(const TopkParams& p) {
 
 void launch_topk(const TopkParams& p, cudaStream_t stream) {
   const std::size_t need = plan_topk(p).workspace_bytes;
-  if (p.workspace == nullptr) throw Error("topk", "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
+  if (p.workspace == nullptr && need > 0) {  // no rows need none
+    throw Error("topk", "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
+  }
   if (p.workspace_bytes < need) {
     throw Error("topk", "workspace_bytes", std::to_string(p.workspace_bytes),
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
