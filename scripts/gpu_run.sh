@@ -9,7 +9,7 @@
 # GTEST_FILTER narrows the GPU tests. LOG_TAG names this invocation's logs (logs$LOG_TAG.tgz), so
 # that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come
 # back.
-# Header-only dependencies travel in .deps/ (see .ci/deps.sh --carry) since that machine reaches no
+# Header-only dependencies travel in .deps/ (see scripts/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."

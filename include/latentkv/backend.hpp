@@ -38,7 +38,7 @@ struct DeviceInfo {
   std::string name = "cpu";
   int multiprocessors = 0;
 };
-// The first CUDA device when the library was built with CUDA and one is present, else the CPU.
+// The current CUDA device (cudaGetDevice) when the library was built with CUDA and one is present, else the CPU.
 DeviceInfo detect_device();
 
 // What a kernel must handle, known before any tensor exists (from the configuration) or read off an

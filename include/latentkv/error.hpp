@@ -8,7 +8,7 @@ namespace latentkv {
 
 // Every rejected input or failed operation raises an Error that names the op, the argument, the
 // value that was seen and what was expected, e.g.
-//   mla_decode: argument 'seq_lens[3]' = 70000: expected <= block capacity 65536 (1024 pages x 64)
+//   mla_decode: argument 'seq_lens[3]' = 70000: expected 0 .. 65536 (block table capacity: 1024 pages x 64 tokens)
 class Error : public std::runtime_error {
  public:
   Error(std::string op, std::string argument, std::string value, std::string expected);

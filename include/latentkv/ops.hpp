@@ -8,6 +8,14 @@
 //  * Logical position t of request b lives at physical slot
 //    block_table[b][t / page_size] * page_size + t % page_size.
 //  * bf16 tensors hold uint16_t bit patterns, fp8 tensors uint8_t e4m3fn codes.
+//  * Limits every backend checks before it runs (src/core/validate.cpp): H 1 .. kMaxHeads (128),
+//    indexer heads 1 .. kMaxIndexerHeads (64), q_len 1 .. kMaxDecodeQLen (4), k and index columns
+//    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
+//    contiguous and on the call's device, fewer than 2^31 slots in a pool and tokens in a block
+//    table. A GPU call also takes at most 65,535 requests (sparse decode: B x q_len query tokens)
+//    and wants q 16-byte, o 8-byte and the caches 16-byte aligned (cudaMalloc gives 256).
+//  * num_splits and workspace come from Backend::plan() for the call's shapes: a GPU call refuses
+//    num_splits 0 (plan() fills it in) and a workspace smaller than the plan's.
 //  * o is bf16 in the GPU backends; the reference also writes f32 or f64 outputs for testing.
 //  * lse is the natural log of sum_t exp(s_t) over the attended tokens; -inf when none.
 //  * Bad values (a slot, page or length outside what the pool and block table hold, a NaN or inf
@@ -35,7 +43,8 @@ inline constexpr int kMaxTopk = 2048;
 
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token). A GPU backend
 // leaves a token with a slot outside the pool or a NaN or inf in its latent or key unwritten in both
-// caches and writes the others.
+// caches and writes the others. The slots of one call must be distinct (a slot given twice: the
+// reference keeps the last token, a GPU may mix the two).
 struct AppendParams {
   LatentCache cache;            // written at `slots`
   TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values
