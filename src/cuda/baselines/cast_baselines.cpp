@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <variant>
 
 #include "core/validate.hpp"
@@ -78,6 +79,15 @@ class CastBaseline : public Backend {
   template <typename Params>
   Params with_copy(const Params& p, std::string_view op, cudaStream_t s) const {
     detail::validate_shapes(p, cuda::launch_device(std::string(op).c_str()), detail::Outputs::kDeviceTypes);
+    // The decode's own limit (a grid dimension), checked before the cast is queued: these baselines
+    // do not slice a call as the cuda backend's prefill does.
+    constexpr bool kSparse = std::is_same_v<Params, SparseMlaDecodeParams>;
+    const std::int64_t queries = p.q.size(0) * (kSparse ? p.q.size(1) : 1);
+    if (queries > cuda::kMaxDecodeBatch) {
+      throw Error(std::string(op), "q", std::to_string(queries) + (kSparse ? " query tokens" : " requests"),
+                  "at most " + std::to_string(cuda::kMaxDecodeBatch) + " per call on the " + std::string(name()) +
+                      " baseline");
+    }
     const std::size_t copy = copy_bytes(p);  // 0 for gather_cast over no requests or no index entries
     if (copy > 0 && (p.workspace == nullptr || p.workspace_bytes < copy)) {
       throw Error(std::string(op), "workspace_bytes", std::to_string(p.workspace_bytes),
