@@ -231,8 +231,6 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   EXPECT_NE(d.steps().topk.fault, nullptr) << "the top-k notes a NaN logit, which no other step sees";
 }
 
-// A page outside the pool in the block table that all three steps read: the indexer notes it first,
-// and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
 // No requests: nothing to compute or refuse; every step returns before it launches anything.
 TEST(GpuDsaDecodeEmpty, NoRequests) {
   LKV_REQUIRE_GPU();
@@ -266,6 +264,8 @@ TEST(GpuDsaDecodeEmpty, NoRequests) {
   LKV_CUDA_OK(cudaDeviceSynchronize());
 }
 
+// A page outside the pool in the block table that all three steps read: the indexer notes it first,
+// and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
 TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
