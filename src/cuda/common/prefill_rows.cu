@@ -132,11 +132,15 @@ __global__ void __launch_bounds__(kThreads) prefill_checks_kernel(const PrefillR
 
 }  // namespace
 
+void check_has_requests(const PrefillRows& in, const char* op) {
+  if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
+}
+
 void launch_prefill_groups(const PrefillRows& in, std::int64_t first, std::int64_t rows, int group,
                            std::int32_t* group_lens, std::int32_t* group_table, int2* spans, cudaStream_t stream,
                            const char* op) {
   if (rows <= 0) return;
-  if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
+  check_has_requests(in, op);
   if (group < 1) throw Error(op, "group", std::to_string(group), ">= 1 new tokens a group");
   const std::int64_t slots = group_slots(rows, group, in.batch);
   if (slots > INT32_MAX) throw Error(op, "q", std::to_string(slots) + " groups", "fewer than 2^31 per launch");
@@ -154,7 +158,7 @@ void launch_prefill_checks(const PrefillRows& in, cudaStream_t stream, const cha
 void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
                          std::int32_t* row_table, cudaStream_t stream, const char* op) {
   if (rows <= 0) return;
-  if (in.batch < 1) throw Error(op, "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
+  check_has_requests(in, op);
   if (rows > INT32_MAX) throw Error(op, "q", std::to_string(rows) + " new tokens", "fewer than 2^31 per launch");
   prefill_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(in, first, row_lens, row_table);
   LKV_CUDA_CHECK_LAUNCH(op);

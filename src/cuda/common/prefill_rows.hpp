@@ -53,6 +53,10 @@ inline PrefillRows prefill_rows_of(const TensorView& cu_new_tokens, const Tensor
 void launch_prefill_rows(const PrefillRows& in, std::int64_t first, std::int64_t rows, std::int32_t* row_lens,
                          std::int32_t* row_table, cudaStream_t stream, const char* op);
 
+// New tokens need requests to belong to: throws Error naming `op` when there are none (B = 0). The
+// launchers below check it; a prefill may check it before it queues anything.
+void check_has_requests(const PrefillRows& in, const char* op);
+
 // New tokens first .. first + rows - 1 of a prefill in groups of up to `group`, each group of one
 // request (a decode "request" of group x H query rows: decode_common.cuh, indexer/logits.cu). With
 // c_b = cu[b] clamped into the window, request b owns group indices [(c_b - first) / group + b, +

@@ -520,10 +520,7 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
                 std::size_t workspace_bytes, const char* op, cudaStream_t stream, const int2* spans = nullptr) {
   a.num_splits = num_splits;
-  if (a.num_splits < 1 || a.num_splits > kMaxSplits) {
-    throw Error(op, "num_splits", std::to_string(num_splits),
-                "1 to " + std::to_string(kMaxSplits) + ", from the backend's plan()");
-  }
+  check_decode_call(op, num_splits, a.q, a.o, a.cache);
   if (a.batch == 0) return;  // nothing to compute, no workspace needed
   if (a.num_splits > 1) {
     const std::size_t need = partial_bytes(a.batch, a.rows, a.num_splits);
@@ -534,9 +531,6 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
     a.o_part = static_cast<float*>(workspace);
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
   }
-  check_aligned(op, "q", a.q, 16);  // read as 16-byte pieces of rows
-  check_aligned(op, "o", a.o, 8);   // written as 4- to 8-byte pieces
-  check_aligned(op, "cache.data", a.cache, 16);  // entries read as 16-byte pieces and bulk copies
   if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
     throw Error(op, "q", std::to_string(a.batch) + " query tokens",
                 "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
@@ -597,6 +591,16 @@ DecodeArgs dense_args(const MlaDecodeParams& p, int batch, int q_len, int heads)
 }
 }  // namespace
 }  // namespace mla
+
+void check_decode_call(const char* op, int num_splits, const void* q, const void* o, const void* cache) {
+  if (num_splits < 1 || num_splits > mla::kMaxSplits) {
+    throw Error(op, "num_splits", std::to_string(num_splits),
+                "1 to " + std::to_string(mla::kMaxSplits) + ", from the backend's plan()");
+  }
+  check_aligned(op, "q", q, 16);               // read as 16-byte pieces of rows
+  check_aligned(op, "o", o, 8);                // written as 4- to 8-byte pieces
+  check_aligned(op, "cache.data", cache, 16);  // entries read as 16-byte pieces and bulk copies
+}
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   using namespace mla;

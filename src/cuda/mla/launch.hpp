@@ -22,6 +22,9 @@ Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* 
 // Launches decode (and the split combine when p.num_splits > 1). Arguments must be validated;
 // p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes.
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
+// What every decode launch asks of its call before it queues anything: a planned split count (1 to
+// 1024) and q, o and the cache aligned for the kernels' vector accesses. Throws Error naming `op`.
+void check_decode_call(const char* op, int num_splits, const void* q, const void* o, const void* cache);
 
 // Sparse MLA decode: the same kernels, each query token attending to its own index row.
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op = "sparse_mla_decode");

@@ -31,7 +31,6 @@
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/prefill_rows.hpp"
 #include "cuda/common/value_check.hpp"
-#include "cuda/mla/decode_config.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/error.hpp"
 
@@ -173,14 +172,9 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
     launch_prefill_checks(rows, stream, "mla_prefill");
     return;
   }
-  // What the decode launches below would refuse, refused before the first kernel is queued.
-  if (p.seq_lens.size(0) == 0) throw Error("mla_prefill", "cu_new_tokens", "B = 0", "B >= 1 requests for new tokens");
-  if (p.num_splits < 1 || p.num_splits > mla::kMaxSplits) {
-    throw Error("mla_prefill", "num_splits", std::to_string(p.num_splits),
-                "1 to " + std::to_string(mla::kMaxSplits) + ", from the backend's plan()");
-  }
-  check_aligned("mla_prefill", "q", p.q.data, 16);
-  check_aligned("mla_prefill", "o", p.o.data, 8);
+  // What the row and decode launches below would refuse, refused before the first kernel is queued.
+  check_has_requests(rows, "mla_prefill");
+  check_decode_call("mla_prefill", p.num_splits, p.q.data, p.o.data, p.cache.data);
   if (const int tokens = mla_prefill_group_tokens(p); tokens > 1) {
     launch_grouped(p, rows, tokens, fault, stream);
     return;
