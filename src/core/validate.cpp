@@ -99,6 +99,69 @@ std::string describe(const TensorView& v) {
   return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " + device_text(v.device);
 }
 
+MemorySpan span_of(std::string_view name, const TensorView& v, bool written) {
+  // The bytes of a contiguous view; none for a descriptor that expect_view would refuse (a rank it
+  // cannot hold, a negative extent, a count that wraps), so that this may be asked before it.
+  std::int64_t bytes = v.present() && v.rank >= 0 && v.rank <= TensorView::kMaxRank
+                           ? static_cast<std::int64_t>(dtype_size(v.dtype))
+                           : 0;
+  for (int d = 0; d < v.rank && bytes > 0; ++d) {
+    const std::int64_t extent = v.shape[static_cast<std::size_t>(d)];
+    if (extent < 0 || __builtin_mul_overflow(bytes, extent, &bytes)) bytes = 0;
+  }
+  return {name, v.data, static_cast<std::size_t>(bytes), written};
+}
+
+namespace {
+
+// Pages whose slots fit int32, as expect_cache asks.
+bool countable_pages(std::int64_t num_pages, int page_size) {
+  return page_size >= 1 && num_pages >= 1 && num_pages <= INT32_MAX / page_size;
+}
+
+}  // namespace
+
+MemorySpan span_of(std::string_view name, const LatentCache& c, bool written) {
+  const bool known = countable_pages(c.num_pages, c.page_size) && (c.dtype == KvDtype::kFp8E4M3 || c.dtype == KvDtype::kBf16);
+  return {name, c.data, known ? c.bytes() : 0, written};
+}
+
+MemorySpan span_of(std::string_view name, const IndexerCache& c, bool written) {
+  return {name, c.data, countable_pages(c.num_pages, c.page_size) ? c.bytes() : 0, written};
+}
+
+namespace {
+
+std::string byte_range(const MemorySpan& s) {  // "16384 bytes at 0x7f12a0000000"
+  char text[64];
+  std::snprintf(text, sizeof text, "%llu bytes at 0x%llx", static_cast<unsigned long long>(s.bytes),
+                static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(s.data)));
+  return text;
+}
+
+bool overlap(const MemorySpan& a, const MemorySpan& b) {
+  if (a.data == nullptr || b.data == nullptr || a.bytes == 0 || b.bytes == 0) return false;
+  const auto a0 = reinterpret_cast<std::uintptr_t>(a.data), b0 = reinterpret_cast<std::uintptr_t>(b.data);
+  return a0 <= b0 ? b0 - a0 < a.bytes : a0 - b0 < b.bytes;  // no sum that could wrap
+}
+
+MemorySpan fault_span(const DeviceFault* fault) { return {"fault", fault, sizeof(DeviceFault), true}; }
+
+}  // namespace
+
+void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans) {
+  for (auto a = spans.begin(); a != spans.end(); ++a) {
+    for (auto b = a + 1; b != spans.end(); ++b) {
+      if (!(a->written || b->written) || !overlap(*a, *b)) continue;
+      const MemorySpan& w = a->written ? *a : *b;
+      const MemorySpan& other = a->written ? *b : *a;
+      fail(op, w.name, byte_range(w),
+           "memory apart from " + std::string(other.name) + " (" + byte_range(other) +
+               "): what a call writes shares no byte with its other arguments");
+    }
+  }
+}
+
 namespace {
 
 constexpr std::int64_t kAny = -1;
@@ -319,6 +382,10 @@ void validate_shapes(const AppendParams& p, Device device) {
   } else if (p.indexer_keys.present()) {
     fail(op, "indexer", "absent", "an indexer cache to write the given indexer_keys into");
   }
+  expect_apart(op, {span_of("cache.data", p.cache, true),
+                    span_of("indexer.data", p.indexer, true),
+                    fault_span(p.fault), span_of("latent", p.latent, false), span_of("slots", p.slots, false),
+                    span_of("indexer_keys", p.indexer_keys, false)});
 }
 
 void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
@@ -333,6 +400,10 @@ void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
   expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
+                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    span_of("q", p.q, false), span_of("cache.data", p.cache, false),
+                    span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
 
 void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) {
@@ -349,6 +420,11 @@ void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) 
   expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
+                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    span_of("q", p.q, false), span_of("cache.data", p.cache, false),
+                    span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false),
+                    span_of("cu_new_tokens", p.cu_new_tokens, false)});
 }
 
 void validate_shapes(const IndexerLogitsParams& p, Device device) {
@@ -373,6 +449,11 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
       fail(op, "clear", "address " + std::to_string(reinterpret_cast<std::uintptr_t>(p.clear)), "16-byte aligned");
     }
   }
+  expect_apart(op, {span_of("logits", p.logits, true), MemorySpan{"clear", p.clear, p.clear_bytes, true},
+                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    span_of("q", p.q, false), span_of("weights", p.weights, false),
+                    span_of("cache.data", p.cache, false),
+                    span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
 
 void validate_shapes(const TopkParams& p, Device device) {
@@ -386,6 +467,9 @@ void validate_shapes(const TopkParams& p, Device device) {
   expect_capacity(op, p.block_table, p.page_size);
   expect_columns(op, p.logits);
   expect_view(op, "slots", p.slots, {DType::kI32}, {b, q_len, p.k}, {}, device);
+  expect_apart(op, {span_of("slots", p.slots, true), MemorySpan{"workspace", p.workspace, p.workspace_bytes, true},
+                    fault_span(p.fault), span_of("logits", p.logits, false),
+                    span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
 
 void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outputs) {
@@ -400,6 +484,10 @@ void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outp
   expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
+                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    span_of("q", p.q, false), span_of("cache.data", p.cache, false),
+                    span_of("indices", p.indices, false)});
 }
 
 void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs outputs) {
@@ -413,6 +501,10 @@ void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs out
   expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
+                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    span_of("q", p.q, false), span_of("cache.data", p.cache, false),
+                    span_of("indices", p.indices, false)});
 }
 
 void validate_shapes(const IndexerPrefillParams& p, Device device) {
@@ -430,6 +522,11 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
   expect_view(op, "slots", p.slots, {DType::kI32}, {t, p.k}, {}, device);
   if (p.chunk_tokens < 0) fail(op, "chunk_tokens", std::to_string(p.chunk_tokens), ">= 0 (0: the backend's default)");
+  expect_apart(op, {span_of("slots", p.slots, true), MemorySpan{"workspace", p.workspace, p.workspace_bytes, true},
+                    fault_span(p.fault), span_of("q", p.q, false), span_of("weights", p.weights, false),
+                    span_of("cu_new_tokens", p.cu_new_tokens, false),
+                    span_of("cache.data", p.cache, false),
+                    span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 // expected; neither writes anything.
 #pragma once
 
+#include <cstddef>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -36,6 +38,24 @@ void validate_values(const TopkParams& p);
 void validate_values(const SparseMlaDecodeParams& p);
 void validate_values(const SparseMlaPrefillParams& p);
 void validate_values(const IndexerPrefillParams& p);
+
+// The memory a call touches, as byte ranges named for messages: what a call writes (outputs, caches
+// it appends to, workspaces, the fault record) shares no byte with anything else it reads or writes.
+// Every validate_shapes() checks its op's arguments so; a call of several steps (dsa.cpp) checks its
+// own workspace, where the steps' views lie, against the caller's arguments with expect_apart().
+struct MemorySpan {
+  std::string_view name;
+  const void* data = nullptr;
+  std::size_t bytes = 0;  // 0 (or null data): nothing to check
+  bool written = false;
+};
+// A view's bytes as a contiguous tensor (none for a descriptor expect_view would refuse).
+MemorySpan span_of(std::string_view name, const TensorView& view, bool written);
+// A cache's pages (none for a page count or size its checks would refuse).
+MemorySpan span_of(std::string_view name, const LatentCache& cache, bool written);
+MemorySpan span_of(std::string_view name, const IndexerCache& cache, bool written);
+// Throws the Error naming the written span of the first pair that overlaps (a pair of reads may).
+void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans);
 
 // Small helpers for other checks in the same style.
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,

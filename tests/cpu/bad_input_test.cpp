@@ -973,5 +973,87 @@ TEST(BadInput, DecodeStridedQuery) {
   EXPECT_TRUE(c.outputs_untouched());
 }
 
+
+// ---- memory shared between arguments ----------------------------------------------------------
+
+// What a call writes shares no byte with anything else it touches; reads may share.
+TEST(BadInput, SpansApartOnlyWhereWritten) {
+  alignas(16) std::uint8_t bytes[64] = {};
+  using detail::MemorySpan;
+  const MemorySpan a{"a", bytes, 32, true}, b_read{"b", bytes + 16, 32, false}, c_read{"c", bytes + 8, 8, false};
+  EXPECT_TRUE(throws_error([&] { detail::expect_apart("op", {a, b_read}); }, "op", "a", "32 bytes"));
+  EXPECT_NE(error_of([&] { detail::expect_apart("op", {b_read, a}); }).find("apart from b"), std::string::npos);
+  EXPECT_NO_THROW(detail::expect_apart("op", {b_read, c_read}));                          // two reads
+  EXPECT_NO_THROW(detail::expect_apart("op", {a, MemorySpan{"d", bytes + 32, 32, true}}));  // adjacent
+  EXPECT_NO_THROW(detail::expect_apart("op", {a, MemorySpan{"e", nullptr, 32, true}}));     // absent
+  EXPECT_NO_THROW(detail::expect_apart("op", {a, MemorySpan{"f", bytes, 0, true}}));        // empty
+}
+
+// An output inside an input (or another output, the workspace, the cache) is refused before
+// anything is written: o over q, lse over o, the workspace over o, o over the cache.
+TEST(BadInput, DecodeOutputsSharingMemory) {
+  DecodeCase c;
+  const std::vector<std::uint8_t> q_before = c.q.byte_vector();
+  const std::vector<std::uint8_t> cache_before = c.f.cache_bytes;
+
+  MlaDecodeParams p = c.params();
+  p.o.data = c.q.raw() + 64;
+  std::string what = error_of([&] { cpu::mla_decode(p); });
+  EXPECT_NE(what.find("argument 'o'"), std::string::npos) << what;
+  EXPECT_NE(what.find("apart from q"), std::string::npos) << what;
+  EXPECT_EQ(c.q.byte_vector(), q_before);
+
+  p = c.params();
+  p.lse.data = c.o.raw() + c.o.bytes() - 4;  // its first float is o's last
+  what = error_of([&] { cpu::mla_decode(p); });
+  EXPECT_NE(what.find("argument 'o'"), std::string::npos) << what;
+  EXPECT_NE(what.find("apart from lse"), std::string::npos) << what;
+
+  p = c.params();
+  p.workspace = c.o.raw();
+  p.workspace_bytes = 16;
+  EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("apart from workspace"), std::string::npos);
+
+  p = c.params();
+  p.o.data = c.f.cache_bytes.data();
+  what = error_of([&] { cpu::mla_decode(p); });
+  EXPECT_NE(what.find("apart from cache.data"), std::string::npos) << what;
+  EXPECT_EQ(c.f.cache_bytes, cache_before);
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
+// The append writes the caches: the tokens it reads must not lie in them.
+TEST(BadInput, AppendInputsInsideTheCache) {
+  AppendCase c;
+  AppendParams p = c.params();
+  p.latent.data = c.f.cache_bytes.data() + 16;
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "cache.data", "bytes at 0x"));
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("apart from latent"), std::string::npos);
+  EXPECT_TRUE(c.unchanged());
+
+  p = c.params();
+  p.slots.data = c.f.indexer_bytes.data();
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("'indexer.data'"), std::string::npos);
+  EXPECT_TRUE(c.unchanged());
+}
+
+// Top-k's slots over its logits, the indexer's logits over its weights.
+TEST(BadInput, TopkAndIndexerOutputsOverTheirInputs) {
+  DecodeCase c;
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams p = c.topk_params(logits, slots, 4);
+  p.slots.data = logits.raw();
+  const std::string what = error_of([&] { cpu::topk(p); });
+  EXPECT_NE(what.find("topk: argument 'slots'"), std::string::npos) << what;
+  EXPECT_NE(what.find("apart from logits"), std::string::npos) << what;
+
+  IndexerCase t;
+  IndexerLogitsParams q = t.params();
+  q.logits.data = t.w.raw();
+  EXPECT_NE(error_of([&] { cpu::indexer_logits(q); }).find("apart from weights"), std::string::npos);
+  EXPECT_TRUE(is_sentinel(t.logits));
+}
+
 }  // namespace
 }  // namespace latentkv::testing

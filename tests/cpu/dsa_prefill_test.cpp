@@ -259,6 +259,17 @@ TEST(DsaPrefillBadInput, NullWorkspace) {
   EXPECT_TRUE(d.untouched());
 }
 
+// The index rows and scratch lie in the workspace: the caller's lse there is refused before either
+// step runs, in the caller's terms.
+TEST(DsaPrefillBadInput, OutputsInsideTheWorkspace) {
+  HostDsaPrefill d = small_case();
+  d.params.lse.data = d.workspace.data() + 64;
+  const std::string what = error_of([&] { d.run(); });
+  EXPECT_NE(what.find("dsa_prefill: argument 'workspace'"), std::string::npos) << what;
+  EXPECT_NE(what.find("apart from lse"), std::string::npos) << what;
+  EXPECT_TRUE(d.untouched());
+}
+
 TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
   HostDsaPrefill d = small_case();
   ASSERT_GT(d.plan.workspace_bytes, 0u);

@@ -185,6 +185,17 @@ TEST(DsaDecodeBadInput, WorkspaceTooSmall) {
   EXPECT_FALSE(d.untouched());
 }
 
+// The steps' views lie in the workspace, so the caller's arguments must lie outside it: o over the
+// logits' bytes is seen by no step's own check, and is refused before any step runs.
+TEST(DsaDecodeBadInput, OutputsInsideTheWorkspace) {
+  HostDsa d = small_case();
+  d.params.o.data = d.workspace.data();
+  const std::string what = error_of([&] { d.run(); });
+  EXPECT_NE(what.find("dsa_decode: argument 'workspace'"), std::string::npos) << what;
+  EXPECT_NE(what.find("apart from o"), std::string::npos) << what;
+  EXPECT_TRUE(d.untouched());
+}
+
 TEST(DsaDecodeBadInput, IndexerPageSizeUnlikeTheMainCache) {
   HostDsa d = small_case();
   // The same indexer bytes described as pages of 2 tokens: one block table cannot serve both.
