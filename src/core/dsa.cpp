@@ -22,6 +22,22 @@ void check_backends(const DsaBackends& b) {
   if (b.sparse_decode == nullptr) throw Error(std::string(kOp), "backends.sparse_decode", "null", "a backend");
 }
 
+// The whole workspace of a DSA call, where its steps' views lie, and the fault record apart from
+// the caller's arguments (a step's own check sees only its views). `extra`: an argument only one of
+// the two calls has.
+template <typename Params>
+void check_workspace_apart(std::string_view op, const Params& p, detail::MemorySpan extra = {}) {
+  detail::expect_apart(op, {{"workspace", p.workspace, p.workspace_bytes, true},
+                            {"fault", p.fault, sizeof(DeviceFault), true},
+                            detail::span_of("o", p.o, true), detail::span_of("lse", p.lse, true),
+                            detail::span_of("q", p.q, false), detail::span_of("q_idx", p.q_idx, false),
+                            detail::span_of("weights", p.weights, false),
+                            detail::span_of("cache.data", p.cache, false),
+                            detail::span_of("indexer.data", p.indexer, false),
+                            detail::span_of("block_table", p.block_table, false),
+                            detail::span_of("seq_lens", p.seq_lens, false), extra});
+}
+
 // Where each intermediate lives in the workspace.
 struct Layout {
   std::size_t logits = 0, slots = 0, indexer = 0, topk = 0, sparse = 0, end = 0;
@@ -180,18 +196,9 @@ void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
                 const ExecContext& context, const DeviceInfo& device) {
   check_backends(backends);
   const DsaSteps s = dsa_steps(p, plan);
-  // The whole workspace, where the steps' views lie, apart from the caller's arguments (a step's own
-  // check sees only its views); then every step's arguments, and every backend's consent to its
-  // step, before any runs: a bad o must not leave the first steps queued.
-  detail::expect_apart(kOp, {{"workspace", p.workspace, p.workspace_bytes, true},
-                             {"fault", p.fault, sizeof(DeviceFault), true},
-                             detail::span_of("o", p.o, true), detail::span_of("lse", p.lse, true),
-                             detail::span_of("q", p.q, false), detail::span_of("q_idx", p.q_idx, false),
-                             detail::span_of("weights", p.weights, false),
-                             detail::span_of("cache.data", p.cache, false),
-                             detail::span_of("indexer.data", p.indexer, false),
-                             detail::span_of("block_table", p.block_table, false),
-                             detail::span_of("seq_lens", p.seq_lens, false)});
+  // The workspace apart from the caller's arguments; then every step's arguments, and every
+  // backend's consent to its step, before any runs: a bad o must not leave the first steps queued.
+  check_workspace_apart(kOp, p);
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.topk, p.q.device);
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
@@ -301,16 +308,7 @@ void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
   // The workspace apart from the caller's arguments (as in dsa_decode); both steps' arguments, and
   // both backends' consent, before either runs: a bad o must not leave the indexer step queued. Both
   // run without new tokens too: nothing to compute, but their offsets, lengths and pages are checked.
-  detail::expect_apart(kPrefillOp, {{"workspace", p.workspace, p.workspace_bytes, true},
-                                    {"fault", p.fault, sizeof(DeviceFault), true},
-                                    detail::span_of("o", p.o, true), detail::span_of("lse", p.lse, true),
-                                    detail::span_of("q", p.q, false), detail::span_of("q_idx", p.q_idx, false),
-                                    detail::span_of("weights", p.weights, false),
-                                    detail::span_of("cu_new_tokens", p.cu_new_tokens, false),
-                                    detail::span_of("cache.data", p.cache, false),
-                                    detail::span_of("indexer.data", p.indexer, false),
-                                    detail::span_of("block_table", p.block_table, false),
-                                    detail::span_of("seq_lens", p.seq_lens, false)});
+  check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
   detail::select_or_throw(*backends.indexer_prefill, s.indexer, device);
