@@ -81,11 +81,14 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p,
 // The three ops a call runs, carved out of p.workspace (which must hold plan.workspace_bytes).
 // For timing or inspecting the steps one by one; dsa_decode runs exactly these, in this order. With
 // plan.topk_cleared_by_indexer the top-k step counts on the indexer step just before it: to run the
-// top-k on its own, set its workspace_cleared to false.
+// top-k on its own, set its workspace_cleared to false. Checks what dsa_decode checks before it
+// queues anything: each step's arguments, and the whole workspace (p.workspace_bytes of it) apart
+// from p's other arguments.
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 
 // Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into
-// o and lse. Throws Error naming the step and its argument on bad input.
+// o and lse. Throws Error on bad input, naming the step and its argument (dsa_decode and the
+// argument, for the call's own shapes, workspace and memory shared with the workspace).
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 
@@ -126,6 +129,7 @@ struct DsaPrefillPlan {
 
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p,
                                 const DeviceInfo& device = detect_device());
+// The two steps, carved out of p.workspace, checked as dsa_steps checks decode's.
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan);
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
                  const ExecContext& context = {}, const DeviceInfo& device = detect_device());

@@ -14,8 +14,8 @@
 //    contiguous and on the call's device, fewer than 2^31 slots in a pool and tokens in a block
 //    table. A GPU call also takes at most 65,535 requests (sparse decode: B x q_len query tokens)
 //    and wants q 16-byte, o 8-byte and the caches 16-byte aligned (cudaMalloc gives 256). What a
-//    call writes (outputs, the caches of an append, workspace, fault) shares no byte with any other
-//    of its arguments.
+//    call writes (outputs, the caches of an append, workspace and clear, fault; the workspace as
+//    workspace_bytes long) shares no byte with any other of its arguments.
 //  * num_splits and workspace come from Backend::plan() for the call's shapes: a GPU call refuses
 //    num_splits 0 (plan() fills it in) and a workspace smaller than the plan's.
 //  * o is bf16 in the GPU backends; the reference also writes f32 or f64 outputs for testing.

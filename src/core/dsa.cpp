@@ -23,8 +23,8 @@ void check_backends(const DsaBackends& b) {
 }
 
 // The whole workspace of a DSA call, where its steps' views lie, and the fault record apart from
-// the caller's arguments (a step's own check sees only its views). `extra`: an argument only one of
-// the two calls has.
+// the caller's arguments (a step's own check sees only its views; the caller's workspace_bytes count,
+// not the plan's). `extra`: an argument only one of the two calls has.
 template <typename Params>
 void check_workspace_apart(std::string_view op, const Params& p, detail::MemorySpan extra = {}) {
   detail::expect_apart(op, {{"workspace", p.workspace, p.workspace_bytes, true},
@@ -189,19 +189,20 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.sparse : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
+  // Every step's arguments, then the workspace apart from the caller's arguments: for dsa_decode,
+  // before it queues any step, and for callers that run the steps one by one.
+  detail::validate_shapes(s.indexer, p.q.device);
+  detail::validate_shapes(s.topk, p.q.device);
+  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  check_workspace_apart(kOp, p);
   return s;
 }
 
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context, const DeviceInfo& device) {
   check_backends(backends);
-  const DsaSteps s = dsa_steps(p, plan);
-  // The workspace apart from the caller's arguments; then every step's arguments, and every
-  // backend's consent to its step, before any runs: a bad o must not leave the first steps queued.
-  check_workspace_apart(kOp, p);
-  detail::validate_shapes(s.indexer, p.q.device);
-  detail::validate_shapes(s.topk, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  const DsaSteps s = dsa_steps(p, plan);  // every step's arguments checked
+  // Every backend's consent to its step before any runs: a bad o must not leave the first steps queued.
   detail::select_or_throw(*backends.indexer_logits, s.indexer, device);
   detail::select_or_throw(*backends.topk, s.topk, device);
   detail::select_or_throw(*backends.sparse_decode, s.sparse, device);
@@ -298,19 +299,20 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.scratch : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
+  // Both steps' arguments, then the workspace apart from the caller's arguments (as dsa_steps). Both
+  // steps run without new tokens too: nothing to compute, but their offsets, lengths and pages are
+  // checked.
+  detail::validate_shapes(s.indexer, p.q.device);
+  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
   return s;
 }
 
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
                  const ExecContext& context, const DeviceInfo& device) {
   check_prefill_backends(backends);
-  const DsaPrefillSteps s = dsa_prefill_steps(p, plan);
-  // The workspace apart from the caller's arguments (as in dsa_decode); both steps' arguments, and
-  // both backends' consent, before either runs: a bad o must not leave the indexer step queued. Both
-  // run without new tokens too: nothing to compute, but their offsets, lengths and pages are checked.
-  check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
-  detail::validate_shapes(s.indexer, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  const DsaPrefillSteps s = dsa_prefill_steps(p, plan);  // both steps' arguments checked
+  // Both backends' consent before either runs: a bad o must not leave the indexer step queued.
   detail::select_or_throw(*backends.indexer_prefill, s.indexer, device);
   detail::select_or_throw(*backends.sparse_prefill, s.sparse, device);
   run(*backends.indexer_prefill, s.indexer, context, device);

@@ -1,7 +1,8 @@
 // src/core/validate.hpp - argument checks shared by every backend.
 //
-// validate_shapes() looks only at descriptors and views (dtypes, shapes, devices, scalar fields) and
-// is what every backend calls before launching. validate_values() reads index and input data and so
+// validate_shapes() looks only at descriptors and views (dtypes, shapes, devices, scalar fields, and
+// the addresses: what a call writes apart from its other arguments) and is what every backend
+// calls before launching. validate_values() reads index and input data and so
 // needs them in host memory: the reference backend calls it, and device backends may call it on
 // host copies. Both throw latentkv::Error naming the op, the argument, the value and what was
 // expected; neither writes anything.

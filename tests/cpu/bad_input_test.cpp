@@ -161,12 +161,21 @@ struct DecodeCase {
   bool outputs_untouched() const { return is_sentinel(o) && is_sentinel(lse); }
   // The other ops over the same fixture (its own block table and lengths for prefill and top-k).
   SparseMlaDecodeParams sparse_params(HostTensor& indices) {
-    SparseMlaDecodeParams p;
-    p.q = q.view();
+    return sparse_args<SparseMlaDecodeParams>(q, indices, o, lse);
+  }
+  SparseMlaPrefillParams sparse_prefill_params(HostTensor& new_q, HostTensor& indices, HostTensor& new_o,
+                                               HostTensor& new_lse) {
+    return sparse_args<SparseMlaPrefillParams>(new_q, indices, new_o, new_lse);
+  }
+  // Sparse decode and prefill take the same fields (their shapes differ by the q_len dim).
+  template <typename Params>
+  Params sparse_args(HostTensor& q_in, HostTensor& indices, HostTensor& o_out, HostTensor& lse_out) {
+    Params p;
+    p.q = q_in.view();
     p.cache = f.cache();
     p.indices = indices.view();
-    p.o = o.view();
-    p.lse = lse.view();
+    p.o = o_out.view();
+    p.lse = lse_out.view();
     p.softmax_scale = 0.0625f;
     return p;
   }
@@ -289,13 +298,7 @@ TEST(BadInput, SparseIndexOutsideThePool) {
   HostTensor qp = random_bf16(c.rng, {2, 4, kQkDim});
   HostTensor op = sentinel_tensor(DType::kBF16, {2, 4, kLatentDim}), lp = sentinel_tensor(DType::kF32, {2, 4});
   HostTensor idxp = i32_tensor({2, 2}, {3, static_cast<std::int32_t>(num_slots + 5)});
-  SparseMlaPrefillParams pp;
-  pp.q = qp.view();
-  pp.cache = c.f.cache();
-  pp.indices = idxp.view();
-  pp.o = op.view();
-  pp.lse = lp.view();
-  pp.softmax_scale = 0.0625f;
+  const SparseMlaPrefillParams pp = c.sparse_prefill_params(qp, idxp, op, lp);
   EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(pp); }, "sparse_mla_prefill", "indices element 1",
                            std::to_string(num_slots + 5)));
   EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
@@ -989,70 +992,168 @@ TEST(BadInput, SpansApartOnlyWhereWritten) {
   EXPECT_NO_THROW(detail::expect_apart("op", {a, MemorySpan{"f", bytes, 0, true}}));        // empty
 }
 
+// Whether `call` threw an Error for `argument` of `op` that names `other` as what it overlaps.
+template <typename F>
+::testing::AssertionResult refused_overlap(F&& call, const std::string& op, const std::string& argument,
+                                           const std::string& other) {
+  const std::string what = error_of(call);
+  if (what.find(op + ": argument '" + argument + "'") != 0 || what.find("apart from " + other + " (") == std::string::npos) {
+    return ::testing::AssertionFailure() << "threw \"" << what << "\"";
+  }
+  return ::testing::AssertionSuccess() << what;
+}
+
 // An output inside an input (or another output, the workspace, the cache) is refused before
-// anything is written: o over q, lse over o, the workspace over o, o over the cache.
+// anything is written: o over q, lse inside o, the workspace over o, o over the cache, the fault
+// record over q.
 TEST(BadInput, DecodeOutputsSharingMemory) {
   DecodeCase c;
   const std::vector<std::uint8_t> q_before = c.q.byte_vector();
   const std::vector<std::uint8_t> cache_before = c.f.cache_bytes;
 
   MlaDecodeParams p = c.params();
-  p.o.data = c.q.raw() + 64;
-  std::string what = error_of([&] { cpu::mla_decode(p); });
-  EXPECT_NE(what.find("argument 'o'"), std::string::npos) << what;
-  EXPECT_NE(what.find("apart from q"), std::string::npos) << what;
-  EXPECT_EQ(c.q.byte_vector(), q_before);
-
+  p.o.data = c.q.raw() + 64;  // 8 KB of o inside q's 18 KB
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_decode(p); }, "mla_decode", "o", "q"));
   p = c.params();
-  p.lse.data = c.o.raw() + c.o.bytes() - 4;  // its first float is o's last
-  what = error_of([&] { cpu::mla_decode(p); });
-  EXPECT_NE(what.find("argument 'o'"), std::string::npos) << what;
-  EXPECT_NE(what.find("apart from lse"), std::string::npos) << what;
-
+  p.lse.data = c.o.raw() + 64;
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_decode(p); }, "mla_decode", "o", "lse"));
   p = c.params();
   p.workspace = c.o.raw();
   p.workspace_bytes = 16;
-  EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("apart from workspace"), std::string::npos);
-
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_decode(p); }, "mla_decode", "o", "workspace"));
   p = c.params();
   p.o.data = c.f.cache_bytes.data();
-  what = error_of([&] { cpu::mla_decode(p); });
-  EXPECT_NE(what.find("apart from cache.data"), std::string::npos) << what;
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_decode(p); }, "mla_decode", "o", "cache.data"));
+  p = c.params();
+  p.fault = reinterpret_cast<DeviceFault*>(c.q.raw());
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_decode(p); }, "mla_decode", "fault", "q"));
+
+  EXPECT_EQ(c.q.byte_vector(), q_before);
   EXPECT_EQ(c.f.cache_bytes, cache_before);
   EXPECT_TRUE(c.outputs_untouched());
 }
 
-// The append writes the caches: the tokens it reads must not lie in them.
+// Memory the call only reads may be shared, and outputs may sit side by side in one buffer: o
+// with lse right behind it computes what separate buffers do.
+TEST(BadInput, AdjacentOutputsAndSharedReadsRun) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  cpu::mla_decode(p);
+  HostTensor both = sentinel_tensor(DType::kU8, {static_cast<std::int64_t>(c.o.bytes() + c.lse.bytes())});
+  p.o.data = both.raw();
+  p.lse.data = both.raw() + c.o.bytes();
+  cpu::mla_decode(p);
+  EXPECT_TRUE(std::equal(c.o.raw(), c.o.raw() + c.o.bytes(), both.raw()));
+  EXPECT_TRUE(std::equal(c.lse.raw(), c.lse.raw() + c.lse.bytes(), both.raw() + c.o.bytes()));
+
+  // A top-k whose lengths are read out of its block table's own memory: two reads of the same
+  // bytes select what separate buffers do.
+  std::vector<std::int32_t> table = {1, 2, 0, 3, 5, 4};  // [2, 3] pages of 4 tokens; as lengths: 2, 0
+  std::vector<std::int32_t> lens = {2, 0};
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  HostTensor apart = sentinel_tensor(DType::kI32, {2, 1, 4}), shared = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams t = c.topk_params(logits, apart, 4);
+  t.block_table = TensorView::contiguous(table.data(), DType::kI32, {2, 3});
+  t.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {2});
+  cpu::topk(t);
+  t.slots = shared.view();
+  t.seq_lens.data = table.data() + 1;
+  EXPECT_NO_THROW(cpu::topk(t));
+  EXPECT_EQ(shared.byte_vector(), apart.byte_vector());
+}
+
+// The ops that write through other outputs than o: each refuses an overlap, naming both.
+TEST(BadInput, EveryOpRefusesOverlappingArguments) {
+  DecodeCase c;
+  // mla_prefill: lse inside q.
+  PrefillCase pc;
+  MlaPrefillParams prefill = pc.params();
+  prefill.lse.data = pc.q.raw() + 32;
+  EXPECT_TRUE(refused_overlap([&] { cpu::mla_prefill(prefill); }, "mla_prefill", "lse", "q"));
+  EXPECT_TRUE(pc.outputs_untouched());
+  // sparse_mla_decode: o over its index rows.
+  HostTensor idx = valid_indices(c);
+  SparseMlaDecodeParams sparse = c.sparse_params(idx);
+  sparse.o.data = idx.raw();
+  const std::vector<std::uint8_t> idx_before = idx.byte_vector();
+  EXPECT_TRUE(refused_overlap([&] { cpu::sparse_mla_decode(sparse); }, "sparse_mla_decode", "o", "indices"));
+  EXPECT_EQ(idx.byte_vector(), idx_before);
+  // sparse_mla_prefill: lse inside o.
+  HostTensor qp = random_bf16(c.rng, {2, 4, kQkDim});
+  HostTensor op = sentinel_tensor(DType::kBF16, {2, 4, kLatentDim}), lp = sentinel_tensor(DType::kF32, {2, 4});
+  HostTensor idxp = i32_tensor({2, 2}, {3, -1, -1, 5});
+  SparseMlaPrefillParams sp = c.sparse_prefill_params(qp, idxp, op, lp);
+  sp.lse.data = op.raw() + 128;
+  EXPECT_TRUE(refused_overlap([&] { cpu::sparse_mla_prefill(sp); }, "sparse_mla_prefill", "o", "lse"));
+  EXPECT_TRUE(is_sentinel(op));
+  // top-k: slots over the logits it reads.
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  const std::vector<std::uint8_t> logits_before = logits.byte_vector();
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams topk = c.topk_params(logits, slots, 4);
+  topk.slots.data = logits.raw();
+  EXPECT_TRUE(refused_overlap([&] { cpu::topk(topk); }, "topk", "slots", "logits"));
+  EXPECT_EQ(logits.byte_vector(), logits_before);
+  // indexer_logits: the weights read out of the logits' memory, and a clear range over the logits.
+  IndexerCase t;
+  IndexerLogitsParams ip = t.params();
+  ip.weights.data = t.logits.raw();
+  EXPECT_TRUE(refused_overlap([&] { cpu::indexer_logits(ip); }, "indexer_logits", "logits", "weights"));
+  ip = t.params();
+  ip.clear = t.logits.raw() + 16;
+  ip.clear_bytes = 16;
+  EXPECT_TRUE(refused_overlap([&] { cpu::indexer_logits(ip); }, "indexer_logits", "logits", "clear"));
+  EXPECT_TRUE(is_sentinel(t.logits));
+  // indexer_prefill: slots over the weights.
+  HostTensor q_idx = random_fp8(c.rng, {4, 4, kIndexerDim});
+  HostTensor w = random_f32(c.rng, {4, 4}, -1, 1);
+  const std::vector<std::uint8_t> w_before = w.byte_vector();
+  HostTensor rows = sentinel_tensor(DType::kI32, {4, 2});
+  std::vector<std::int32_t> cu = {0, 4, 4};
+  IndexerPrefillParams xp;
+  xp.q = q_idx.view();
+  xp.weights = w.view();
+  xp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
+  xp.cache = c.f.indexer();
+  xp.block_table = c.f.block_table_view();
+  xp.seq_lens = c.f.seq_lens_view();
+  xp.k = 2;
+  xp.slots = rows.view();
+  xp.slots.data = w.raw() + 8;
+  EXPECT_TRUE(refused_overlap([&] { cpu::indexer_prefill(xp); }, "indexer_prefill", "slots", "weights"));
+  EXPECT_EQ(w.byte_vector(), w_before);
+}
+
+// The append writes the caches: the tokens it reads must not lie in them, nor one cache in the other.
 TEST(BadInput, AppendInputsInsideTheCache) {
   AppendCase c;
   AppendParams p = c.params();
   p.latent.data = c.f.cache_bytes.data() + 16;
-  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "cache.data", "bytes at 0x"));
-  EXPECT_NE(error_of([&] { cpu::append(p); }).find("apart from latent"), std::string::npos);
+  EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "cache.data", "latent"));
   EXPECT_TRUE(c.unchanged());
-
   p = c.params();
   p.slots.data = c.f.indexer_bytes.data();
-  EXPECT_NE(error_of([&] { cpu::append(p); }).find("'indexer.data'"), std::string::npos);
+  EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "indexer.data", "slots"));
+  EXPECT_TRUE(c.unchanged());
+  p = c.params();
+  p.indexer.data = c.f.cache_bytes.data() + c.f.cache_bytes.size() - 64;  // its first bytes the cache's last
+  EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "cache.data", "indexer.data"));
   EXPECT_TRUE(c.unchanged());
 }
 
-// Top-k's slots over its logits, the indexer's logits over its weights.
-TEST(BadInput, TopkAndIndexerOutputsOverTheirInputs) {
+// span_of counts a cache's pages and a contiguous view's elements; a descriptor its checks would
+// refuse counts nothing (they name it first).
+TEST(BadInput, SpanBytes) {
   DecodeCase c;
-  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
-  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
-  TopkParams p = c.topk_params(logits, slots, 4);
-  p.slots.data = logits.raw();
-  const std::string what = error_of([&] { cpu::topk(p); });
-  EXPECT_NE(what.find("topk: argument 'slots'"), std::string::npos) << what;
-  EXPECT_NE(what.find("apart from logits"), std::string::npos) << what;
-
-  IndexerCase t;
-  IndexerLogitsParams q = t.params();
-  q.logits.data = t.w.raw();
-  EXPECT_NE(error_of([&] { cpu::indexer_logits(q); }).find("apart from weights"), std::string::npos);
-  EXPECT_TRUE(is_sentinel(t.logits));
+  EXPECT_EQ(detail::span_of("cache", c.f.cache(), false).bytes, c.f.cache_bytes.size());
+  EXPECT_EQ(detail::span_of("indexer", c.f.indexer(), false).bytes, c.f.indexer_bytes.size());
+  EXPECT_EQ(detail::span_of("q", c.q.view(), false).bytes, c.q.bytes());
+  TensorView wrapping = c.q.view();
+  wrapping.shape = {std::int64_t{1} << 40, std::int64_t{1} << 40, 1, 1};
+  EXPECT_EQ(detail::span_of("q", wrapping, false).bytes, 0u);
+  LatentCache negative = c.f.cache();
+  negative.num_pages = -1;
+  EXPECT_EQ(detail::span_of("cache", negative, false).bytes, 0u);
 }
 
 }  // namespace

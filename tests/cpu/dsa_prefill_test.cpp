@@ -5,6 +5,7 @@
 // failed) and the argument, and writes nothing to o and lse.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <ostream>
@@ -259,15 +260,23 @@ TEST(DsaPrefillBadInput, NullWorkspace) {
   EXPECT_TRUE(d.untouched());
 }
 
-// The index rows and scratch lie in the workspace: the caller's lse there is refused before either
-// step runs, in the caller's terms.
-TEST(DsaPrefillBadInput, OutputsInsideTheWorkspace) {
+// A workspace (as long as the caller says) that also holds q at its start, where the index rows go:
+// q is read by the sparse step alone and the rows are written by the indexer step, so only the
+// call's own check sees both; it refuses before either step runs, and so do the steps run one by one.
+TEST(DsaPrefillBadInput, QueriesInsideTheWorkspace) {
   HostDsaPrefill d = small_case();
-  d.params.lse.data = d.workspace.data() + 64;
-  const std::string what = error_of([&] { d.run(); });
-  EXPECT_NE(what.find("dsa_prefill: argument 'workspace'"), std::string::npos) << what;
-  EXPECT_NE(what.find("apart from lse"), std::string::npos) << what;
-  EXPECT_TRUE(d.untouched());
+  std::vector<std::uint8_t> arena(d.q.bytes() + d.plan.workspace_bytes, kWorkspaceGarbage);
+  std::copy(d.q.raw(), d.q.raw() + d.q.bytes(), arena.begin());
+  const std::vector<std::uint8_t> before = arena;
+  d.params.q.data = arena.data();
+  d.params.workspace = arena.data();
+  d.params.workspace_bytes = arena.size();
+  for (const std::string& what : {error_of([&] { d.run(); }), error_of([&] { dsa_prefill_steps(d.params, d.plan); })}) {
+    EXPECT_EQ(what.find("dsa_prefill: argument 'workspace'"), 0u) << what;
+    EXPECT_NE(what.find("apart from q ("), std::string::npos) << what;
+  }
+  EXPECT_EQ(arena, before);
+  EXPECT_TRUE(d.outputs_untouched());
 }
 
 TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {

@@ -185,14 +185,35 @@ TEST(DsaDecodeBadInput, WorkspaceTooSmall) {
   EXPECT_FALSE(d.untouched());
 }
 
-// The steps' views lie in the workspace, so the caller's arguments must lie outside it: o over the
-// logits' bytes is seen by no step's own check, and is refused before any step runs.
-TEST(DsaDecodeBadInput, OutputsInsideTheWorkspace) {
+// Whether `call` threw dsa_decode's Error for the workspace, naming `other` as what it overlaps.
+template <typename F>
+::testing::AssertionResult workspace_overlaps(F&& call, const std::string& other) {
+  const std::string what = error_of(call);
+  if (what.find("dsa_decode: argument 'workspace'") != 0 || what.find("apart from " + other + " (") == std::string::npos) {
+    return ::testing::AssertionFailure() << "threw \"" << what << "\"";
+  }
+  return ::testing::AssertionSuccess() << what;
+}
+
+// The steps' views lie in the workspace, so the caller's arguments must lie outside it. lse over the
+// logits' bytes, or the weights over the top-k's slots, is seen by no step's own check (the indexer
+// does not see lse, nor the top-k the weights): the call refuses it before any step runs, and so do
+// the steps run one by one.
+TEST(DsaDecodeBadInput, ArgumentsInsideTheWorkspace) {
   HostDsa d = small_case();
-  d.params.o.data = d.workspace.data();
-  const std::string what = error_of([&] { d.run(); });
-  EXPECT_NE(what.find("dsa_decode: argument 'workspace'"), std::string::npos) << what;
-  EXPECT_NE(what.find("apart from o"), std::string::npos) << what;
+  const DsaSteps steps = dsa_steps(d.params, d.plan);
+  ASSERT_GE(static_cast<std::size_t>(steps.indexer.logits.numel()) * 4, d.lse.bytes());
+  ASSERT_GE(static_cast<std::size_t>(steps.topk.slots.numel()) * 4, d.weights.bytes());
+  DsaDecodeParams good = d.params;
+
+  d.params.lse.data = d.workspace.data();
+  EXPECT_TRUE(workspace_overlaps([&] { d.run(); }, "lse"));
+  EXPECT_TRUE(workspace_overlaps([&] { dsa_steps(d.params, d.plan); }, "lse"));
+  EXPECT_TRUE(d.untouched());
+
+  d.params = good;
+  d.params.weights.data = steps.topk.slots.data;
+  EXPECT_TRUE(workspace_overlaps([&] { d.run(); }, "weights"));
   EXPECT_TRUE(d.untouched());
 }
 
