@@ -122,7 +122,8 @@ bool countable_pages(std::int64_t num_pages, int page_size) {
 }  // namespace
 
 MemorySpan span_of(std::string_view name, const LatentCache& c, bool written) {
-  const bool known = countable_pages(c.num_pages, c.page_size) && (c.dtype == KvDtype::kFp8E4M3 || c.dtype == KvDtype::kBf16);
+  const bool known =
+      countable_pages(c.num_pages, c.page_size) && (c.dtype == KvDtype::kFp8E4M3 || c.dtype == KvDtype::kBf16);
   return {name, c.data, known ? c.bytes() : 0, written};
 }
 

@@ -997,7 +997,8 @@ template <typename F>
 ::testing::AssertionResult refused_overlap(F&& call, const std::string& op, const std::string& argument,
                                            const std::string& other) {
   const std::string what = error_of(call);
-  if (what.find(op + ": argument '" + argument + "'") != 0 || what.find("apart from " + other + " (") == std::string::npos) {
+  if (what.find(op + ": argument '" + argument + "'") != 0 ||
+      what.find("apart from " + other + " (") == std::string::npos) {
     return ::testing::AssertionFailure() << "threw \"" << what << "\"";
   }
   return ::testing::AssertionSuccess() << what;

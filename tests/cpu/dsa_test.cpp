@@ -189,7 +189,8 @@ TEST(DsaDecodeBadInput, WorkspaceTooSmall) {
 template <typename F>
 ::testing::AssertionResult workspace_overlaps(F&& call, const std::string& other) {
   const std::string what = error_of(call);
-  if (what.find("dsa_decode: argument 'workspace'") != 0 || what.find("apart from " + other + " (") == std::string::npos) {
+  if (what.find("dsa_decode: argument 'workspace'") != 0 ||
+      what.find("apart from " + other + " (") == std::string::npos) {
     return ::testing::AssertionFailure() << "threw \"" << what << "\"";
   }
   return ::testing::AssertionSuccess() << what;
