@@ -62,10 +62,15 @@ struct ExecContext {
   void* stream = nullptr;  // cudaStream_t for CUDA backends; unused on the CPU
 };
 
-// A runnable kernel: its name (for printing) and its launcher.
+// A runnable kernel: its name (for printing), its launcher, and the launcher's own checks of a call.
+// `check` throws what `launch` would refuse in a call whose shapes are valid (pointer alignment,
+// grid limits, the planned split count and workspace), queueing nothing; dsa_decode and dsa_prefill
+// run every step's check before they queue the first step. Empty when the launcher refuses nothing
+// beyond the shapes; `launch` checks the same again.
 struct Kernel {
   std::string name;
   std::function<void(const OpArgs&, const ExecContext&)> launch;
+  std::function<void(const OpArgs&)> check = {};
 };
 
 // A schedule fixed before a step runs: how the work is split and how much device scratch it needs.

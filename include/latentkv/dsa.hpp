@@ -81,14 +81,18 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p,
 // The three ops a call runs, carved out of p.workspace (which must hold plan.workspace_bytes).
 // For timing or inspecting the steps one by one; dsa_decode runs exactly these, in this order. With
 // plan.topk_cleared_by_indexer the top-k step counts on the indexer step just before it: to run the
-// top-k on its own, set its workspace_cleared to false. Checks what dsa_decode checks before it
-// queues anything: each step's arguments, and the whole workspace (p.workspace_bytes of it) apart
-// from p's other arguments.
+// top-k on its own, set its workspace_cleared to false. Checks what dsa_decode checks of the
+// arguments before it queues anything: each step's, and the whole workspace (p.workspace_bytes of
+// it) apart from p's other arguments. (dsa_decode also has each step's kernel check its call,
+// Kernel::check, before the first step is queued; run() does so step by step.)
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 
 // Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into
 // o and lse. Throws Error on bad input, naming the step and its argument (dsa_decode and the
-// argument, for the call's own shapes, workspace and memory shared with the workspace).
+// argument, for the call's own shapes, workspace and memory shared with the workspace). A call that
+// any step refuses queues nothing: every step's backend selects a kernel and that kernel's own
+// checks pass (Kernel::check: alignment, grid limits, the planned splits) before the first step is
+// queued.
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 
@@ -131,6 +135,7 @@ DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillPar
                                 const DeviceInfo& device = detect_device());
 // The two steps, carved out of p.workspace, checked as dsa_steps checks decode's.
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan);
+// Runs both steps; like dsa_decode, queues nothing for a call either step refuses.
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
                  const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 

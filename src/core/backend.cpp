@@ -116,6 +116,12 @@ Selection select_or_throw(const Backend& backend, const OpArgs& args, const Devi
   return s;
 }
 
+Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceInfo& device) {
+  Kernel kernel = *select_or_throw(backend, args, device).kernel;
+  if (kernel.check) kernel.check(args);
+  return kernel;
+}
+
 }  // namespace detail
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {

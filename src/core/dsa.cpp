@@ -202,13 +202,14 @@ void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
                 const ExecContext& context, const DeviceInfo& device) {
   check_backends(backends);
   const DsaSteps s = dsa_steps(p, plan);  // every step's arguments checked
-  // Every backend's consent to its step before any runs: a bad o must not leave the first steps queued.
-  detail::select_or_throw(*backends.indexer_logits, s.indexer, device);
-  detail::select_or_throw(*backends.topk, s.topk, device);
-  detail::select_or_throw(*backends.sparse_decode, s.sparse, device);
-  run(*backends.indexer_logits, s.indexer, context, device);
-  run(*backends.topk, s.topk, context, device);
-  run(*backends.sparse_decode, s.sparse, context, device);
+  // Every backend's consent to its step, and every kernel's checks of its call, before any step is
+  // queued: a bad o must not leave the first steps queued.
+  const Kernel indexer = detail::checked_kernel(*backends.indexer_logits, s.indexer, device);
+  const Kernel topk = detail::checked_kernel(*backends.topk, s.topk, device);
+  const Kernel sparse = detail::checked_kernel(*backends.sparse_decode, s.sparse, device);
+  indexer.launch(s.indexer, context);
+  topk.launch(s.topk, context);
+  sparse.launch(s.sparse, context);
 }
 
 // ---- Prefill ------------------------------------------------------------------------------------
@@ -312,11 +313,12 @@ void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
                  const ExecContext& context, const DeviceInfo& device) {
   check_prefill_backends(backends);
   const DsaPrefillSteps s = dsa_prefill_steps(p, plan);  // both steps' arguments checked
-  // Both backends' consent before either runs: a bad o must not leave the indexer step queued.
-  detail::select_or_throw(*backends.indexer_prefill, s.indexer, device);
-  detail::select_or_throw(*backends.sparse_prefill, s.sparse, device);
-  run(*backends.indexer_prefill, s.indexer, context, device);
-  run(*backends.sparse_prefill, s.sparse, context, device);
+  // Both backends' consent, and both kernels' checks of their calls, before either step is queued:
+  // a bad o must not leave the indexer step queued.
+  const Kernel indexer = detail::checked_kernel(*backends.indexer_prefill, s.indexer, device);
+  const Kernel sparse = detail::checked_kernel(*backends.sparse_prefill, s.sparse, device);
+  indexer.launch(s.indexer, context);
+  sparse.launch(s.sparse, context);
 }
 
 }  // namespace latentkv

@@ -25,6 +25,29 @@ using cuda::stream_of;
 
 const MlaDecodeParams& decode_args(const OpArgs& args) { return std::get<MlaDecodeParams>(args); }
 
+// An op's kernel. Its check (Kernel::check) runs the shape checks every backend makes (validate.hpp)
+// and then `check_call`, what the launcher refuses before it queues anything; its launch runs the
+// same check, then `launch`.
+template <typename Params, typename CheckCall, typename Launch>
+Kernel op_kernel(std::string name, CheckCall check_call, Launch launch) {
+  const auto check = [check_call](const OpArgs& args) {
+    const auto& p = std::get<Params>(args);
+    const Device device = cuda::launch_device(std::string(op_name(op_of(args))).c_str());
+    if constexpr (requires { detail::validate_shapes(p, device, detail::Outputs::kDeviceTypes); }) {
+      detail::validate_shapes(p, device, detail::Outputs::kDeviceTypes);
+    } else {
+      detail::validate_shapes(p, device);
+    }
+    check_call(p);
+  };
+  return Kernel{std::move(name),
+                [check, launch](const OpArgs& args, const ExecContext& c) {
+                  check(args);
+                  launch(std::get<Params>(args), stream_of(c));
+                },
+                check};
+}
+
 class CudaBackend final : public Backend {
  public:
   std::string_view name() const override { return "cuda"; }
@@ -37,45 +60,58 @@ class CudaBackend final : public Backend {
     if (std::string why = device_problem(p); !why.empty()) return Selection::no(why);
     switch (p.op) {
       case Op::kAppend:
-        return Selection::yes(Kernel{std::string("append<") + std::string(kv_dtype_name(p.kv_dtype)) + ">", run_append});
+        return Selection::yes(op_kernel<AppendParams>("append<" + std::string(kv_dtype_name(p.kv_dtype)) + ">",
+                                                      cuda::check_append_call, cuda::launch_append));
       case Op::kMlaDecode:
-        return Selection::yes(Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p), p.device.sm), run_decode},
-                              "split-KV decode, any head count and page size");
+        return Selection::yes(
+            op_kernel<MlaDecodeParams>(cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p), p.device.sm),
+                                       cuda::check_mla_decode_call, cuda::launch_mla_decode),
+            "split-KV decode, any head count and page size");
       case Op::kIndexerLogits:
         if (p.heads > kMaxIndexerHeads) {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
-        return Selection::yes(Kernel{cuda::indexer_logits_kernel_name(p.page_size, p.device.sm), run_indexer_logits},
-                              "tensor cores over the fp8 keys converted exactly to f16 on chip, float32 sums");
+        return Selection::yes(
+            op_kernel<IndexerLogitsParams>(cuda::indexer_logits_kernel_name(p.page_size, p.device.sm),
+                                           cuda::check_indexer_logits_call, cuda::launch_indexer_logits),
+            "tensor cores over the fp8 keys converted exactly to f16 on chip, float32 sums");
       case Op::kTopk:
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{"topk<radix select, 12+10+10 bits>", run_topk},
-                              "exact radix select over the float bits; rows seeing <= k tokens take them all");
+        return Selection::yes(
+            op_kernel<TopkParams>("topk<radix select, 12+10+10 bits>", cuda::check_topk_call, cuda::launch_topk),
+            "exact radix select over the float bits; rows seeing <= k tokens take them all");
       case Op::kMlaPrefill:
         return Selection::yes(
-            Kernel{cuda::mla_prefill_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm), run_prefill},
+            op_kernel<MlaPrefillParams>(
+                cuda::mla_prefill_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm),
+                cuda::check_mla_prefill_call, cuda::launch_mla_prefill),
             "the new tokens (in groups on few heads) as query rows of the decode kernels over "
             "their visible prefix");
       case Op::kSparseMlaPrefill:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
-            Kernel{"sparse_mla_prefill = per-token " +
-                       cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
-                   run_sparse_prefill},
+            op_kernel<SparseMlaPrefillParams>(
+                "sparse_mla_prefill = per-token " +
+                    cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
+                cuda::check_sparse_mla_prefill_call, cuda::launch_sparse_mla_prefill),
             "each new token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       case Op::kIndexerPrefill:
         if (p.heads > kMaxIndexerHeads) {
           return Selection::no("indexer heads " + std::to_string(p.heads) + " > " + std::to_string(kMaxIndexerHeads));
         }
         if (p.topk > kMaxTopk) return Selection::no("k " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
-        return Selection::yes(Kernel{cuda::indexer_prefill_kernel_name(p.page_size, p.device.sm), run_indexer_prefill},
-                              "the new tokens (in groups of 4 on the wgmma indexer) as requests of the decode indexer, "
-                              "then each its own top-k row, in chunks of new tokens whose logits fit the workspace");
+        return Selection::yes(
+            op_kernel<IndexerPrefillParams>(cuda::indexer_prefill_kernel_name(p.page_size, p.device.sm),
+                                            cuda::check_indexer_prefill_call, cuda::launch_indexer_prefill),
+            "the new tokens (in groups of 4 on the wgmma indexer) as requests of the decode indexer, "
+            "then each its own top-k row, in chunks of new tokens whose logits fit the workspace");
       case Op::kSparseMlaDecode:
         if (p.topk > kMaxTopk) return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
         return Selection::yes(
-            Kernel{cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
-                   run_sparse_decode},
+            op_kernel<SparseMlaDecodeParams>(
+                cuda::mla_decode_kernel_name(p.kv_dtype, p.heads > 0 ? p.heads : 1, p.device.sm, true),
+                [](const SparseMlaDecodeParams& q) { cuda::check_sparse_mla_decode_call(q); },
+                [](const SparseMlaDecodeParams& q, cudaStream_t s) { cuda::launch_sparse_mla_decode(q, s); }),
             "each query token over its own index row, the selected fp8 tokens read once and dequantized on chip");
       default:
         return Selection::no(std::string(op_name(p.op)) + " has no CUDA kernel yet");
@@ -99,47 +135,6 @@ class CudaBackend final : public Backend {
     return {};
   }
 
- private:
-  static void run_append(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<AppendParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("append"));
-    cuda::launch_append(p, stream_of(c));
-  }
-  static void run_decode(const OpArgs& args, const ExecContext& c) {
-    const auto& p = decode_args(args);
-    detail::validate_shapes(p, cuda::launch_device("mla_decode"), detail::Outputs::kDeviceTypes);
-    cuda::launch_mla_decode(p, stream_of(c));
-  }
-  static void run_indexer_logits(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<IndexerLogitsParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("indexer_logits"));
-    cuda::launch_indexer_logits(p, stream_of(c));
-  }
-  static void run_prefill(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<MlaPrefillParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("mla_prefill"), detail::Outputs::kDeviceTypes);
-    cuda::launch_mla_prefill(p, stream_of(c));
-  }
-  static void run_sparse_prefill(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<SparseMlaPrefillParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("sparse_mla_prefill"), detail::Outputs::kDeviceTypes);
-    cuda::launch_sparse_mla_prefill(p, stream_of(c));
-  }
-  static void run_indexer_prefill(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<IndexerPrefillParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("indexer_prefill"));
-    cuda::launch_indexer_prefill(p, stream_of(c));
-  }
-  static void run_topk(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<TopkParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("topk"));
-    cuda::launch_topk(p, stream_of(c));
-  }
-  static void run_sparse_decode(const OpArgs& args, const ExecContext& c) {
-    const auto& p = std::get<SparseMlaDecodeParams>(args);
-    detail::validate_shapes(p, cuda::launch_device("sparse_mla_decode"), detail::Outputs::kDeviceTypes);
-    cuda::launch_sparse_mla_decode(p, stream_of(c));
-  }
 };
 
 }  // namespace

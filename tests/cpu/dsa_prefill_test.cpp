@@ -14,6 +14,7 @@
 
 #include "latentkv/backend.hpp"
 #include "latentkv/dsa.hpp"
+#include "support/checks_refuse.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
 #include "support/host_tensor.hpp"
@@ -250,6 +251,18 @@ TEST(DsaPrefillBadInput, NullBackend) {
   EXPECT_NO_THROW(plan_dsa_prefill(backends, d.params, reference_device()));
   EXPECT_NO_THROW(dsa_prefill(backends, d.params, d.plan, {}, reference_device()));
   EXPECT_FALSE(d.outputs_untouched());
+}
+
+// The sparse step's kernel accepts the call's shapes but its own checks refuse it (Kernel::check,
+// as the cuda kernels refuse a misaligned o): refused before the indexer step is queued.
+TEST(DsaPrefillBadInput, AStepsKernelChecksRefuseBeforeAnyStepRuns) {
+  HostDsaPrefill d = small_case();
+  const ChecksRefuse refuses;
+  DsaBackends backends = same_backend(reference_backend());
+  backends.sparse_prefill = &refuses;
+  EXPECT_TRUE(throws_error([&] { dsa_prefill(backends, d.params, d.plan, {}, reference_device()); },
+                           "sparse_mla_prefill", "o", "not 8-byte aligned"));
+  EXPECT_TRUE(d.untouched());
 }
 
 TEST(DsaPrefillBadInput, NullWorkspace) {

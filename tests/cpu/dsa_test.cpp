@@ -13,6 +13,7 @@
 
 #include "latentkv/backend.hpp"
 #include "latentkv/dsa.hpp"
+#include "support/checks_refuse.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
 #include "support/host_tensor.hpp"
@@ -277,6 +278,18 @@ TEST(DsaDecodeBadInput, AStepsBackendRefusesBeforeAnyStepRuns) {
   EXPECT_EQ(error_of([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }),
             "sparse_mla_decode: backend 'refuses_sparse' cannot run this call: no sparse decode here");
   EXPECT_TRUE(std::all_of(d.workspace.begin(), d.workspace.end(), [](std::uint8_t b) { return b == kWorkspaceGarbage; }));
+  EXPECT_TRUE(d.untouched());
+}
+
+// The sparse step's kernel accepts the call's shapes but its own checks refuse it (Kernel::check,
+// as the cuda kernels refuse a misaligned o): refused before the indexer and top-k steps are queued.
+TEST(DsaDecodeBadInput, AStepsKernelChecksRefuseBeforeAnyStepRuns) {
+  HostDsa d = small_case();
+  const ChecksRefuse refuses;
+  DsaBackends backends = same_backend(reference());
+  backends.sparse_decode = &refuses;
+  EXPECT_TRUE(throws_error([&] { dsa_decode(backends, d.params, d.plan, {}, kCpu); }, "sparse_mla_decode", "o",
+                           "not 8-byte aligned"));
   EXPECT_TRUE(d.untouched());
 }
 

@@ -119,6 +119,14 @@ class DeviceDsa {
     params_.workspace_cleared = true;
     steps_ = dsa_steps(params_, plan_);
   }
+  // o moved to `data` (for a call that must be refused: the steps' views follow).
+  void move_o(void* data) {
+    params_.o.data = data;
+    steps_ = dsa_steps(params_, plan_);
+  }
+  std::size_t o_bytes() const { return o_host_.bytes(); }
+  std::vector<std::uint8_t> workspace_contents() const { return workspace_bytes(workspace_.get(), workspace_.bytes()); }
+
   std::vector<std::uint8_t> workspace_bytes(const void* from, std::size_t bytes) const {
     std::vector<std::uint8_t> host(bytes);
     check_cuda(cudaMemcpy(host.data(), from, bytes, cudaMemcpyDeviceToHost));
@@ -299,6 +307,26 @@ TEST(GpuDsaDecodeFaults, ANanLogitIsTheTopksError) {
   d.run();
   check_cuda(cudaDeviceSynchronize());
   EXPECT_EQ(d.fault(), expected);
+}
+
+// An o the sparse kernels cannot write (4 bytes past an 8-byte boundary; shapes, sizes and
+// placement all valid): the sparse step's own checks refuse it, before the indexer and top-k steps
+// are queued, so the workspace keeps its garbage and sentinels and the record stays empty.
+TEST(GpuDsaDecodeChecks, AMisalignedOutputQueuesNoStep) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {300, 3000}, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
+  DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
+  DeviceBuffer shifted(d.o_bytes() + 16);
+  d.move_o(shifted.get<std::uint8_t>() + 4);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  const std::vector<std::uint8_t> before = d.workspace_contents();
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_decode", "o", "not 8-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  EXPECT_TRUE(d.workspace_contents() == before) << "a step was queued before the sparse step's checks refused";
+  EXPECT_EQ(d.fault(), "");
 }
 
 // Requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the

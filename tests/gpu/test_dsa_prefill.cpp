@@ -31,6 +31,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/dsa.hpp"
 #include "support/compare.hpp"
+#include "support/expect_error.hpp"
 #include "support/host_tensor.hpp"
 #include "support/indexer_prefill.hpp"
 #include "support/paged_fixture.hpp"
@@ -123,6 +124,20 @@ class DeviceDsaPrefill {
   }
 
   const DsaPrefillPlan& plan() const { return plan_; }
+  // The message of what the calls so far noted in their fault record, "" for nothing.
+  std::string fault() const { return fault_.message(); }
+
+  // o moved to `data` (for a call that must be refused: the steps' views follow).
+  void move_o(void* data) {
+    params_.o.data = data;
+    steps_ = dsa_prefill_steps(params_, plan_);
+  }
+  std::size_t o_bytes() const { return o_host_.bytes(); }
+  std::vector<std::uint8_t> workspace_contents() const {
+    std::vector<std::uint8_t> host(workspace_.bytes());
+    check_cuda(cudaMemcpy(host.data(), workspace_.get(), host.size(), cudaMemcpyDeviceToHost));
+    return host;
+  }
 
   // Sentinels in o, lse and the workspace's index rows; garbage in the rest of the workspace.
   void fill_sentinels() {
@@ -332,6 +347,26 @@ TEST(GpuDsaPrefillChunks, SevensEqualTheDefaultChunk) {
   ASSERT_EQ(sevens.plan().indexer.chunk_tokens, 7);
   EXPECT_LT(sevens.plan().workspace_bytes, whole.plan().workspace_bytes);
   check_same_outputs(in, sevens.call(), whole.call(), kMaxTopk);
+}
+
+// An o the sparse kernels cannot write (4 bytes past an 8-byte boundary; shapes, sizes and
+// placement all valid): the sparse step's own checks refuse it, before the indexer step (its value
+// checks, rows and chunks) is queued, so the workspace keeps its garbage and sentinels.
+TEST(GpuDsaPrefillChecks, AMisalignedOutputQueuesNoStep) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  DsaPrefillInputs in = make_inputs({{100, 7, 2100}, {5, 0, 37}}, 64, 8, 8, rng);
+  DeviceDsaPrefill d(in, kMaxTopk);
+  DeviceBuffer shifted(d.o_bytes() + 16);
+  d.move_o(shifted.get<std::uint8_t>() + 4);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  const std::vector<std::uint8_t> before = d.workspace_contents();
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "o", "not 8-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  EXPECT_TRUE(d.workspace_contents() == before)
+      << "the indexer step was queued before the sparse step's checks refused";
+  EXPECT_EQ(d.fault(), "");
 }
 
 // ---- a CUDA graph --------------------------------------------------------------------------------

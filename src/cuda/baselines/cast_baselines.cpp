@@ -49,7 +49,8 @@ class CastBaseline : public Backend {
     return Selection::yes(Kernel{std::string(name()) + " + " + inner,
                                  [self](const OpArgs& args, const ExecContext& c) {
                                    static_cast<const CastBaseline*>(self)->run(args, stream_of(c));
-                                 }},
+                                 },
+                                 [self](const OpArgs& args) { static_cast<const CastBaseline*>(self)->check(args); }},
                           "baseline: " + std::string(extra_traffic()));
   }
 
@@ -70,14 +71,17 @@ class CastBaseline : public Backend {
   // Bytes of the bf16 copy (and its table or indices) at the start of the workspace.
   virtual std::size_t copy_bytes(const MlaDecodeParams& p) const = 0;
   virtual std::size_t copy_bytes(const SparseMlaDecodeParams& p) const = 0;
-  // The decode parameters that read the bf16 copy at `scratch`; with a stream, the cast that fills
-  // it is launched first (without one, only the parameters are computed, for planning).
-  virtual MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const = 0;
-  virtual SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const = 0;
+  // The decode parameters that read the bf16 copy at `scratch`; with a stream (and scratch), the
+  // cast that fills it is queued on it first (without one, only the parameters are computed, for
+  // planning and checks).
+  virtual MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, const cudaStream_t* s) const = 0;
+  virtual SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch,
+                                     const cudaStream_t* s) const = 0;
 
  private:
+  // The inner decode's parameters, after the checks of the call; with a stream, the cast queued.
   template <typename Params>
-  Params with_copy(const Params& p, std::string_view op, cudaStream_t s) const {
+  Params with_copy(const Params& p, std::string_view op, const cudaStream_t* s) const {
     detail::validate_shapes(p, cuda::launch_device(std::string(op).c_str()), detail::Outputs::kDeviceTypes);
     // The decode's own limit (a grid dimension), checked before the cast is queued: these baselines
     // do not slice a call as the cuda backend's prefill does.
@@ -101,16 +105,33 @@ class CastBaseline : public Backend {
     return inner;
   }
 
-  void run(const OpArgs& args, cudaStream_t s) const {
+  // Kernel::check: the call's checks and the inner decode's, the cast not queued.
+  void check(const OpArgs& args) const {
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
-      cuda::launch_mla_decode(with_copy(*dense, "mla_decode", s), s);
+      cuda::check_mla_decode_call(with_copy(*dense, "mla_decode", nullptr));
     } else {
-      const auto* prefill = std::get_if<SparseMlaPrefillParams>(&args);
-      if (prefill != nullptr) {
-        detail::validate_shapes(*prefill, cuda::launch_device("sparse_mla_prefill"), detail::Outputs::kDeviceTypes);
-      }
-      cuda::launch_sparse_mla_decode(with_copy(sparse_of(args), prefill ? "sparse_mla_prefill" : "sparse_mla_decode", s), s);
+      const char* op = sparse_op(args);
+      cuda::check_sparse_mla_decode_call(with_copy(sparse_of(args), op, nullptr), op);
     }
+  }
+
+  // The checks first, so that nothing is queued for a call the inner decode would refuse.
+  void run(const OpArgs& args, cudaStream_t s) const {
+    check(args);
+    if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
+      cuda::launch_mla_decode(with_copy(*dense, "mla_decode", &s), s);
+    } else {
+      const char* op = sparse_op(args);
+      cuda::launch_sparse_mla_decode(with_copy(sparse_of(args), op, &s), s, {op});
+    }
+  }
+
+  // A sparse call's op, its prefill's shapes checked first (sparse_of reshapes them).
+  static const char* sparse_op(const OpArgs& args) {
+    const auto* prefill = std::get_if<SparseMlaPrefillParams>(&args);
+    if (prefill == nullptr) return "sparse_mla_decode";
+    detail::validate_shapes(*prefill, cuda::launch_device("sparse_mla_prefill"), detail::Outputs::kDeviceTypes);
+    return "sparse_mla_prefill";
   }
 
   // Sparse prefill is sparse decode of T one-token requests; the baselines treat it so.
@@ -135,19 +156,20 @@ class CastFullBackend final : public CastBaseline {
   std::size_t copy_bytes(const MlaDecodeParams& p) const override { return pool_bytes(p.cache); }
   std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override { return pool_bytes(p.cache); }
 
-  static LatentCache cast_pool(const LatentCache& fp8, std::uint8_t* scratch, cudaStream_t s) {
-    if (scratch != nullptr) cuda::launch_cast_pool(fp8, scratch, s);
+  static LatentCache cast_pool(const LatentCache& fp8, std::uint8_t* scratch, const cudaStream_t* s) {
+    if (scratch != nullptr && s != nullptr) cuda::launch_cast_pool(fp8, scratch, *s);
     LatentCache bf16 = fp8;
     bf16.data = scratch;
     bf16.dtype = KvDtype::kBf16;
     return bf16;
   }
-  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, const cudaStream_t* s) const override {
     MlaDecodeParams inner = p;
     inner.cache = cast_pool(p.cache, scratch, s);
     return inner;
   }
-  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch,
+                             const cudaStream_t* s) const override {
     SparseMlaDecodeParams inner = p;
     inner.cache = cast_pool(p.cache, scratch, s);
     return inner;
@@ -176,16 +198,16 @@ class GatherCastBackend final : public CastBaseline {
   std::size_t copy_bytes(const MlaDecodeParams& p) const override {
     return align256(table_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.block_table.numel()));
   }
-  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+  MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, const cudaStream_t* s) const override {
     MlaDecodeParams inner = p;
     inner.cache.data = scratch;
     inner.cache.dtype = KvDtype::kBf16;
     inner.cache.num_pages = p.q.size(0) * p.block_table.size(1);
     inner.block_table.data = scratch ? scratch + table_offset(p) : nullptr;
-    if (scratch != nullptr) {
+    if (scratch != nullptr && s != nullptr) {
       cuda::launch_gather_cast(p.cache, p.block_table.as<const std::int32_t>(), p.seq_lens.as<const std::int32_t>(),
                                static_cast<int>(p.q.size(0)), static_cast<int>(p.block_table.size(1)), scratch,
-                               inner.block_table.as<std::int32_t>(), s);
+                               inner.block_table.as<std::int32_t>(), *s);
     }
     return inner;
   }
@@ -197,16 +219,17 @@ class GatherCastBackend final : public CastBaseline {
   std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override {
     return align256(indices_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.indices.numel()));
   }
-  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch, cudaStream_t s) const override {
+  SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch,
+                             const cudaStream_t* s) const override {
     SparseMlaDecodeParams inner = p;
     inner.cache.data = scratch;
     inner.cache.dtype = KvDtype::kBf16;
     inner.cache.page_size = 1;
     inner.cache.num_pages = std::max<std::int64_t>(p.indices.numel(), 1);
     inner.indices.data = scratch ? scratch + indices_offset(p) : nullptr;
-    if (scratch != nullptr) {
+    if (scratch != nullptr && s != nullptr) {
       cuda::launch_gather_cast_indices(p.cache, p.indices.as<const std::int32_t>(), p.indices.numel(), scratch,
-                                       inner.indices.as<std::int32_t>(), s);
+                                       inner.indices.as<std::int32_t>(), *s);
     }
     return inner;
   }

@@ -17,9 +17,12 @@ struct FaultSink {
 };
 
 // The sink of a call given `record` as its `fault`; `name` is the op's, for the error of a record
-// that is not 8-byte aligned.
-inline FaultSink fault_sink(DeviceFault* record, DeviceFaultOp op, const char* name) {
+// that is not 8-byte aligned (check_fault_record: that check alone).
+inline void check_fault_record(const DeviceFault* record, const char* name) {
   if (record != nullptr) check_aligned(name, "fault", record, 8);
+}
+inline FaultSink fault_sink(DeviceFault* record, DeviceFaultOp op, const char* name) {
+  check_fault_record(record, name);
   return FaultSink{record, op};
 }
 

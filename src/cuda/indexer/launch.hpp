@@ -16,8 +16,10 @@ inline constexpr int kMaxIndexerBatch = 65535;
 // logits [B, q_len, max_len]: for visible t, sum_h w_h relu(q_h . k_t) kscale_t; -inf elsewhere.
 // Arguments must be validated; lengths and block tables are read on the device. The plan's
 // workspace (one claim counter per request) is optional: the launch throws Error when a workspace
-// is given but smaller.
+// is given but smaller. check_indexer_logits_call throws what the launch refuses before it queues
+// anything, and queues nothing itself.
 Plan plan_indexer_logits(const IndexerLogitsParams& p);
+void check_indexer_logits_call(const IndexerLogitsParams& p);
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 
 // Whether indexer_logits runs its warpgroup (wgmma) kernel for caches of `page_size` tokens per
@@ -44,8 +46,10 @@ void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGro
 
 // Indexer prefill (prefill.cpp): logits then top-k of every new token, in chunks of new tokens.
 // The plan gives the chunk and the workspace for it; the launch throws Error when p.workspace is
-// smaller. Arguments must be validated.
+// smaller. Arguments must be validated. check_indexer_prefill_call throws what the launch refuses
+// before it queues anything (its chunks' launches included), and queues nothing itself.
 Plan plan_indexer_prefill(const IndexerPrefillParams& p);
+void check_indexer_prefill_call(const IndexerPrefillParams& p);
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream);
 
 }  // namespace latentkv::cuda

@@ -939,10 +939,31 @@ void launch_indexer_logits_groups(const IndexerLogitsParams& p, const IndexerGro
   }
 }
 
+void check_indexer_logits_call(const IndexerLogitsParams& p) {
+  check_fault_record(p.fault, "indexer_logits");
+  if (p.q.size(0) == 0 || p.logits.size(2) == 0) return;  // no kernel
+  if (p.q.size(0) > kMaxIndexerBatch) {  // one grid row per request
+    throw Error("indexer_logits", "q", p.q.shape_string(),
+                "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
+  }
+  check_aligned("indexer_logits", "q", p.q.data, 16);
+  // Keys read as (or copied in) 16-byte pieces, or 4-byte words on pages of a size not a multiple of 4.
+  check_aligned("indexer_logits", "cache", p.cache.data, p.cache.page_size % 4 == 0 ? 16 : 4);
+  if (p.workspace != nullptr) {
+    const std::size_t need = plan_indexer_logits(p).workspace_bytes;
+    if (p.workspace_bytes < need) {
+      throw Error("indexer_logits", "workspace_bytes", std::to_string(p.workspace_bytes),
+                  ">= " + std::to_string(need) + " (Backend::plan for these shapes), or no workspace");
+    }
+    check_aligned("indexer_logits", "workspace", p.workspace, 4);
+  }
+}
+
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
+  check_indexer_logits_call(p);
   LogitsArgs a = logits_args(p);
   const int batch = static_cast<int>(p.q.size(0));
-  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerLogits, "indexer_logits");
+  const FaultSink fault{p.fault, DeviceFaultOp::kIndexerLogits};
   if (batch == 0 || a.max_len == 0) {  // no kernel: the clear on its own, and the checks a kernel would make
     if (p.clear_bytes > 0) LKV_CUDA_CHECK("indexer_logits", cudaMemsetAsync(p.clear, 0, p.clear_bytes, stream));
     launch_paging_check(paging_check_of(p.block_table, p.seq_lens, a.page_size, a.num_pages, a.max_len, fault), stream,
@@ -951,23 +972,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream) {
     launch_value_check(value_check_of(p.weights, DeviceFaultCode::kWeight, fault), stream, "indexer_logits");
     return;
   }
-  if (batch > kMaxIndexerBatch) {  // one grid row per request
-    throw Error("indexer_logits", "q", p.q.shape_string(),
-                "at most " + std::to_string(kMaxIndexerBatch) + " requests (B) per call");
-  }
-  check_aligned("indexer_logits", "q", a.q, 16);
-  // Keys read as (or copied in) 16-byte pieces, or 4-byte words on pages of a size not a multiple of 4.
-  check_aligned("indexer_logits", "cache", a.cache, a.page_size % 4 == 0 ? 16 : 4);
-  unsigned* claimed = nullptr;
-  if (p.workspace != nullptr) {
-    const std::size_t need = plan_indexer_logits(p).workspace_bytes;
-    if (p.workspace_bytes < need) {
-      throw Error("indexer_logits", "workspace_bytes", std::to_string(p.workspace_bytes),
-                  ">= " + std::to_string(need) + " (Backend::plan for these shapes), or no workspace");
-    }
-    check_aligned("indexer_logits", "workspace", p.workspace, 4);
-    claimed = static_cast<unsigned*>(p.workspace);
-  }
+  auto* claimed = static_cast<unsigned*>(p.workspace);  // may be null: no claims
   if (fault.record != nullptr) launch_for_device<true>(a, fault, batch, claimed, p.workspace_cleared, stream);
   else launch_for_device<false>(a, fault, batch, claimed, p.workspace_cleared, stream);
 }

@@ -168,16 +168,24 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
   return plan;
 }
 
-void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
-  const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
-  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kIndexerPrefill, kOp);
-  const PrefillRows requests =
-      prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages, t, fault);
-  if (t == 0) {  // nothing to select, no scratch needed: the offsets', lengths' and pages' checks on their own
-    launch_prefill_checks(requests, stream, kOp);
-    return;
-  }
+namespace {
+// The requests of the call, as launch_prefill_rows takes them.
+PrefillRows requests_of(const IndexerPrefillParams& p) {
+  return prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages,
+                         p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kIndexerPrefill});
+}
+
+}  // namespace
+
+void check_indexer_prefill_call(const IndexerPrefillParams& p) {
+  check_fault_record(p.fault, kOp);
+  if (p.q.size(0) == 0) return;  // nothing to select, no scratch needed
+  check_has_requests(requests_of(p), kOp);
   check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
+  // The chunks' indexer launches read the keys as 16-byte pieces, or 4-byte words on pages of a size
+  // not a multiple of 4 (check_indexer_logits_call); the chunks' own views are aligned by their layout.
+  check_aligned(kOp, "cache", p.cache.data, p.cache.page_size % 4 == 0 ? 16 : 4);
+  const std::int64_t chunk = chunk_of(p);
   const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
   if (p.workspace == nullptr) throw Error(kOp, "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
   if (p.workspace_bytes < need) {
@@ -186,6 +194,17 @@ void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) 
                     " new tokens (Backend::plan for these shapes and chunk_tokens)");
   }
   check_aligned(kOp, "workspace", p.workspace, kWorkspaceAlign);
+}
+
+void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {
+  check_indexer_prefill_call(p);
+  const std::int64_t t = p.q.size(0), chunk = chunk_of(p);
+  const PrefillRows requests = requests_of(p);
+  const FaultSink& fault = requests.fault;
+  if (t == 0) {  // the offsets', lengths' and pages' checks on their own
+    launch_prefill_checks(requests, stream, kOp);
+    return;
+  }
   // The chunks' indexer and top-k launches run without the record (prefill_rows checks the
   // requests; the top-k reads what the indexer wrote), so q and the weights are checked by kernels of
   // their own.

@@ -177,7 +177,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
 
 }  // namespace
 
+void check_append_call(const AppendParams& p) {
+  check_fault_record(p.fault, "append");
+  if (p.latent.size(0) == 0) return;
+  check_aligned("append", "latent", p.latent.data, 16);     // read as 16-byte chunks
+  check_aligned("append", "cache.data", p.cache.data, 16);  // written as 16-byte chunks
+  if (p.indexer.data != nullptr) {
+    check_aligned("append", "indexer_keys", p.indexer_keys.data, 8);  // read as 8-byte pieces
+    check_aligned("append", "indexer.data", p.indexer.data, 4);       // written as 4-byte words
+  }
+}
+
 void launch_append(const AppendParams& p, cudaStream_t stream) {
+  check_append_call(p);
   AppendArgs a{};
   a.latent = p.latent.as<const std::uint16_t>();
   a.slots = p.slots.as<const std::int32_t>();
@@ -189,14 +201,8 @@ void launch_append(const AppendParams& p, cudaStream_t stream) {
   a.page_size = p.cache.page_size;
   a.fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   a.pow2 = p.scale_mode == ScaleMode::kPow2;
-  a.fault = fault_sink(p.fault, DeviceFaultOp::kAppend, "append");
+  a.fault = FaultSink{p.fault, DeviceFaultOp::kAppend};
   if (a.n == 0) return;
-  check_aligned("append", "latent", a.latent, 16);     // read as 16-byte chunks
-  check_aligned("append", "cache.data", a.cache, 16);  // written as 16-byte chunks
-  if (a.indexer != nullptr) {
-    check_aligned("append", "indexer_keys", a.indexer_keys, 8);  // read as 8-byte pieces
-    check_aligned("append", "indexer.data", a.indexer, 4);       // written as 4-byte words
-  }
   const auto blocks = static_cast<unsigned>((a.n + kWarpsPerBlock - 1) / kWarpsPerBlock);
   launch_chained("append", append_kernel, blocks, kWarpsPerBlock * 32, 0, stream, false, a);
 }

@@ -11,7 +11,9 @@
 namespace latentkv::cuda {
 
 // Quantizes and writes p.latent (and p.indexer_keys) at p.slots; slots of -1 or outside the pool
-// are skipped on the device. Arguments must already be validated.
+// are skipped on the device. Arguments must already be validated. check_append_call throws what the
+// launch refuses before it queues anything (the pointers' alignment), and queues nothing itself.
+void check_append_call(const AppendParams& p);
 void launch_append(const AppendParams& p, cudaStream_t stream);
 
 // Dequantizes every slot of an fp8 cache into a bf16 cache of the same geometry:

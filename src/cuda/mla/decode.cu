@@ -485,9 +485,10 @@ namespace mla {
 namespace {
 
 // The workspace of a call: the splits' partial rows and their lse (none without splits).
-std::size_t partial_bytes(int batch, int rows, int num_splits) {
+std::size_t partial_bytes(std::int64_t batch, std::int64_t rows, int num_splits) {
   if (num_splits < 2) return 0;
-  return sizeof(float) * static_cast<std::size_t>(num_splits) * batch * rows * (kDimV + 1);
+  return sizeof(float) * static_cast<std::size_t>(num_splits) * static_cast<std::size_t>(batch) *
+         static_cast<std::size_t>(rows) * (kDimV + 1);
 }
 
 // The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
@@ -520,20 +521,11 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
 void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, void* workspace,
                 std::size_t workspace_bytes, const char* op, cudaStream_t stream, const int2* spans = nullptr) {
   a.num_splits = num_splits;
-  check_decode_call(op, num_splits, a.q, a.o, a.cache);
+  check_decode_call({op, a.batch, a.rows, num_splits, a.q, a.o, a.cache, workspace, workspace_bytes});
   if (a.batch == 0) return;  // nothing to compute, no workspace needed
   if (a.num_splits > 1) {
-    const std::size_t need = partial_bytes(a.batch, a.rows, a.num_splits);
-    if (workspace == nullptr || workspace_bytes < need) {
-      throw Error(op, "workspace_bytes", std::to_string(workspace_bytes),
-                  ">= " + std::to_string(need) + " for " + std::to_string(a.num_splits) + " splits (see plan())");
-    }
     a.o_part = static_cast<float*>(workspace);
     a.lse_part = a.o_part + static_cast<std::size_t>(a.num_splits) * a.batch * a.rows * kDimV;
-  }
-  if (a.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
-    throw Error(op, "q", std::to_string(a.batch) + " query tokens",
-                "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
   }
   const int groups = groups_for(a.rows);
   const DecodeKernel kernel = kernel_for(fp8, a.rows, current_device_sm(op));
@@ -592,21 +584,40 @@ DecodeArgs dense_args(const MlaDecodeParams& p, int batch, int q_len, int heads)
 }  // namespace
 }  // namespace mla
 
-void check_decode_call(const char* op, int num_splits, const void* q, const void* o, const void* cache) {
-  if (num_splits < 1 || num_splits > mla::kMaxSplits) {
-    throw Error(op, "num_splits", std::to_string(num_splits),
+void check_decode_call(const DecodeCall& c) {
+  if (c.num_splits < 1 || c.num_splits > mla::kMaxSplits) {
+    throw Error(c.op, "num_splits", std::to_string(c.num_splits),
                 "1 to " + std::to_string(mla::kMaxSplits) + ", from the backend's plan()");
   }
-  check_aligned(op, "q", q, 16);               // read as 16-byte pieces of rows
-  check_aligned(op, "o", o, 8);                // written as 4- to 8-byte pieces
-  check_aligned(op, "cache.data", cache, 16);  // entries read as 16-byte pieces and bulk copies
+  check_aligned(c.op, "q", c.q, 16);               // read as 16-byte pieces of rows
+  check_aligned(c.op, "o", c.o, 8);                // written as 4- to 8-byte pieces
+  check_aligned(c.op, "cache.data", c.cache, 16);  // entries read as 16-byte pieces and bulk copies
+  if (c.batch == 0) return;  // nothing to compute, no workspace needed
+  if (c.num_splits > 1) {
+    const std::size_t need = mla::partial_bytes(c.batch, c.rows, c.num_splits);
+    if (c.workspace == nullptr || c.workspace_bytes < need) {
+      throw Error(c.op, "workspace_bytes", std::to_string(c.workspace_bytes),
+                  ">= " + std::to_string(need) + " for " + std::to_string(c.num_splits) + " splits (see plan())");
+    }
+  }
+  if (c.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
+    throw Error(c.op, "q", std::to_string(c.batch) + " query tokens",
+                "at most " + std::to_string(kMaxDecodeBatch) + " per call (B, or B x q_len for sparse decode)");
+  }
+}
+
+void check_mla_decode_call(const MlaDecodeParams& p) {
+  check_fault_record(p.fault, "mla_decode");
+  check_decode_call({"mla_decode", p.q.size(0), p.q.size(1) * p.q.size(2), p.num_splits, p.q.data, p.o.data,
+                     p.cache.data, p.workspace, p.workspace_bytes});
 }
 
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
   using namespace mla;
+  check_mla_decode_call(p);
   const DecodeArgs a = dense_args(p, static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1)),
                                   static_cast<int>(p.q.size(2)));
-  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaDecode, "mla_decode");
+  const FaultSink fault{p.fault, DeviceFaultOp::kMlaDecode};
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
 }
 
@@ -676,8 +687,15 @@ Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors,
                           mla::kMinTokensPerSparseSplit, p.num_splits, op);
 }
 
+void check_sparse_mla_decode_call(const SparseMlaDecodeParams& p, const char* op) {
+  check_fault_record(p.fault, op);
+  check_decode_call({op, p.q.size(0) * p.q.size(1), p.q.size(2), p.num_splits, p.q.data, p.o.data, p.cache.data,
+                     p.workspace, p.workspace_bytes});
+}
+
 void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t stream, const SparseDecodeCaller& caller) {
   using namespace mla;
+  check_sparse_mla_decode_call(p, caller.op);
   DecodeArgs a{};
   a.q = p.q.as<const std::uint16_t>();
   a.cache = p.cache.data;
@@ -692,7 +710,7 @@ void launch_sparse_mla_decode(const SparseMlaDecodeParams& p, cudaStream_t strea
   a.heads = static_cast<int>(p.q.size(2));
   a.rows = a.heads;
   a.scale_log2 = p.softmax_scale * kLog2e;
-  FaultSink fault = fault_sink(p.fault, caller.fault_op, caller.op);
+  FaultSink fault{p.fault, caller.fault_op};
   fault.row_base = caller.first_row;
   run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, caller.op, stream);
 }

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -22,9 +23,32 @@ Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* 
 // Launches decode (and the split combine when p.num_splits > 1). Arguments must be validated;
 // p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes.
 void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
-// What every decode launch asks of its call before it queues anything: a planned split count (1 to
-// 1024) and q, o and the cache aligned for the kernels' vector accesses. Throws Error naming `op`.
-void check_decode_call(const char* op, int num_splits, const void* q, const void* o, const void* cache);
+
+// What every decode launch (decode.cu's kernels and their split combine) asks of its call before it
+// queues anything, for `batch` query tokens (requests; B x q_len sparse; a prefill's new tokens or
+// groups) of `rows` rows each: a planned split count (1 to 1024), q, o and the cache aligned for the
+// kernels' vector accesses, and with batch > 0 the splits' partials within the workspace and at most
+// kMaxDecodeBatch query tokens. Throws Error naming `op`.
+struct DecodeCall {
+  const char* op = "mla_decode";
+  std::int64_t batch = 0;
+  std::int64_t rows = 0;
+  int num_splits = 1;
+  const void* q = nullptr;
+  const void* o = nullptr;
+  const void* cache = nullptr;
+  const void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+void check_decode_call(const DecodeCall& call);
+// The same for each op's whole call, its fault record's alignment, and (prefill) every launch it
+// would queue: what launch_mla_decode, launch_sparse_mla_decode (`op` names the caller),
+// launch_mla_prefill and launch_sparse_mla_prefill refuse before they queue anything. They queue
+// nothing themselves.
+void check_mla_decode_call(const MlaDecodeParams& p);
+void check_sparse_mla_decode_call(const SparseMlaDecodeParams& p, const char* op = "sparse_mla_decode");
+void check_mla_prefill_call(const MlaPrefillParams& p);
+void check_sparse_mla_prefill_call(const SparseMlaPrefillParams& p);
 
 // Sparse MLA decode: the same kernels, each query token attending to its own index row.
 Plan plan_sparse_mla_decode(const SparseMlaDecodeParams& p, int multiprocessors, const char* op = "sparse_mla_decode");

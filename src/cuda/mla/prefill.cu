@@ -108,11 +108,16 @@ void check_table_workspace(const MlaPrefillParams& p, std::size_t table_bytes, c
   }
 }
 
+// The requests of the call, as launch_prefill_rows and launch_prefill_groups take them.
+PrefillRows requests_of(const MlaPrefillParams& p) {
+  return prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages,
+                         p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kMlaPrefill});
+}
+
+// Checked by check_mla_prefill_call.
 void launch_grouped(const MlaPrefillParams& p, const PrefillRows& rows, int tokens, const FaultSink& fault,
                     cudaStream_t stream) {
   const std::int64_t slots = group_slots(p.q.size(0), tokens, p.seq_lens.size(0));
-  const std::size_t table_bytes = grouped(p, tokens, nullptr).table_bytes;
-  check_table_workspace(p, table_bytes, "groups' block tables");
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   const Grouped r = grouped(p, tokens, scratch);
   launch_value_check(value_check_of(p.q, DeviceFaultCode::kQuery, fault), stream, "mla_prefill");
@@ -163,24 +168,36 @@ Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
   return plan;
 }
 
-void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
+void check_mla_prefill_call(const MlaPrefillParams& p) {
+  check_fault_record(p.fault, "mla_prefill");
   const std::int64_t t = p.q.size(0);
-  const FaultSink fault = fault_sink(p.fault, DeviceFaultOp::kMlaPrefill, "mla_prefill");
-  const PrefillRows rows =
-      prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages, t, fault);
-  if (t == 0) {  // no rows to build, no workspace needed: the offsets', lengths' and pages' checks on their own
+  if (t == 0) return;  // no rows to build, no workspace needed
+  // What the row and decode launches would refuse: requests for the new tokens, the block tables in
+  // the workspace, and the decode of the first slice of new tokens (or groups), the largest.
+  check_has_requests(requests_of(p), "mla_prefill");
+  const int tokens = mla_prefill_group_tokens(p);
+  const std::size_t table_bytes =
+      tokens > 1 ? grouped(p, tokens, nullptr).table_bytes : per_token(p, nullptr).table_bytes;
+  check_table_workspace(p, table_bytes, tokens > 1 ? "groups' block tables" : "per-token block tables");
+  const std::int64_t launches = tokens > 1 ? group_slots(t, tokens, p.seq_lens.size(0)) : t;
+  check_decode_call({"mla_prefill", std::min<std::int64_t>(launches, kMaxDecodeBatch), tokens * p.q.size(1),
+                     p.num_splits, p.q.data, p.o.data, p.cache.data,
+                     static_cast<const std::uint8_t*>(p.workspace) + table_bytes, p.workspace_bytes - table_bytes});
+}
+
+void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
+  check_mla_prefill_call(p);
+  const std::int64_t t = p.q.size(0);
+  const PrefillRows rows = requests_of(p);
+  const FaultSink& fault = rows.fault;
+  if (t == 0) {  // the offsets', lengths' and pages' checks on their own
     launch_prefill_checks(rows, stream, "mla_prefill");
     return;
   }
-  // What the row and decode launches below would refuse, refused before the first kernel is queued.
-  check_has_requests(rows, "mla_prefill");
-  check_decode_call("mla_prefill", p.num_splits, p.q.data, p.o.data, p.cache.data);
   if (const int tokens = mla_prefill_group_tokens(p); tokens > 1) {
     launch_grouped(p, rows, tokens, fault, stream);
     return;
   }
-  const std::size_t table_bytes = per_token(p, nullptr).table_bytes;
-  check_table_workspace(p, table_bytes, "per-token block tables");
   auto* scratch = static_cast<std::uint8_t*>(p.workspace);
   PerToken r = per_token(p, scratch);
   r.decode.num_splits = p.num_splits;
@@ -207,7 +224,17 @@ Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessor
   return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors, "sparse_mla_prefill");
 }
 
+void check_sparse_mla_prefill_call(const SparseMlaPrefillParams& p) {
+  // The slices' decodes ask the same of the call but its length, and the first slice is the largest.
+  SparseMlaDecodeParams first = as_sparse_decode(p);
+  const std::int64_t n = std::min<std::int64_t>(p.q.size(0), kMaxDecodeBatch);
+  first.q = leading_rows(first.q, 0, n);
+  first.o = leading_rows(first.o, 0, n);
+  check_sparse_mla_decode_call(first, "sparse_mla_prefill");
+}
+
 void launch_sparse_mla_prefill(const SparseMlaPrefillParams& p, cudaStream_t stream) {
+  check_sparse_mla_prefill_call(p);
   const SparseMlaDecodeParams whole = as_sparse_decode(p);
   const std::int64_t t = p.q.size(0);
   for (std::int64_t first = 0; first < t; first += kMaxDecodeBatch) {

@@ -15,7 +15,9 @@ Plan plan_topk(const TopkParams& p);
 
 // One cooperative kernel, or a memset of the row states (left out when p.workspace_cleared) and two
 // kernels; never synchronizes. Arguments must be validated and
-// p.workspace must hold plan_topk(p).workspace_bytes (else Error).
+// p.workspace must hold plan_topk(p).workspace_bytes (else Error). check_topk_call throws what the
+// launch refuses before it queues anything, and queues nothing itself.
+void check_topk_call(const TopkParams& p);
 void launch_topk(const TopkParams& p, cudaStream_t stream);
 
 }  // namespace latentkv::cuda

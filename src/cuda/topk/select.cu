@@ -596,10 +596,7 @@ template <int kPer>
 void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_t stream) {
   a.chunk_len = kThreads * kPer;
   a.chunks = a.max_len > 0 ? (a.max_len + a.chunk_len - 1) / a.chunk_len : 1;
-  const std::int64_t ctas = rows * a.chunks;
-  if (ctas > INT32_MAX) {
-    throw Error("topk", "logits", p.logits.shape_string(), "fewer than 2^31 chunks of " + std::to_string(a.chunk_len));
-  }
+  const std::int64_t ctas = rows * a.chunks;  // below 2^31: check_topk_call
   if constexpr (kPer > 2) {
     if (fits_at_once<kPer>(ctas)) {
       launch_chained("topk", topk_cooperative_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, true, a);
@@ -611,6 +608,23 @@ void launch_with(TopkArgs a, std::int64_t rows, const TopkParams& p, cudaStream_
   launch_chained("topk", topk_select_kernel<kPer>, static_cast<unsigned>(ctas), kThreads, 0, stream, false, a);
 }
 
+// The logits per thread (kPer: the rule at kMaxCtasPerSm) of a call of `rows` rows of up to `max_len`
+// logits on `sms` SMs, and its grid's CTAs.
+struct Grid {
+  int per;
+  std::int64_t ctas;
+};
+Grid grid_for(std::int64_t rows, int max_len, int sms) {
+  const auto ctas_with = [&](int per) {
+    return rows * (max_len > 0 ? (max_len + kThreads * per - 1) / (kThreads * per) : 1);
+  };
+  const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
+  for (const int per : {2, 4, 8}) {
+    if (ctas_with(per) <= (per == 2 ? sms : most)) return {per, ctas_with(per)};
+  }
+  return {16, ctas_with(16)};
+}
+
 }  // namespace
 
 Plan plan_topk(const TopkParams& p) {
@@ -620,7 +634,7 @@ Plan plan_topk(const TopkParams& p) {
   return plan;
 }
 
-void launch_topk(const TopkParams& p, cudaStream_t stream) {
+void check_topk_call(const TopkParams& p) {
   const std::size_t need = plan_topk(p).workspace_bytes;
   if (p.workspace == nullptr && need > 0) {  // no rows need none
     throw Error("topk", "workspace", "null", std::to_string(need) + " bytes (Backend::plan)");
@@ -630,9 +644,21 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
                 ">= " + std::to_string(need) + " (Backend::plan for these shapes)");
   }
   check_aligned("topk", "workspace", p.workspace, 16);
+  check_fault_record(p.fault, "topk");
+  const std::int64_t rows = rows_of(p);
+  if (rows == 0) return;
+  const Grid grid = grid_for(rows, static_cast<int>(p.logits.size(2)), current_device_limits("topk").multiprocessors);
+  if (grid.ctas > INT32_MAX) {
+    throw Error("topk", "logits", p.logits.shape_string(),
+                "fewer than 2^31 chunks of " + std::to_string(kThreads * grid.per) + " logits");
+  }
+}
+
+void launch_topk(const TopkParams& p, cudaStream_t stream) {
+  check_topk_call(p);
   if (p.fault != nullptr) {  // the reference's checks of the lengths, pages and logits, a kernel of their own
     PagingCheck check = paging_check_of(p.block_table, p.seq_lens, p.page_size, INT32_MAX / p.page_size,
-                                        p.logits.size(2), fault_sink(p.fault, DeviceFaultOp::kTopk, "topk"));
+                                        p.logits.size(2), FaultSink{p.fault, DeviceFaultOp::kTopk});
     check.logits = p.logits.as<const float>();
     check.q_len = static_cast<int>(p.logits.size(1));
     launch_paging_check(check, stream, "topk");
@@ -654,15 +680,12 @@ void launch_topk(const TopkParams& p, cudaStream_t stream) {
   a.k = p.k;
   a.cleared = p.workspace_cleared;
   a.page_bound = INT32_MAX / a.page_size;
-  const int sms = current_device_limits("topk").multiprocessors;
-  const auto ctas_with = [&](int per) {
-    return rows * (a.max_len > 0 ? (a.max_len + kThreads * per - 1) / (kThreads * per) : 1);
-  };
-  const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
-  if (ctas_with(2) <= sms) return launch_with<2>(a, rows, p, stream);
-  if (ctas_with(4) <= most) return launch_with<4>(a, rows, p, stream);
-  if (ctas_with(8) <= most) return launch_with<8>(a, rows, p, stream);
-  launch_with<16>(a, rows, p, stream);
+  switch (grid_for(rows, a.max_len, current_device_limits("topk").multiprocessors).per) {
+    case 2: return launch_with<2>(a, rows, p, stream);
+    case 4: return launch_with<4>(a, rows, p, stream);
+    case 8: return launch_with<8>(a, rows, p, stream);
+    default: return launch_with<16>(a, rows, p, stream);
+  }
 }
 
 }  // namespace latentkv::cuda
