@@ -63,10 +63,11 @@ struct ExecContext {
 };
 
 // A runnable kernel: its name (for printing), its launcher, and the launcher's own checks of a call.
-// `check` throws what `launch` would refuse in a call whose shapes are valid (pointer alignment,
-// grid limits, the planned split count and workspace), queueing nothing; dsa_decode and dsa_prefill
-// run every step's check before they queue the first step. Empty when the launcher refuses nothing
-// beyond the shapes; `launch` checks the same again.
+// `check` throws what `launch` would refuse in a call whose shapes are valid without reading the
+// data (pointer alignment, grid limits, the planned split count and workspace), queueing nothing;
+// dsa_decode and dsa_prefill run every step's check before they queue the first step. `launch`
+// checks the same again. Empty where a launch has no such checks: the reference backend's refusals
+// of bad values (NaN, slots outside the pool) need the data, and come from its launch.
 struct Kernel {
   std::string name;
   std::function<void(const OpArgs&, const ExecContext&)> launch;

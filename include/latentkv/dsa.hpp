@@ -90,9 +90,10 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 // Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into
 // o and lse. Throws Error on bad input, naming the step and its argument (dsa_decode and the
 // argument, for the call's own shapes, workspace and memory shared with the workspace). A call that
-// any step refuses queues nothing: every step's backend selects a kernel and that kernel's own
-// checks pass (Kernel::check: alignment, grid limits, the planned splits) before the first step is
-// queued.
+// a step refuses without reading the data queues nothing: every step's backend selects a kernel and
+// that kernel's own checks pass (Kernel::check: alignment, grid limits, the planned splits) before
+// the first step is queued. Bad values are each step's to find as it runs (on the GPU, in the
+// fault record).
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 
@@ -135,7 +136,8 @@ DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillPar
                                 const DeviceInfo& device = detect_device());
 // The two steps, carved out of p.workspace, checked as dsa_steps checks decode's.
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan);
-// Runs both steps; like dsa_decode, queues nothing for a call either step refuses.
+// Runs both steps; like dsa_decode, queues nothing for a call either step refuses without reading
+// the data.
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
                  const ExecContext& context = {}, const DeviceInfo& device = detect_device());
 

@@ -10,8 +10,8 @@ namespace latentkv::detail {
 Selection select_or_throw(const Backend& backend, const OpArgs& args, const DeviceInfo& device);
 
 // The kernel select_or_throw finds, after its own checks of the call (Kernel::check): whatever run()
-// would refuse before that kernel queues anything is refused here, so that a call of several steps
-// has every step accepted before it queues the first.
+// would refuse without reading the data is refused here, so that a call of several steps has every
+// step accepted before it queues the first.
 Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceInfo& device);
 
 }  // namespace latentkv::detail

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu/device.hpp"
@@ -66,10 +67,12 @@ void check_cuda(cudaError_t status) {
 }
 
 // One dsa_decode call's device side: the fixture's caches and tables, the inputs, o and lse, and
-// the workspace of plan_dsa_decode. `lengths` replaces the fixture's lengths on the device.
+// the workspace of plan_dsa_decode. `lengths` replaces the fixture's lengths on the device;
+// `sparse` names the sparse step's backend (the others are `cuda`).
 class DeviceDsa {
  public:
-  DeviceDsa(PagedFixture& f, const DsaInputs& in, int topk, int max_len, const std::vector<std::int32_t>& lengths = {})
+  DeviceDsa(PagedFixture& f, const DsaInputs& in, int topk, int max_len, const std::vector<std::int32_t>& lengths = {},
+            std::string_view sparse = "cuda")
       : backends_(same_backend(*find_backend("cuda"))),
         device_(detect_device()),
         cache_(f.cache_bytes),
@@ -79,6 +82,7 @@ class DeviceDsa {
         q_(in.q.raw(), in.q.bytes()),
         q_idx_(in.q_idx.raw(), in.q_idx.bytes()),
         weights_(in.weights.raw(), in.weights.bytes()) {
+    backends_.sparse_decode = find_backend(sparse);
     const std::int64_t batch = in.q.shape()[0], q_len = in.q.shape()[1], heads = in.q.shape()[2];
     o_host_ = sentinel_tensor(DType::kBF16, {batch, q_len, heads, kLatentDim});
     lse_host_ = sentinel_tensor(DType::kF32, {batch, q_len, heads});
@@ -311,22 +315,27 @@ TEST(GpuDsaDecodeFaults, ANanLogitIsTheTopksError) {
 
 // An o the sparse kernels cannot write (4 bytes past an 8-byte boundary; shapes, sizes and
 // placement all valid): the sparse step's own checks refuse it, before the indexer and top-k steps
-// are queued, so the workspace keeps its garbage and sentinels and the record stays empty.
+// (and a baseline's cast) are queued, so the workspace keeps its garbage and sentinels, lse its
+// sentinels, and the record stays empty. The cuda kernels and both baselines as the sparse step.
 TEST(GpuDsaDecodeChecks, AMisalignedOutputQueuesNoStep) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
   PagedFixture f = make_fixture(64, {300, 3000}, rng);
   const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
-  DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
-  DeviceBuffer shifted(d.o_bytes() + 16);
-  d.move_o(shifted.get<std::uint8_t>() + 4);
-  d.fill_sentinels();
-  check_cuda(cudaDeviceSynchronize());
-  const std::vector<std::uint8_t> before = d.workspace_contents();
-  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_decode", "o", "not 8-byte aligned"));
-  check_cuda(cudaDeviceSynchronize());
-  EXPECT_TRUE(d.workspace_contents() == before) << "a step was queued before the sparse step's checks refused";
-  EXPECT_EQ(d.fault(), "");
+  for (const char* sparse : {"cuda", "gather_cast", "cast_full"}) {
+    SCOPED_TRACE(std::string("the sparse step on ") + sparse);
+    DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()), {}, sparse);
+    DeviceBuffer shifted(d.o_bytes() + 16);
+    d.move_o(shifted.get<std::uint8_t>() + 4);
+    d.fill_sentinels();
+    check_cuda(cudaDeviceSynchronize());
+    const std::vector<std::uint8_t> before = d.workspace_contents();
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_decode", "o", "not 8-byte aligned"));
+    check_cuda(cudaDeviceSynchronize());
+    EXPECT_TRUE(d.workspace_contents() == before) << "a step was queued before the sparse step's checks refused";
+    EXPECT_TRUE(is_sentinel(d.download().lse));
+    EXPECT_EQ(d.fault(), "");
+  }
 }
 
 // Requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the

@@ -25,6 +25,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu/device.hpp"
@@ -83,10 +84,11 @@ struct DsaPrefillResult {
 };
 
 // One dsa_prefill call's device side: the fixture's caches and tables, the inputs, o and lse, and
-// the workspace of plan_dsa_prefill (planned with p.chunk_tokens = chunk_tokens).
+// the workspace of plan_dsa_prefill (planned with p.chunk_tokens = chunk_tokens); `sparse` names
+// the sparse step's backend (the indexer's is `cuda`).
 class DeviceDsaPrefill {
  public:
-  DeviceDsaPrefill(const DsaPrefillInputs& in, int topk, int chunk_tokens = 0)
+  DeviceDsaPrefill(const DsaPrefillInputs& in, int topk, int chunk_tokens = 0, std::string_view sparse = "cuda")
       : backends_(same_backend(cuda_backend())),
         device_(detect_device()),
         cache_(in.f.cache_bytes),
@@ -101,6 +103,7 @@ class DeviceDsaPrefill {
         lse_host_(sentinel_tensor(DType::kF32, {in.q.shape()[0], in.q.shape()[1]})),
         o_(o_host_.bytes()),
         lse_(lse_host_.bytes()) {
+    backends_.sparse_prefill = find_backend(sparse);
     params_.q = in.q.view_of(q_.get(), Device::cuda());
     params_.q_idx = in.q_idx.view_of(q_idx_.get(), Device::cuda());
     params_.weights = in.weights.view_of(weights_.get(), Device::cuda());
@@ -351,22 +354,27 @@ TEST(GpuDsaPrefillChunks, SevensEqualTheDefaultChunk) {
 
 // An o the sparse kernels cannot write (4 bytes past an 8-byte boundary; shapes, sizes and
 // placement all valid): the sparse step's own checks refuse it, before the indexer step (its value
-// checks, rows and chunks) is queued, so the workspace keeps its garbage and sentinels.
+// checks, rows and chunks) is queued, so the workspace keeps its garbage and sentinels and lse its
+// sentinels. The cuda kernels and both baselines as the sparse step.
 TEST(GpuDsaPrefillChecks, AMisalignedOutputQueuesNoStep) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
   DsaPrefillInputs in = make_inputs({{100, 7, 2100}, {5, 0, 37}}, 64, 8, 8, rng);
-  DeviceDsaPrefill d(in, kMaxTopk);
-  DeviceBuffer shifted(d.o_bytes() + 16);
-  d.move_o(shifted.get<std::uint8_t>() + 4);
-  d.fill_sentinels();
-  check_cuda(cudaDeviceSynchronize());
-  const std::vector<std::uint8_t> before = d.workspace_contents();
-  EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "o", "not 8-byte aligned"));
-  check_cuda(cudaDeviceSynchronize());
-  EXPECT_TRUE(d.workspace_contents() == before)
-      << "the indexer step was queued before the sparse step's checks refused";
-  EXPECT_EQ(d.fault(), "");
+  for (const char* sparse : {"cuda", "gather_cast", "cast_full"}) {
+    SCOPED_TRACE(std::string("the sparse step on ") + sparse);
+    DeviceDsaPrefill d(in, kMaxTopk, 0, sparse);
+    DeviceBuffer shifted(d.o_bytes() + 16);
+    d.move_o(shifted.get<std::uint8_t>() + 4);
+    d.fill_sentinels();
+    check_cuda(cudaDeviceSynchronize());
+    const std::vector<std::uint8_t> before = d.workspace_contents();
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "o", "not 8-byte aligned"));
+    check_cuda(cudaDeviceSynchronize());
+    EXPECT_TRUE(d.workspace_contents() == before)
+        << "the indexer step was queued before the sparse step's checks refused";
+    EXPECT_TRUE(is_sentinel(d.download().lse));
+    EXPECT_EQ(d.fault(), "");
+  }
 }
 
 // ---- a CUDA graph --------------------------------------------------------------------------------

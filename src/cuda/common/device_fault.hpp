@@ -16,14 +16,10 @@ struct FaultSink {
   std::int64_t row_base = 0;  // a sliced launch's first row in the caller's tensors (sparse prefill)
 };
 
-// The sink of a call given `record` as its `fault`; `name` is the op's, for the error of a record
-// that is not 8-byte aligned (check_fault_record: that check alone).
+// Throws unless `record` (a call's `fault`; null: none) is 8-byte aligned; `name` is the op's. A
+// launch then passes FaultSink{record, its op} to its kernels.
 inline void check_fault_record(const DeviceFault* record, const char* name) {
   if (record != nullptr) check_aligned(name, "fault", record, 8);
-}
-inline FaultSink fault_sink(DeviceFault* record, DeviceFaultOp op, const char* name) {
-  check_fault_record(record, name);
-  return FaultSink{record, op};
 }
 
 }  // namespace latentkv::cuda

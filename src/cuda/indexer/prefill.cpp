@@ -194,6 +194,10 @@ void check_indexer_prefill_call(const IndexerPrefillParams& p) {
                     " new tokens (Backend::plan for these shapes and chunk_tokens)");
   }
   check_aligned(kOp, "workspace", p.workspace, kWorkspaceAlign);
+  // And what the first chunk's (the largest) indexer and top-k launches check of their own views.
+  const Chunk c = chunk_views(p, 0, std::min(chunk, p.q.size(0)), static_cast<std::uint8_t*>(p.workspace));
+  check_indexer_logits_call(c.groups.tokens > 1 ? c.grouped : c.logits);
+  check_topk_call(c.topk);
 }
 
 void launch_indexer_prefill(const IndexerPrefillParams& p, cudaStream_t stream) {

@@ -225,6 +225,8 @@ Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessor
 }
 
 void check_sparse_mla_prefill_call(const SparseMlaPrefillParams& p) {
+  check_fault_record(p.fault, "sparse_mla_prefill");
+  if (p.q.size(0) == 0) return;  // no slices to launch
   // The slices' decodes ask the same of the call but its length, and the first slice is the largest.
   SparseMlaDecodeParams first = as_sparse_decode(p);
   const std::int64_t n = std::min<std::int64_t>(p.q.size(0), kMaxDecodeBatch);

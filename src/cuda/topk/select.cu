@@ -614,9 +614,10 @@ struct Grid {
   int per;
   std::int64_t ctas;
 };
-Grid grid_for(std::int64_t rows, int max_len, int sms) {
+Grid grid_for(std::int64_t rows, std::int64_t max_len, int sms) {
   const auto ctas_with = [&](int per) {
-    return rows * (max_len > 0 ? (max_len + kThreads * per - 1) / (kThreads * per) : 1);
+    const std::int64_t chunk = kThreads * per;
+    return rows * (max_len > 0 ? (max_len + chunk - 1) / chunk : 1);
   };
   const std::int64_t most = static_cast<std::int64_t>(kMaxCtasPerSm) * sms;
   for (const int per : {2, 4, 8}) {
@@ -647,7 +648,7 @@ void check_topk_call(const TopkParams& p) {
   check_fault_record(p.fault, "topk");
   const std::int64_t rows = rows_of(p);
   if (rows == 0) return;
-  const Grid grid = grid_for(rows, static_cast<int>(p.logits.size(2)), current_device_limits("topk").multiprocessors);
+  const Grid grid = grid_for(rows, p.logits.size(2), current_device_limits("topk").multiprocessors);
   if (grid.ctas > INT32_MAX) {
     throw Error("topk", "logits", p.logits.shape_string(),
                 "fewer than 2^31 chunks of " + std::to_string(kThreads * grid.per) + " logits");
