@@ -25,12 +25,12 @@ using cuda::stream_of;
 
 const MlaDecodeParams& decode_args(const OpArgs& args) { return std::get<MlaDecodeParams>(args); }
 
-// An op's kernel. Its check (Kernel::check) runs the shape checks every backend makes (validate.hpp)
-// and then `check_call`, what the launcher refuses before it queues anything; its launch runs the
-// same check, then `launch`.
+// An op's kernel. Both its check (Kernel::check) and its launch run the shape checks every backend
+// makes (validate.hpp); then the check runs `check_call`, what the launcher refuses before it
+// queues anything, and the launch runs `launch`, the launcher, which calls check_call itself first.
 template <typename Params, typename CheckCall, typename Launch>
 Kernel op_kernel(std::string name, CheckCall check_call, Launch launch) {
-  const auto check = [check_call](const OpArgs& args) {
+  const auto shapes = [](const OpArgs& args) {
     const auto& p = std::get<Params>(args);
     const Device device = cuda::launch_device(std::string(op_name(op_of(args))).c_str());
     if constexpr (requires { detail::validate_shapes(p, device, detail::Outputs::kDeviceTypes); }) {
@@ -38,14 +38,16 @@ Kernel op_kernel(std::string name, CheckCall check_call, Launch launch) {
     } else {
       detail::validate_shapes(p, device);
     }
-    check_call(p);
   };
   return Kernel{std::move(name),
-                [check, launch](const OpArgs& args, const ExecContext& c) {
-                  check(args);
+                [shapes, launch](const OpArgs& args, const ExecContext& c) {
+                  shapes(args);
                   launch(std::get<Params>(args), stream_of(c));
                 },
-                check};
+                [shapes, check_call](const OpArgs& args) {
+                  shapes(args);
+                  check_call(std::get<Params>(args));
+                }};
 }
 
 class CudaBackend final : public Backend {

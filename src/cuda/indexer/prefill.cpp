@@ -183,7 +183,7 @@ void check_indexer_prefill_call(const IndexerPrefillParams& p) {
   check_has_requests(requests_of(p), kOp);
   check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
   // The chunks' indexer launches read the keys as 16-byte pieces, or 4-byte words on pages of a size
-  // not a multiple of 4 (check_indexer_logits_call); the chunks' own views are aligned by their layout.
+  // not a multiple of 4 (check_indexer_logits_call).
   check_aligned(kOp, "cache", p.cache.data, p.cache.page_size % 4 == 0 ? 16 : 4);
   const std::int64_t chunk = chunk_of(p);
   const std::size_t need = chunk_views(p, 0, chunk, nullptr).end;
@@ -194,8 +194,9 @@ void check_indexer_prefill_call(const IndexerPrefillParams& p) {
                     " new tokens (Backend::plan for these shapes and chunk_tokens)");
   }
   check_aligned(kOp, "workspace", p.workspace, kWorkspaceAlign);
-  // And what the first chunk's (the largest) indexer and top-k launches check of their own views.
-  const Chunk c = chunk_views(p, 0, std::min(chunk, p.q.size(0)), static_cast<std::uint8_t*>(p.workspace));
+  // And what the first chunk's (the largest: chunk_of is at most T) indexer and top-k launches check
+  // of their own views in the workspace.
+  const Chunk c = chunk_views(p, 0, chunk, static_cast<std::uint8_t*>(p.workspace));
   check_indexer_logits_call(c.groups.tokens > 1 ? c.grouped : c.logits);
   check_topk_call(c.topk);
 }
