@@ -5,6 +5,7 @@
 // Layout of the work and shared memory: decode_config.hpp. Math: SPEC 4.2, 4.6.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -493,7 +494,8 @@ std::size_t partial_bytes(std::int64_t batch, std::int64_t rows, int num_splits)
 
 // The split-KV schedule for `batch` independent token lists of up to `tokens` tokens, `rows` query
 // rows each: `requested` splits when the caller asks for a count, else as many as fill the SMs in
-// one wave (never a partial second wave), each split at least min_tokens_per_split tokens.
+// one wave (never a partial second wave), each split at least min_tokens_per_split tokens unless the
+// whole grid is small (kShortSplitGrid).
 Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multiprocessors, int min_tokens_per_split,
                  int requested, const char* op) {
   if (requested < 0 || requested > kMaxSplits) {
@@ -504,11 +506,16 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   const int per_cta = rows_per_cta(kernel, rows);
   const int row_blocks = (rows + per_cta - 1) / per_cta;
   // A split holds whole tiles: fewer tokens than one tile would leave the last splits empty.
-  min_tokens_per_split = std::max(min_tokens_per_split, tile_tokens(kernel));
+  const int tile = tile_tokens(kernel);
+  min_tokens_per_split = std::max(min_tokens_per_split, tile);
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(kernel, fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
-  const std::int64_t useful = std::max<std::int64_t>(1, tokens / min_tokens_per_split);
+  // Splits of min_tokens_per_split tokens, or, while the grid stays within kShortSplitGrid CTAs,
+  // shorter ones down to a tile.
+  const std::int64_t tiles = (tokens + tile - 1) / tile;
+  const std::int64_t short_splits = std::min<std::int64_t>(tiles, kShortSplitGrid / base);
+  const std::int64_t useful = std::max<std::int64_t>({1, tokens / min_tokens_per_split, short_splits});
   Plan plan;
   plan.num_splits = requested > 0 ? requested
                                   : static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));
