@@ -43,13 +43,19 @@ struct DecodeSmem {
 // narrow one. B 64 L 8K with a fixed 3 CTAs/SM target ran 448 CTAs on 396 slots (a partial second
 // wave): 232.7 us; one full wave (6 splits, 384 CTAs): 161.2 us.
 inline constexpr int kMinTokensPerSplit = 128;
-// While batch x row blocks x splits stays within this many CTAs, a split may hold fewer tokens, down
-// to one tile: each CTA then streams fewer tiles one after another, and the combine costs less than
-// the tiles saved. On the H200 (glm5 tp 8, 8 rows, 32-token tiles): B 1 L 2K 14.2 -> 10.6 us (16 -> 64
-// splits), L 4K 13.4 -> 11.2, L 8K 14.0 -> 12.5 (64 -> 128), B 2 L 2K 15.5 -> 11.6; glm5 tp 2 (32 rows)
-// B 1 L 4K 24.5 -> 16.9; deepseek tp 1 (wgmma, 2 row blocks) B 1 L 2K 27.1 -> 22.9. Beyond the bound
-// it lost: B 8 L 2K 16.3 -> 16.9 (16 -> 49 splits), B 4 L 8K 18.5 -> 20.0 (64 -> 99).
+// Short requests take shorter splits: one tile a split while batch x row blocks x splits stays
+// within kShortSplitGrid CTAs, else two tiles while it stays within twice that, never more than
+// kShortSplitsMost splits a request; each CTA then streams fewer tiles one after another, and the
+// combine costs less than the tiles saved. Larger grids keep kMinTokensPerSplit. On the H200 (glm5
+// tp 8, 8 rows, 32-token tiles; docs/benchmarks.md, thirty-third session), against 128-token splits:
+// B 1 L 2K 14.2 -> 10.8 us (16 -> 64 splits), L 4K 13.4 -> 11.2, L 8K 13.9 -> 12.8 (64 -> 128 of two
+// tiles), B 2 L 2K 15.5 -> 11.5, B 8 L 2K 16.3 -> 14.7 (16 -> 32 of two tiles), B 2 L 8K 15.2 -> 14.8,
+// bf16 B 8 L 2K 21.6 -> 19.0; deepseek tp 1 (wgmma, 64-token tiles) B 1 L 2K 27.1 -> 23.0. Lost: B 4
+// L 4K 14.9 -> 15.4 (32 -> 64 of two tiles), B 1 L 16K 14.8 -> 15.4 (128 -> 256 of two tiles, hence
+// kShortSplitsMost), B 8 L 2K 16.3 -> 16.9 with 49 one-tile splits (392 CTAs).
 inline constexpr int kShortSplitGrid = 128;
+inline constexpr int kShortSplitTilesMost = 2;
+inline constexpr int kShortSplitsMost = 128;
 // Sparse rows hold at most 2048 tokens: with 128 per split one request ran on 16 CTAs (19.0 us for
 // top-k 2048 at B 1 on the H200); one tile per split spreads it over 64 CTAs: 13.2 us.
 inline constexpr int kMinTokensPerSparseSplit = 32;
