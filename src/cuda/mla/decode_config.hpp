@@ -51,7 +51,8 @@ inline constexpr int kMinTokensPerSplit = 128;
 // B 1 L 2K 14.2 -> 10.8 us (16 -> 64 splits), L 4K 13.4 -> 11.2, L 8K 13.9 -> 12.8 (64 -> 128 of two
 // tiles), B 2 L 2K 15.5 -> 11.5, B 8 L 2K 16.3 -> 14.7 (16 -> 32 of two tiles), B 2 L 8K 15.2 -> 14.8,
 // bf16 B 8 L 2K 21.6 -> 19.0; deepseek tp 1 (wgmma, 64-token tiles) B 1 L 2K 27.1 -> 23.0. Lost: B 4
-// L 4K 14.9 -> 15.3 (32 -> 64 of two tiles), B 5 L 2K 13.3 -> 14.1 (25 -> 32); B 1 L 16K would read
+// L 4K 14.9 -> 15.3 (32 -> 64 of two tiles); B 5 L 2K read 13.3 with the one-tile rule alone (25
+// splits of three tiles, 125 CTAs) and 14.1 with this one (32 of two); B 1 L 16K would read
 // 14.8 -> 15.4 (128 -> 256 of two tiles, hence kShortSplitsMost) and B 8 L 2K 16.3 -> 16.9 with 49
 // one-tile splits (392 CTAs).
 inline constexpr int kShortSplitGrid = 128;
