@@ -511,14 +511,10 @@ Plan plan_splits(int batch, int rows, std::int64_t tokens, bool fp8, int multipr
   const std::int64_t base = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * row_blocks);
   const std::int64_t resident = static_cast<std::int64_t>(blocks_per_sm(kernel, fp8, rows, batch)) * multiprocessors;
   const std::int64_t wanted = std::max<std::int64_t>(1, resident / base);
-  // Splits of min_tokens_per_split tokens, or shorter ones of `per` tiles (decode_config.hpp).
+  // Splits of min_tokens_per_split tokens, or shorter ones in a small grid (decode_config.hpp).
   const std::int64_t tiles = (tokens + tile - 1) / tile;
-  std::int64_t short_splits = 0;
-  for (std::int64_t per = 1; per <= kShortSplitTilesMost && short_splits == 0; ++per) {
-    const std::int64_t splits = (tiles + per - 1) / per;
-    if (splits <= kShortSplitsMost && base * splits <= kShortSplitGrid * per) short_splits = splits;
-  }
-  const std::int64_t useful = std::max<std::int64_t>({1, tokens / min_tokens_per_split, short_splits});
+  const std::int64_t useful =
+      std::max<std::int64_t>({1, tokens / min_tokens_per_split, short_split_count(base, tiles)});
   Plan plan;
   plan.num_splits = requested > 0 ? requested
                                   : static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, useful), 1, kMaxSplits));

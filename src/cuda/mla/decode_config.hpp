@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace latentkv::cuda::mla {
 
@@ -58,6 +59,16 @@ inline constexpr int kMinTokensPerSplit = 128;
 inline constexpr int kShortSplitGrid = 128;
 inline constexpr int kShortSplitTilesMost = 2;
 inline constexpr int kShortSplitsMost = 128;
+// The split count of that rule for a request of `tiles` tiles in a grid of `grid_base` CTAs a split
+// (requests x row blocks), or 0 when the grid is too large for short splits.
+constexpr std::int64_t short_split_count(std::int64_t grid_base, std::int64_t tiles) {
+  for (std::int64_t per = 1; per <= kShortSplitTilesMost; ++per) {
+    const std::int64_t splits = (tiles + per - 1) / per;
+    const std::int64_t longest = (tiles + splits - 1) / splits;  // per, or less for a request of one tile
+    if (splits <= kShortSplitsMost && grid_base * splits <= kShortSplitGrid * longest) return splits;
+  }
+  return 0;
+}
 // Sparse rows hold at most 2048 tokens: with 128 per split one request ran on 16 CTAs (19.0 us for
 // top-k 2048 at B 1 on the H200); one tile per split spreads it over 64 CTAs: 13.2 us.
 inline constexpr int kMinTokensPerSparseSplit = 32;
