@@ -6,12 +6,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "latentkv/backend.hpp"
 #include "latentkv/device_fault.hpp"
 #include "support/expect_error.hpp"
+#include "support/host_tensor.hpp"
 
 namespace latentkv::testing {
 
@@ -24,6 +27,11 @@ namespace latentkv::testing {
   } while (0)
 
 #define LKV_CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
+
+// Throws on a failed CUDA call, for helpers that cannot ASSERT.
+inline void check_cuda(cudaError_t status) {
+  if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
+}
 
 // Owning device memory, copied from and to host vectors.
 class DeviceBuffer {
@@ -99,5 +107,22 @@ class FaultRecord {
  private:
   DeviceBuffer buffer_;
 };
+
+// A DSA call (the tests' DeviceDsa or DeviceDsaPrefill) with its o moved off 8-byte alignment:
+// `sparse_op`'s checks refuse it before the indexer step is queued, so the workspace, the sentinel
+// lse and the fault record are left as they were.
+template <class Dsa>
+void expect_misaligned_o_queues_nothing(Dsa& d, std::string_view sparse_op) {
+  DeviceBuffer shifted(d.o_bytes() + 16);
+  d.move_o(shifted.template get<std::uint8_t>() + 4);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  const std::vector<std::uint8_t> before = d.workspace_contents();
+  EXPECT_TRUE(throws_error([&] { d.run(); }, sparse_op, "o", "not 8-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  EXPECT_TRUE(d.workspace_contents() == before) << "the indexer step was queued before the sparse step's checks refused";
+  EXPECT_TRUE(is_sentinel(d.download().lse));
+  EXPECT_EQ(d.fault(), "");
+}
 
 }  // namespace latentkv::testing

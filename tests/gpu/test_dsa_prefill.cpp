@@ -44,10 +44,6 @@ namespace {
 constexpr float kScale = 0.0625f;        // glm5's softmax scale
 constexpr int kWorkspaceGarbage = 0xA5;  // the steps' scratch before every call
 
-void check_cuda(cudaError_t status) {
-  if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
-}
-
 const Backend& cuda_backend() {
   const Backend* b = find_backend("cuda");
   if (b == nullptr) throw std::runtime_error("this build has no backend named cuda");
@@ -363,17 +359,7 @@ TEST(GpuDsaPrefillChecks, AMisalignedOutputQueuesNoStep) {
   for (const char* sparse : {"cuda", "gather_cast", "cast_full"}) {
     SCOPED_TRACE(std::string("the sparse step on ") + sparse);
     DeviceDsaPrefill d(in, kMaxTopk, 0, sparse);
-    DeviceBuffer shifted(d.o_bytes() + 16);
-    d.move_o(shifted.get<std::uint8_t>() + 4);
-    d.fill_sentinels();
-    check_cuda(cudaDeviceSynchronize());
-    const std::vector<std::uint8_t> before = d.workspace_contents();
-    EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "o", "not 8-byte aligned"));
-    check_cuda(cudaDeviceSynchronize());
-    EXPECT_TRUE(d.workspace_contents() == before)
-        << "the indexer step was queued before the sparse step's checks refused";
-    EXPECT_TRUE(is_sentinel(d.download().lse));
-    EXPECT_EQ(d.fault(), "");
+    expect_misaligned_o_queues_nothing(d, "sparse_mla_prefill");
   }
 }
 

@@ -20,7 +20,6 @@
 #include <cstring>
 #include <ostream>
 #include <limits>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,10 +36,6 @@ namespace {
 
 constexpr std::int64_t kGuardSlots = 1024;  // sentinel i32s after the slots output
 constexpr int kWorkspaceGarbage = 0xA5;     // byte pattern of the workspace before the first call
-
-void check_cuda(cudaError_t status) {
-  if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
-}
 
 using Batch = PrefillBatch;
 
