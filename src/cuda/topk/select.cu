@@ -30,9 +30,15 @@
 // top-k gained - docs/benchmarks.md, ninth session of 2026-12-01. One thread-block cluster of 16
 // CTAs per row, its phases through distributed shared memory and three cluster barriers, was tried
 // too: each cluster barrier cost about what a kernel boundary does, and B 1 x 32K went from 11.6 to
-// 12.6 us, glm5's B 1 step from 1764 to 1904 us - twenty-first session of 2026-12-03.) Rows that
-// see k tokens or fewer skip the selection: every visible slot, then -1s. A row with more candidates
-// than the list holds (masses of equal logits) re-reads its logits instead; slower, same answer.
+// 12.6 us, glm5's B 1 step from 1764 to 1904 us - twenty-first session of 2026-12-03. One CTA of
+// 1024 threads per row of up to 8K logits, the row in registers, three passes of 11, 11 and 10 bits
+// with warp-aggregated shared-memory atomics and no workspace, was tried as well: B 64 x 8K 18.8
+// against 16.3 us; at 4K it won alone, B 64 11.1 against 14.0 us, but not inside a chain of kernels
+// (dsa_decode B 64 x 4K 65.3 against 65.5 us, glm5's B 64 x 4K step 5145 against 5137), and it lost
+// in the indexer prefill of 2K new tokens over 2K, 324 against 283 us - thirty-fourth session of
+// 2026-12-04.) Rows that see k tokens or fewer skip the selection: every visible slot, then -1s. A
+// row with more candidates than the list holds (masses of equal logits) re-reads its logits
+// instead; slower, same answer.
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
