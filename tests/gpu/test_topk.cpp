@@ -19,7 +19,6 @@
 #include <functional>
 #include <limits>
 #include <ostream>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -186,7 +185,7 @@ class DeviceTopk {
     const Plan plan = backend_.plan(params_, device_);
     cleared_bytes_ = plan.cleared_bytes;
     workspace_ = DeviceBuffer(plan.workspace_bytes);
-    if (workspace_.bytes() > 0) check(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
+    if (workspace_.bytes() > 0) check_cuda(cudaMemset(workspace_.get(), kWorkspaceGarbage, workspace_.bytes()));
     params_.workspace = workspace_.get();
     params_.workspace_bytes = workspace_.bytes();
     params_.fault = fault_.get();
@@ -199,7 +198,7 @@ class DeviceTopk {
     fault_.clear();
     if (cleared) {
       EXPECT_GT(cleared_bytes_, 0u) << "the GPU top-k should take its row state cleared";
-      check(cudaMemset(workspace_.get(), 0, cleared_bytes_));
+      check_cuda(cudaMemset(workspace_.get(), 0, cleared_bytes_));
     }
     params_.workspace_cleared = cleared;
     logits_.upload(logits.raw(), logits.bytes());
@@ -207,7 +206,7 @@ class DeviceTopk {
     const std::vector<std::int32_t> sentinels(slots_.bytes() / sizeof(std::int32_t), kSentinelI32);
     slots_.upload(sentinels.data(), slots_.bytes());
     run(backend_, params_, {}, device_);
-    check(cudaDeviceSynchronize());
+    check_cuda(cudaDeviceSynchronize());
     const std::vector<std::int32_t> out = slots_.to_host<std::int32_t>();
     HostTensor slots(DType::kI32, slots_shape_);
     const auto end = out.begin() + slots.numel();
@@ -220,10 +219,6 @@ class DeviceTopk {
   std::string fault() const { return fault_.message(); }
 
  private:
-  static void check(cudaError_t status) {
-    if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
-  }
-
   const Backend& backend_;
   DeviceInfo device_;
   std::vector<std::int64_t> slots_shape_;  // [B, q_len, k]
