@@ -25,6 +25,15 @@ TEST(ShortSplits, MeasuredShapes) {
   EXPECT_EQ(short_split_count(2, 8192 / 64), 64);   // deepseek-v3.2 tp 1, one 8K request
 }
 
+// A block table of no pages (every length 0, which the validation allows) has no tiles: no short
+// splits, and no division by a split count of 0 on the way (a constant expression, so this compiles
+// only if none happens).
+TEST(ShortSplits, NoTilesNoSplits) {
+  static_assert(short_split_count(1, 0) == 0);
+  static_assert(short_split_count(64, 0) == 0);
+  EXPECT_EQ(short_split_count(1, 0), 0);
+}
+
 // Whatever the shape: each split holds at most kShortSplitTilesMost tiles, the request takes at most
 // kShortSplitsMost splits, the grid stays within kShortSplitGrid CTAs per tile of its longest split,
 // one tile a split is taken whenever it fits, and none is refused where some count would fit.

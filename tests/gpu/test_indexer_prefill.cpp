@@ -206,6 +206,33 @@ TEST(GpuIndexerPrefillFaults, RecordTheReferencesError) {
   }
 }
 
+// A NaN key scale (a cache the append did not write) gives its token a NaN logit, which the indexer
+// prefill does not refuse (nor does the reference: docs/operations.md); it ranks below every number,
+// so rows that see more than k tokens never select it. Request 0's position 0 is visible to all its
+// rows; the other request has no NaN and is checked against the reference.
+TEST(GpuIndexerPrefill, NanLogitRanksLast) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  Inputs in = make_inputs({{3000, 2100}, {40, 12}}, 64, 32, -1.0, rng);
+  const std::int32_t nan_slot = static_cast<std::int32_t>(in.f.slot(0, 0));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(in.f.indexer().scale_ptr(nan_slot), &nan, sizeof nan);
+  const std::string refused = error_of([&] { reference_indexer_prefill(in.f, in.q, in.w, in.cu, 2048); });
+  ASSERT_EQ(refused, "") << "the reference takes a NaN logit in a prefill";
+  DevicePrefill gpu(in.f, in.q, in.w, in.cu, 2048);
+  const HostTensor got = gpu.call();
+  EXPECT_EQ(gpu.fault(), "") << "a NaN logit is not a fault in a prefill";
+  for (std::int64_t row = 0; row < 40; ++row) {  // request 0's rows see 3001 .. 3040 tokens
+    const std::int32_t* chosen = got.data<std::int32_t>() + row * 2048;
+    EXPECT_EQ(std::count(chosen, chosen + 2048, nan_slot), 0) << "row " << row << " selected the NaN logit";
+    EXPECT_EQ(std::count(chosen, chosen + 2048, -1), 0) << "row " << row;
+  }
+  // Request 1's rows against the reference's logits (request 0's rows hold a NaN the check does not rank).
+  const std::vector<PrefillRow> rows = prefill_rows(in.f, in.cu);
+  const std::vector<PrefillRow> others(rows.begin() + 40, rows.end());
+  EXPECT_TRUE(check_prefill_slots(in.f, others, reference_prefill_logits(in.f, in.q, in.w, others), got));
+}
+
 // The weights' and queries' own check with 3 heads (not a multiple of the 8 a pass pads to): a NaN
 // weight in the last element, past the tensor's whole 16 bytes (the check's one-at-a-time tail); a
 // NaN query code in the last head of the last token; a NaN weight in weights that start 4 bytes past

@@ -11,6 +11,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/reference.hpp"
@@ -194,32 +195,40 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMlaDecode, ::testing::ValuesIn(cases()),
 // visible token makes that request's outputs NaN, as in the reference, on every kernel: the wgmma
 // kernel's integer conversion must not turn it into a finite value. 64 heads take the wgmma kernel on sm_90, 8 the narrow one;
 // LATENTKV_MLA_KERNEL=mma reruns 64 heads on the mma.sync kernel.
+// Two batches: {300, 100} with the NaN at request 0's token 150 (other splits of the row hold tokens
+// too), and {20, 20} with it at token 5 (the plan's splits cover the 128-token capacity, so the NaN
+// split is the only one with tokens and the merge must not take the empty ones' -inf as the row's
+// largest lse).
 TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   LKV_REQUIRE_GPU();
-  for (const char* kernel : {"auto", "mma"}) {
-    for (int heads : {8, 64}) {
-      Rng rng = test_rng();
-      PagedFixtureOptions opt;
-      opt.lengths = {300, 100};
-      opt.with_indexer = false;
-      PagedFixture f = make_paged_fixture(opt, rng);
-      const std::int64_t t = 150;  // request 0's token 150, latent dim 5
-      const std::int64_t slot = static_cast<std::int64_t>(f.block_table[t / f.page_size]) * f.page_size + t % f.page_size;
-      f.cache_bytes[static_cast<std::size_t>(slot * 656 + 5)] = 0x7F;
-      HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
-      const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
-      ASSERT_TRUE(std::isnan(ref.lse.get(0)));
-      ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
-      DeviceDecode d(f, q, 0.0625f);
-      const Backend& backend = *find_backend("cuda");
-      d.plan(backend, detect_device());
-      run(backend, d.params);
-      LKV_CUDA_OK(cudaDeviceSynchronize());
-      ::unsetenv("LATENTKV_MLA_KERNEL");
-      d.download();
-      SCOPED_TRACE(std::string(kernel) + ", H " + std::to_string(heads));
-      EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
-      EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+  for (const auto& [lengths, t] : {std::pair{std::vector<std::int64_t>{300, 100}, std::int64_t{150}},
+                                   std::pair{std::vector<std::int64_t>{20, 20}, std::int64_t{5}}}) {
+    for (const char* kernel : {"auto", "mma"}) {
+      for (int heads : {8, 64}) {
+        Rng rng = test_rng();
+        PagedFixtureOptions opt;
+        opt.lengths = lengths;
+        opt.with_indexer = false;
+        PagedFixture f = make_paged_fixture(opt, rng);
+        // request 0's token t, latent dim 5
+        const std::int64_t slot = static_cast<std::int64_t>(f.block_table[t / f.page_size]) * f.page_size + t % f.page_size;
+        f.cache_bytes[static_cast<std::size_t>(slot * 656 + 5)] = 0x7F;
+        HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
+        const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+        ASSERT_TRUE(std::isnan(ref.lse.get(0)));
+        ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
+        DeviceDecode d(f, q, 0.0625f);
+        const Backend& backend = *find_backend("cuda");
+        d.plan(backend, detect_device());
+        run(backend, d.params);
+        LKV_CUDA_OK(cudaDeviceSynchronize());
+        ::unsetenv("LATENTKV_MLA_KERNEL");
+        d.download();
+        SCOPED_TRACE(std::string(kernel) + ", H " + std::to_string(heads) + ", lengths " + std::to_string(lengths[0]) +
+                     ", NaN at token " + std::to_string(t) + ", " + std::to_string(d.params.num_splits) + " splits");
+        EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
+        EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+      }
     }
   }
 }
@@ -364,6 +373,35 @@ TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
   MlaDecodeParams p = d.params;
   p.num_splits = 1025;
   EXPECT_THROW(run(backend, p, {}, device), Error) << "1025 splits at the call";
+}
+
+// A block table of no pages (every length 0, which the validation and the reference accept): the
+// plan and the call run, and every row comes out empty (o 0, lse -inf), on the narrow and the
+// many-heads kernel. (The plan's short-split rule once divided by a split count of 0 here.)
+TEST(GpuMlaDecodePlan, NoPagesGiveEmptyRows) {
+  LKV_REQUIRE_GPU();
+  for (int heads : {8, 64}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    Rng rng = test_rng();
+    PagedFixtureOptions opt;
+    opt.lengths = {0, 0};
+    opt.with_indexer = false;
+    PagedFixture f = make_paged_fixture(opt, rng);
+    f.max_pages = 0;
+    f.block_table.clear();
+    HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
+    const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+    DeviceDecode d(f, q, 0.0625f);
+    const Backend& backend = *find_backend("cuda");
+    const Plan plan = d.plan(backend, detect_device());
+    EXPECT_GE(plan.num_splits, 1);
+    run(backend, d.params);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(d.fault.message(), "") << "a fault noted for good input";
+    d.download();
+    EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
+    EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+  }
 }
 
 // One decode step captured once in a CUDA graph and replayed as the lengths grow: the kernels read

@@ -367,8 +367,46 @@ TEST(GpuTopkFaults, RecordTheReferencesError) {
     const std::string expected = error_of([&] { reference_topk(f, logits, kMaxTopk); });
     ASSERT_NE(expected, "") << "the reference takes the input";
     DeviceTopk gpu(f, 1, max_len, kMaxTopk);
-    gpu.call(logits, f.seq_lens);
+    const HostTensor got = gpu.call(logits, f.seq_lens);
     EXPECT_EQ(gpu.fault(), expected);
+    // Whatever the record says, no slot comes from a page outside the tables' pool: a bad page
+    // gives -1 on every path (the 2 rows here take the chunks of 2 logits a thread, whose pages
+    // are loaded with the logits).
+    const std::int64_t pool_slots = f.num_pages() * f.page_size;
+    const std::int32_t* s = got.data<std::int32_t>();
+    const std::int64_t outside = std::count_if(s, s + got.numel(), [&](std::int32_t x) { return x < -1 || x >= pool_slots; });
+    EXPECT_EQ(outside, 0) << "slots outside -1 .. " << pool_slots - 1;
+  }
+}
+
+// A NaN logit (which only the indexer prefill lets through; the record notes it here) ranks below
+// every number, as in the reference: rows that see more than k tokens never select it, rows that see
+// k or fewer take it with the rest. One NaN in every row, of both signs and the GPU's own 0x7FFFFFFF,
+// at batches that take each chunk size (2, 4, 8 and 16 logits a thread); the expected sets are the
+// reference's with the NaN as -inf, which ranks the same way among these numbers.
+TEST(GpuTopkNan, ANanLogitRanksBelowEveryNumber) {
+  LKV_REQUIRE_GPU();
+  const std::vector<std::vector<std::int64_t>> batches = {
+      {3000, 9000, 2048, 17}, {131072}, middle_batch_lengths(), wide_batch_lengths()};
+  constexpr std::uint32_t kNans[] = {0x7FFFFFFFu, 0x7FC00000u, 0xFFC00000u};
+  for (const std::vector<std::int64_t>& lengths : batches) {
+    SCOPED_TRACE("B " + std::to_string(lengths.size()) + ", first length " + std::to_string(lengths[0]));
+    Rng rng = test_rng();
+    PagedFixture f = make_tables(64, lengths, rng);
+    const std::int64_t max_len = f.max_len();
+    HostTensor logits = make_logits(f, 1, max_len, Fill::kNormal, kMaxTopk, rng);
+    HostTensor as_minus_inf = logits;
+    for (std::int64_t b = 0; b < f.batch(); ++b) {
+      const std::int64_t visible = f.seq_lens[static_cast<std::size_t>(b)];
+      if (visible == 0) continue;
+      const std::int64_t at = b * max_len + rng.uniform_int(0, visible - 1);
+      logits.data<float>()[at] = std::bit_cast<float>(kNans[b % 3]);
+      as_minus_inf.data<float>()[at] = -std::numeric_limits<float>::infinity();
+    }
+    const HostTensor want = reference_topk(f, as_minus_inf, kMaxTopk);
+    DeviceTopk gpu(f, 1, max_len, kMaxTopk);
+    EXPECT_TRUE(check_topk_rows(f, as_minus_inf, gpu.call(logits, f.seq_lens), want));
+    EXPECT_TRUE(check_topk_rows(f, as_minus_inf, gpu.call(logits, f.seq_lens, true), want)) << "row state cleared";
   }
 }
 

@@ -351,12 +351,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs a, c
   allow_next_kernel();
   float m = -INFINITY;
 #pragma unroll
-  for (int e = 0; e < kLsePerThread; ++e) m = fmaxf(m, l[e]);
-  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  for (int e = 0; e < kLsePerThread; ++e) m = lse_max(m, l[e]);
+  for (int off = 16; off > 0; off /= 2) m = lse_max(m, __shfl_xor_sync(0xffffffffu, m, off));
   if (lane == 0) warp_max[warp] = m;
   __syncthreads();
   m = warp_max[0];
-  for (int x = 1; x < kWarps; ++x) m = fmaxf(m, warp_max[x]);
+  for (int x = 1; x < kWarps; ++x) m = lse_max(m, warp_max[x]);
   // Split weights relative to the largest lse.
   float t = 0.0f;
 #pragma unroll

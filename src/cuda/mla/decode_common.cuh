@@ -41,6 +41,9 @@ __device__ __forceinline__ float row_lse(float max_log2, float sum) {
 // The split combine's weight of a split with lse `l` (natural log) in a row whose largest split lse
 // is `m`, and the row's merged lse from m and the weights' sum: splits that saw no token weigh 0, a
 // row that saw none gets -inf, and a NaN lse (a NaN reached that split's scores) makes the row NaN.
+// The row's largest split lse takes lse_max, which keeps a NaN (fmaxf would drop it): with a NaN
+// split and every other split empty the largest would otherwise stay -inf and weigh the NaN split 0.
+__device__ __forceinline__ float lse_max(float a, float b) { return (a != a || b != b) ? NAN : fmaxf(a, b); }
 __device__ __forceinline__ float split_weight(float l, float m) {
   return (m == -INFINITY || l == -INFINITY) ? 0.0f : exp2f((l - m) * kLog2e);
 }

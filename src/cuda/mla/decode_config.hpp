@@ -60,8 +60,10 @@ inline constexpr int kShortSplitGrid = 128;
 inline constexpr int kShortSplitTilesMost = 2;
 inline constexpr int kShortSplitsMost = 128;
 // The split count of that rule for a request of `tiles` tiles in a grid of `grid_base` CTAs a split
-// (requests x row blocks), or 0 when the grid is too large for short splits.
+// (requests x row blocks), or 0 when the grid is too large for short splits or there are no tiles
+// (a block table of no pages).
 constexpr std::int64_t short_split_count(std::int64_t grid_base, std::int64_t tiles) {
+  if (tiles <= 0) return 0;
   for (std::int64_t per = 1; per <= kShortSplitTilesMost; ++per) {
     const std::int64_t splits = (tiles + per - 1) / per;
     const std::int64_t longest = (tiles + splits - 1) / splits;  // per, or less for a request of one tile

@@ -260,10 +260,10 @@ __device__ void merge_splits(const DecodeArgs& a, const Piece& piece, unsigned c
     float m = -INFINITY;
     for (int s = lane; s < splits; s += 32) {
       w[s] = __ldcg(&a.lse_part[s * part_stride + part0 + row]);
-      m = fmaxf(m, w[s]);
+      m = lse_max(m, w[s]);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    for (int off = 16; off > 0; off /= 2) m = lse_max(m, __shfl_xor_sync(0xffffffffu, m, off));
     float total = 0.0f;
     for (int s = lane; s < splits; s += 32) {
       w[s] = split_weight(w[s], m);

@@ -106,8 +106,12 @@ struct TopkArgs {
   std::int32_t page_bound;          // pages whose slots fit int32: INT32_MAX / page_size
 };
 
+// A NaN (which only the indexer prefill lets through: a NaN key scale in a cache the append did not
+// write) becomes 0, below -inf's key, so that it ranks below every number as in the reference.
+// Without this a NaN of sign 0 (the GPU's own, 0x7FFFFFFF) ranked above +inf.
 __device__ __forceinline__ std::uint32_t order_key(float x) {
   const std::uint32_t u = __float_as_uint(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0u;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -341,7 +345,7 @@ __device__ std::uint32_t select_above(const TopkArgs& a, const Chunk& c, const f
     if (digit < top) continue;
     std::int32_t slot;
     if constexpr (kPagesAhead<kPer>) {
-      slot = pages[j] < 0 ? -1 : pages[j] * a.page_size + c.position(j) % a.page_size;
+      slot = pages[j] < 0 || pages[j] >= a.page_bound ? -1 : pages[j] * a.page_size + c.position(j) % a.page_size;
     } else if constexpr (kSlotsAfterThreshold<kPer>) {
       slot = early[j];
     } else {
