@@ -322,17 +322,24 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
 
   std::optional<ResolvedConfig> resolved;
   std::string error;
+  // The matrix first: a setting every backend refuses whatever the problem (a kernel override such
+  // as LATENTKV_MLA_KERNEL=bogus) is then the error, not a matrix narrowed by it.
+  std::ostringstream matrix_text;
+  nlohmann::ordered_json capabilities;
+  bool matrix_ok = false;
   try {
+    if (state.explain) {
+      if (state.json) capabilities = matrix_json(backends);
+      else print_matrix(matrix_text, backends);
+    }
+    matrix_ok = true;
     const AttentionConfig config = load_config(sources);
     resolved = resolve_config(config, state.device == "cpu" ? DeviceInfo{} : io.device(), backends);
   } catch (const Error& e) {
     error = e.what();
   }
 
-  if (state.explain && !state.json) {
-    print_matrix(out, backends);
-    out << "\n";
-  }
+  if (state.explain && !state.json && matrix_ok) out << matrix_text.str() << "\n";
   if (!resolved) {
     err << "error: " << error << "\n"
         << "(configuration rejected before any kernel ran; `latentkv config --explain` prints what every backend "
@@ -342,7 +349,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
   }
   if (state.json) {
     nlohmann::ordered_json j = config_json(*resolved);
-    if (state.explain) j["capabilities"] = matrix_json(backends);
+    if (state.explain) j["capabilities"] = std::move(capabilities);
     out << dump(j) << "\n";
   } else {
     print_config(out, *resolved);

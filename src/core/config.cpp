@@ -425,10 +425,16 @@ Fields fields_of(Op op) {
   return {};
 }
 
-// select(), guarded: a backend that throws from select() has rejected the problem.
+// select(), guarded: a backend that throws from select() has rejected the problem. But an Error
+// about an environment variable (a kernel override such as LATENTKV_MLA_KERNEL=bogus) is the
+// process's setting, wrong for every problem: it goes to the caller, which reports it as the error
+// it is, instead of a capability matrix quietly narrowed by it.
 Selection ask(const Backend& backend, const Problem& problem) {
   try {
     return backend.select(problem);
+  } catch (const Error& e) {
+    if (e.argument().rfind("LATENTKV_", 0) == 0) throw;
+    return Selection::no(std::string("select() threw: ") + e.what());
   } catch (const std::exception& e) {
     return Selection::no(std::string("select() threw: ") + e.what());
   }

@@ -567,6 +567,29 @@ TEST(ConfigReject, ProgrammaticConfigIsCheckedToo) {
   EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(), HasSubstr("model = 'llama'"));
 }
 
+// A backend whose select() throws an Error about an environment variable (a kernel override set to a
+// value it does not know, as the CUDA backend does for LATENTKV_MLA_KERNEL=bogus) stops the
+// resolution and the capability matrix with that Error, instead of narrowing what it claims to run;
+// any other exception from select() is that backend rejecting the problem.
+TEST(ConfigReject, AKernelOverrideTheBackendRefusesIsTheError) {
+  const FakeBackend overridden("overridden", 30, [](const Problem& p) -> std::string {
+    throw Error(std::string(op_name(p.op)), "LATENTKV_FAKE_KERNEL", "bogus", "unset or \"auto\"");
+  });
+  const FakeBackend broken("broken", 30, [](const Problem&) -> std::string { throw Error("select", "an internal failure"); });
+  try {
+    resolve_config(with_flags({}), cpu(), {&overridden, &reference()});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'LATENTKV_FAKE_KERNEL' = bogus: expected unset or \"auto\""));
+  }
+  EXPECT_THROW(probe_capabilities(overridden, default_probe_grid()), Error);
+  const ResolvedConfig r = resolve_config(with_flags({}), cpu(), {&broken, &reference()});
+  for (Slot slot : kAllSlots) {
+    EXPECT_EQ(r.slot(slot).backend->name(), "reference");
+    EXPECT_THAT(r.slot(slot).why, HasSubstr("select() threw: select: an internal failure"));
+  }
+}
+
 TEST(ConfigReject, ConfigErrorIsALatentkvError) {
   try {
     with_flags({{"tp", "3"}});

@@ -121,6 +121,41 @@ TEST(ConfigCommand, UsageErrorsAlsoExitTwo) {
   EXPECT_EQ(run_cli({"config", "--help"}).exit_code, 0);
 }
 
+// A CUDA kernel override the backend does not know (LATENTKV_MLA_KERNEL=bogus) is an error of the
+// configuration, exit 2, with or without --explain, and no matrix narrowed by it is printed. The
+// variable is read from the process's environment by the CUDA backend, whose check needs sm_90a code.
+TEST(ConfigCommand, AnUnknownKernelOverrideIsAnError) {
+  const Backend* cuda = find_backend("cuda");
+  if (cuda == nullptr) GTEST_SKIP() << "no cuda backend in this build";
+  ::setenv("LATENTKV_MLA_KERNEL", "bogus", 1);
+  Problem p;
+  p.op = Op::kMlaDecode;
+  p.device.kind = DeviceKind::kCuda;
+  p.device.sm = 90;
+  p.heads = 64;
+  p.page_size = 64;
+  p.q_len = 1;
+  bool refused = false;
+  try {
+    (void)cuda->select(p);
+  } catch (const Error&) {
+    refused = true;
+  }
+  if (!refused) {
+    ::unsetenv("LATENTKV_MLA_KERNEL");
+    GTEST_SKIP() << "this build's cuda backend has no sm_90a kernels to choose between";
+  }
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"config", "--explain"},
+                                               std::vector<std::string>{"config", "--explain", "--json"}}) {
+    const CommandResult r = run_cli(args);
+    EXPECT_EQ(r.exit_code, tools::kExitUsage);
+    EXPECT_THAT(r.err, HasSubstr("argument 'LATENTKV_MLA_KERNEL' = bogus: expected unset, \"auto\" or \"mma\""));
+    EXPECT_THAT(r.err, HasSubstr("configuration rejected"));
+    EXPECT_EQ(r.out, "") << "no capability matrix narrowed by the override";
+  }
+  ::unsetenv("LATENTKV_MLA_KERNEL");
+}
+
 TEST(ConfigCommand, JsonIsTheResolvedConfiguration) {
   const CommandResult r = run_cli({"config", "--json", "--tp", "4", "--q-len", "2"}, {{"LATENTKV_KV_DTYPE", "bf16"}});
   ASSERT_EQ(r.exit_code, 0) << r.err;

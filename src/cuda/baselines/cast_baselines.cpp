@@ -33,12 +33,14 @@ class CastBaseline : public Backend {
  public:
   int preference() const override { return 1; }  // never preferred over FP8-native kernels
 
+  // What the baseline is for comes before the device: on a machine without a GPU a slot it can never
+  // serve says so, instead of "needs a CUDA GPU", which a GPU would not fix.
   Selection select(const Problem& p) const override {
-    if (std::string why = device_problem(p); !why.empty()) return Selection::no(why);
     if (p.op != Op::kMlaDecode && p.op != Op::kSparseMlaDecode && p.op != Op::kSparseMlaPrefill) {
       return Selection::no("baseline for mla_decode, sparse_mla_decode and sparse_mla_prefill only");
     }
     if (p.kv_dtype != KvDtype::kFp8E4M3) return Selection::no("casts an fp8_e4m3 cache; the cache is bf16");
+    if (std::string why = device_problem(p); !why.empty()) return Selection::no(why);
     const bool sparse = p.op != Op::kMlaDecode;
     if (sparse && p.topk > kMaxTopk) {
       return Selection::no("topk " + std::to_string(p.topk) + " > " + std::to_string(kMaxTopk));
