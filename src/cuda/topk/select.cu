@@ -106,13 +106,14 @@ struct TopkArgs {
   std::int32_t page_bound;          // pages whose slots fit int32: INT32_MAX / page_size
 };
 
-// A NaN (which only the indexer prefill lets through: a NaN key scale in a cache the append did not
-// write) becomes 0, below -inf's key, so that it ranks below every number as in the reference.
-// Without this a NaN of sign 0 (the GPU's own, 0x7FFFFFFF) ranked above +inf.
+// Negative floats flipped whole, positive ones their sign bit. A NaN (which only the indexer prefill
+// lets through: a NaN key scale in a cache the append did not write) ranks below every number, as in
+// the reference: one of sign 1 lands below -inf's key 0x007FFFFF by itself, one of sign 0 (the GPU's
+// own, 0x7FFFFFFF) would land above +inf's 0xFF800000 and is sent to 0.
 __device__ __forceinline__ std::uint32_t order_key(float x) {
   const std::uint32_t u = __float_as_uint(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0u;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  const std::uint32_t key = u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
+  return key > 0xFF800000u ? 0u : key;
 }
 
 // Positions row (b, i) sees: L_b - q_len + i + 1, L_b clamped to what the logits and table hold.
