@@ -2,6 +2,7 @@
 // measured in the same run, after checking each output against the float64 reference.
 #include "bench.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -9,16 +10,53 @@
 
 #include "cli_checks.hpp"
 #include "commands.hpp"
+#include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/model.hpp"
 
 namespace latentkv::tools {
 namespace {
 
-std::string join(const std::vector<std::string>& v) {
+std::string join(const std::vector<std::string>& v, const std::string& separator = ",") {
   std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  for (const auto& x : v) s += (s.empty() ? "" : separator) + x;
   return s;
+}
+
+// The backends a build with CUDA registers (src/cuda/sources.cmake, LKV_BACKENDS): names --backends
+// may give on a build or machine that lacks them, which then says that a GPU is missing.
+const std::vector<std::string> kCudaBackends = {"cuda", "gather_cast", "cast_full"};
+
+// Throws latentkv::Error naming the first --backends entry that names no backend.
+void check_backend_names(const std::vector<std::string>& names) {
+  std::vector<std::string> known = kCudaBackends;
+  for (const Backend* b : registered_backends()) {
+    if (std::find(known.begin(), known.end(), b->name()) == known.end()) known.emplace_back(b->name());
+  }
+  if (names.empty()) throw Error("bench", "--backends", "''", "one or more of " + join(known, ", "));
+  for (const std::string& name : names) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      throw Error("bench", "--backends", "'" + name + "'", "one of " + join(known, ", ") + " (comma separated)");
+    }
+  }
+}
+
+// What an op's shape asks of the lengths, checked before the GPU is looked for.
+void check_lengths(const BenchOptions& o) {
+  const std::string context = std::to_string(o.context);
+  if (o.op.ends_with("prefill")) {
+    if (o.new_tokens > o.context) {
+      throw Error("bench", "--new-tokens", std::to_string(o.new_tokens), "at most --context (" + context + ")");
+    }
+    return;
+  }
+  if (o.context < o.q_len) {
+    throw Error("bench", "--context", context, ">= --q-len (" + std::to_string(o.q_len) + ")");
+  }
+  if (o.context_min > 0 && o.context_min < o.q_len) {
+    throw Error("bench", "--context-min", std::to_string(o.context_min),
+                ">= --q-len (" + std::to_string(o.q_len) + ")");
+  }
 }
 
 std::string repro_line(const BenchOptions& o) {
@@ -162,13 +200,18 @@ void add_bench_command(CLI::App& app) {
                   "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
                   "GPU time); paced: the host launches each as it goes (its launch latency included)")
       ->check(CLI::IsMember({"queued", "paced"}));
-  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the reference (0: none)")
-      ->check(integer_in(0, kIntMax));
-  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs");
+  CLI::Option* check_requests =
+      cmd->add_option("--check-requests", opt->check_requests,
+                      "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
+                      "0: none)")
+          ->check(integer_in(0, kIntMax));
+  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs")->check(seed_in_range());
   cmd->add_option("--json", opt->json, "Also write the rows as JSON to this file");
-  cmd->callback([opt] {
-    // What the command line can get wrong, checked before anything runs: exit code 2 when it does.
+  cmd->callback([opt, check_requests] {
+    // What the command line can get wrong, checked before anything runs, then whether there is a GPU
+    // to run on: exit code 2 when either is wrong.
     or_usage_error([&] {
+      check_backend_names(opt->backends);
       if (opt->splits > 0 && opt->op != "mla_decode" && opt->op != "sparse_mla_decode") {
         throw Error("bench", "--op", opt->op, "mla_decode or sparse_mla_decode with --splits");
       }
@@ -179,8 +222,18 @@ void add_bench_command(CLI::App& app) {
         throw Error("bench", "--context-min", std::to_string(opt->context_min),
                     "at most --context (" + std::to_string(opt->context) + ")");
       }
+      check_lengths(*opt);
+      if (check_requests->count() > 0 && opt->check_requests > opt->batch) {
+        throw Error("bench", "--check-requests", std::to_string(opt->check_requests),
+                    "at most the batch, " + std::to_string(opt->batch) + " (--batch)");
+      }
       shard_model(model_preset(opt->model), opt->tp);
       if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
+      if (detect_device().kind != DeviceKind::kCuda) {
+        throw Error("bench",
+                    "no CUDA GPU was found (or this build has no CUDA backends): bench times GPU kernels; "
+                    "`latentkv step --device cpu` and `latentkv demo` run the CPU reference");
+      }
     });
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
                                : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)

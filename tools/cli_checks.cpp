@@ -62,6 +62,27 @@ CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& w
       "[" + bounds + "]");
 }
 
+CLI::Validator seed_in_range() {
+  const std::string bounds = "0 .. " + std::to_string(std::numeric_limits<std::uint64_t>::max());
+  return CLI::Validator(
+      [bounds](std::string& text) -> std::string {
+        const char* first = text.data();
+        const char* last = first + text.size();
+        if (first != last && (*first == '+' || *first == '-')) ++first;
+        std::uint64_t value = 0;
+        const auto [end, ec] = std::from_chars(first, last, value);
+        const bool out_of_range = ec == std::errc::result_out_of_range;
+        if (first == last || end != last || (ec != std::errc() && !out_of_range)) {
+          return "'" + text + "' is not an integer";
+        }
+        if (out_of_range || text.front() == '-') {
+          return text + " is not in " + bounds + (text.front() == '-' ? " (a seed is not negative)" : "");
+        }
+        return "";
+      },
+      "[" + bounds + "]");
+}
+
 void check_output_path(const std::string& command, const std::string& option, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;

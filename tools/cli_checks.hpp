@@ -22,6 +22,10 @@ inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max
 // "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why = "");
 
+// The same check for a seed, a decimal integer in 0 .. 2^64 - 1: "--seed: -1 is not in 0 ..
+// 18446744073709551615" (CLI11 alone would wrap -1 around to 2^64 - 1).
+CLI::Validator seed_in_range();
+
 // Throws latentkv::Error unless `path` can be written as `option`'s output file: an existing
 // regular file that is writable, or a new name in a writable directory. Creates and changes nothing.
 void check_output_path(const std::string& command, const std::string& option, const std::string& path);

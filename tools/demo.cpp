@@ -145,8 +145,11 @@ void run_demo(const DemoOptions& o) {
   run(ref, top);
   std::int64_t valid = 0;
   for (std::int32_t s : selected) valid += s >= 0;
+  // Rows of requests shorter than index_topk keep every token and pad the rest with -1.
+  const std::int64_t padded = static_cast<std::int64_t>(selected.size()) - valid;
   print_step("topk", "top-" + std::to_string(topk) + " of " + std::to_string(o.context) + " per request (" +
-                         std::to_string(valid) + " slots, -1 padded)",
+                         std::to_string(valid) + " slots" +
+                         (padded > 0 ? ", " + std::to_string(padded) + " padded with -1" : "") + ")",
              4.0 * static_cast<double>(n), seconds_since(t0));
 
   // 4. sparse MLA decode over the selected FP8 tokens only.
@@ -162,16 +165,24 @@ void run_demo(const DemoOptions& o) {
   sparse.softmax_scale = static_cast<float>(m.softmax_scale);
   t0 = std::chrono::steady_clock::now();
   run(ref, sparse);
+  // What each decode reads: the cache entries of the tokens it attends to, and q; the sparse one also
+  // its slots, the dense one the page table and lengths.
+  const double q_bytes = 2.0 * static_cast<double>(q.size());
+  const double sparse_read =
+      static_cast<double>(valid) * kFp8TokenBytes + q_bytes + 4.0 * static_cast<double>(selected.size());
+  const double dense_read =
+      static_cast<double>(n) * kFp8TokenBytes + q_bytes + 4.0 * static_cast<double>(table.size() + lens.size());
   print_step("sparse_mla_decode", std::to_string(heads) + " heads over " + std::to_string(valid) +
                                       " selected FP8 tokens, dequantized on the fly",
-             static_cast<double>(valid) * kFp8TokenBytes + 2.0 * q.size(), seconds_since(t0));
+             sparse_read, seconds_since(t0));
 
   double checksum = 0;
   for (std::uint16_t x : out) checksum += std::fabs(bf16_decode(x));
   std::printf("\nresult: o [%d, 1, %d, 512] bf16, mean |o| %.5f, lse[0][0] %.4f\n", o.batch, heads,
               checksum / static_cast<double>(out.size()), lse[0]);
-  std::printf("a dense decode would read %.2f MB of FP8 cache for this step; the sparse path read %.2f MB.\n",
-              static_cast<double>(n) * kFp8TokenBytes / 1e6, static_cast<double>(valid) * kFp8TokenBytes / 1e6);
+  std::printf("a dense decode would read %.2f MB for this step (every cached token's FP8 entry, q, the page table);\n"
+              "the sparse decode read %.2f MB (the selected tokens' entries, q, their slots).\n",
+              dense_read / 1e6, sparse_read / 1e6);
   std::printf("(engines that cast the pool to bf16 first would also write %.2f MB per layer per step)\n",
               static_cast<double>(pool.num_pages() * o.page_size) * kBf16TokenBytes / 1e6);
 }
@@ -186,7 +197,7 @@ void add_demo_command(CLI::App& app) {
   cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 64));
   cmd->add_option("--context", opt->context, "Tokens per request")->check(integer_in(1, 200000));
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
-  cmd->add_option("--seed", opt->seed, "Random seed");
+  cmd->add_option("--seed", opt->seed, "Random seed")->check(seed_in_range());
   cmd->callback([opt] { run_demo(*opt); });
 }
 

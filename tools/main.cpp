@@ -10,16 +10,59 @@
 
 namespace {
 
-// `latentkv foo`: CLI11 says only that a subcommand is required; this names the word it did not
-// know and the subcommands there are. Empty when the error is another one.
-std::string unknown_subcommand(CLI::App& app) {
-  const std::vector<std::string> left = app.remaining();
-  if (!app.get_subcommands().empty() || left.empty() || left.front().rfind("-", 0) == 0) return "";
+// The subcommands there are: "step, demo, config, info, bench".
+std::string subcommand_names(CLI::App& app) {
   std::string known;
   for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
     known += (known.empty() ? "" : ", ") + sub->get_name();
   }
-  return "unknown subcommand '" + left.front() + "' (one of: " + known + ")";
+  return known;
+}
+
+// `latentkv foo`, `latentkv --bogus`, `latentkv`: CLI11 says only that a subcommand is required;
+// this names the word it did not know and the subcommands there are. Empty when a subcommand was found.
+std::string missing_subcommand(CLI::App& app) {
+  if (!app.get_subcommands().empty()) return "";
+  const std::vector<std::string> left = app.remaining();
+  const std::string known = " (one of: " + subcommand_names(app) + ")";
+  if (left.empty()) return "a subcommand is required" + known;
+  if (left.front().rfind("-", 0) == 0) return "unknown option '" + left.front() + "' before the subcommand" + known;
+  return "unknown subcommand '" + left.front() + "'" + known;
+}
+
+// CLI11's "--tp: 1 required INT:[1 .. 2147483647] missing" said plainly: "--tp: expected a value
+// (INT:[1 .. 2147483647]), none was given". Other messages are returned as they are.
+std::string plain_message(std::string message) {
+  const std::size_t colon = message.find(": 1 required ");
+  const std::string missing = " missing";
+  if (colon != std::string::npos && message.ends_with(missing)) {
+    const std::size_t type = colon + std::string(": 1 required ").size();
+    return message.substr(0, colon) + ": expected a value (" +
+           message.substr(type, message.size() - missing.size() - type) + "), none was given";
+  }
+  if (!message.empty() && message.front() >= 'A' && message.front() <= 'Z') message.front() += 'a' - 'A';
+  return message;
+}
+
+// A command line CLI11 could not read, said as every other usage error is (docs/configuration.md,
+// "Exit codes"): "error: <subcommand>: <what>" on stderr, then where the options are listed; for
+// `latentkv config` the line in between says that the configuration was rejected, as its own errors
+// do. Returns the exit code.
+int parse_error(CLI::App& app, const CLI::ParseError& e) {
+  if (e.get_exit_code() == 0) return app.exit(e);  // --help: printed, success
+  // The subcommand whose options were being read, when CLI11 had got that far.
+  const std::vector<CLI::App*> parsed = app.get_subcommands();
+  const std::string sub = parsed.empty() ? "" : parsed.back()->get_name();
+  const std::string message = sub.empty() ? missing_subcommand(app) : sub + ": " + plain_message(e.what());
+  const std::string help = "latentkv" + (sub.empty() ? std::string() : " " + sub) + " --help";
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  if (sub == "config") {
+    std::fprintf(stderr, "(configuration rejected: the command line could not be read; `%s` lists the options)\n",
+                 help.c_str());
+  } else {
+    std::fprintf(stderr, "run `%s` for the options\n", help.c_str());
+  }
+  return latentkv::tools::kExitUsage;
 }
 
 }  // namespace
@@ -37,12 +80,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::RuntimeError& e) {
     return e.get_exit_code();  // a subcommand chose its exit code (and printed why)
   } catch (const CLI::ParseError& e) {
-    if (const std::string unknown = unknown_subcommand(app); !unknown.empty()) {
-      std::fprintf(stderr, "error: %s\nRun with --help for more information.\n", unknown.c_str());
-      return latentkv::tools::kExitUsage;
-    }
-    const int code = app.exit(e);
-    return code == 0 ? 0 : latentkv::tools::kExitUsage;
+    return parse_error(app, e);
   } catch (const latentkv::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return latentkv::tools::kExitFailure;

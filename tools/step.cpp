@@ -9,10 +9,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -44,7 +47,7 @@ struct StepOptions {
   std::vector<std::string> strategies;  // empty: the default list of the device
   int warmup = -1;                      // -1: 3 on a GPU, 1 on the CPU
   int iters = 0;                        // 0: 20 on a GPU, 3 on the CPU
-  int check_requests = 2;
+  int check_requests = -1;  // -1: 2, or the batch when smaller
   bool fault_checks = false;
   std::string device = "auto";
   std::uint64_t seed = 1;
@@ -59,6 +62,7 @@ constexpr std::int64_t kGpuContext = 32768, kCpuContext = 3000;
 constexpr std::int64_t kGpuPool = 495000;  // the 495K-token pool of SPEC section 6
 constexpr int kCpuLayers = 4;
 constexpr int kGpuWarmup = 3, kGpuIters = 20, kCpuWarmup = 1, kCpuIters = 3;
+constexpr int kCheckRequests = 2;
 const std::vector<std::string> kGpuStrategies = {"fp8", "gather_cast", "cast_full", "dense", "sparse"};
 const std::vector<std::string> kCpuStrategies = {"fp8", "dense", "sparse"};
 
@@ -116,7 +120,8 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   // room as a server would. (--context and --pool are at most 2^31 - 1, so nothing here overflows.)
   const std::string pages_of = " in whole pages of " + std::to_string(s.page_size);
   const std::int64_t max_pool = kMaxSlots / s.page_size * s.page_size;
-  const std::int64_t needed = static_cast<std::int64_t>(s.batch) * round_up(s.context, s.page_size);
+  const std::int64_t pages_per_request = round_up(s.context, s.page_size) / s.page_size;
+  const std::int64_t needed = static_cast<std::int64_t>(s.batch) * pages_per_request * s.page_size;
   if (needed > max_pool) {
     throw Error("step", std::to_string(s.batch) + " requests of " + std::to_string(s.context) + " tokens" + pages_of +
                             " need " + std::to_string(needed) + " slots, more than the " + std::to_string(max_pool) +
@@ -132,17 +137,24 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
     throw Error("step", "--pool", std::to_string(o.pool),
                 "at most " + std::to_string(max_pool) + " (rounded up to whole pages of " +
                     std::to_string(s.page_size) + " tokens, the pool must stay below 2^31 slots: slots are int32)");
+  } else if (pool < needed) {  // what the requests' pages take; a pool of more is rounded up to whole pages
+    throw Error("step", "--pool", std::to_string(o.pool),
+                ">= " + std::to_string(needed) + " tokens (" + std::to_string(s.batch) +
+                    (s.batch == 1 ? " request of " : " requests of ") + std::to_string(s.context) + " tokens take" +
+                    (s.batch == 1 ? "s " : " ") + std::to_string(pages_per_request) + " page" +
+                    (pages_per_request == 1 ? "" : "s") + " of " + std::to_string(s.page_size) +
+                    (s.batch == 1 ? ")" : " each)"));
   }
   s.pool_tokens = round_up(pool, s.page_size);
-  if (s.pool_tokens < needed) {
-    throw Error("step", "--pool", std::to_string(o.pool),
-                ">= " + std::to_string(needed) + " tokens (" + std::to_string(s.batch) + " requests of " +
-                    std::to_string(s.context) + " tokens" + pages_of + ")");
-  }
 
   run.warmup = o.warmup >= 0 ? o.warmup : (cpu ? kCpuWarmup : kGpuWarmup);
   run.iters = o.iters > 0 ? o.iters : (cpu ? kCpuIters : kGpuIters);
-  run.check_requests = std::min(o.check_requests, s.batch);
+  if (o.check_requests > s.batch) {
+    throw Error("step", "--check-requests", std::to_string(o.check_requests),
+                "at most the batch, " + std::to_string(s.batch) + " (--batch" +
+                    (o.batch > 0 ? "" : std::string(", its default on the ") + (cpu ? "CPU" : "GPU")) + ")");
+  }
+  run.check_requests = o.check_requests >= 0 ? o.check_requests : std::min(kCheckRequests, s.batch);
   run.fault_checks = o.fault_checks;
   if (o.fault_checks) {
     run.notes.push_back(cpu ? "--fault-checks: the CPU reference checks every value anyway"
@@ -196,13 +208,59 @@ std::string shell_quote(const std::string& s) {
 constexpr int kPlotNoMatplotlib = 3;
 constexpr int kShellNotFound = 127;
 
+// The interpreter LATENTKV_PYTHON names; empty when it is not set (or set to nothing).
+std::string chosen_python() {
+  const char* chosen = std::getenv("LATENTKV_PYTHON");
+  return chosen ? chosen : "";
+}
+
+// Why `program` (a path, or a name looked up on the PATH as the shell would) cannot be run; empty
+// when it can.
+std::string not_runnable(const std::string& program) {
+  namespace fs = std::filesystem;
+  const auto why_not = [](const fs::path& file) -> std::string {
+    std::error_code ec;
+    const fs::file_status status = fs::status(file, ec);
+    if (!fs::exists(status)) return "no such file";
+    if (fs::is_directory(status)) return "a directory";
+    if (access(file.c_str(), X_OK) != 0) return std::string("not executable: ") + std::strerror(errno);
+    return "";
+  };
+  if (program.find('/') != std::string::npos) return why_not(program);
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    if (why_not(fs::path(dir.empty() ? "." : dir) / program).empty()) return "";
+  }
+  return "not found on the PATH";
+}
+
+// LATENTKV_PYTHON=... and what it should be, after `problem`: the user asked for that interpreter,
+// so no other one is tried in its place.
+std::string chosen_python_error(const std::string& python, const std::string& problem) {
+  return "--plot: LATENTKV_PYTHON=" + python + " " + problem +
+         "; expected a python3 with matplotlib, as a path or a command on the PATH (or unset LATENTKV_PYTHON to "
+         "try python3 on the PATH, then /usr/bin/python3)";
+}
+
+// Before a run with --plot: a LATENTKV_PYTHON that cannot be run is a usage error (whether
+// matplotlib is there is found when drawing: without it the run's data is kept for a redraw).
+void check_chosen_python() {
+  const std::string python = chosen_python();
+  if (python.empty()) return;
+  if (const std::string why = not_runnable(python); !why.empty()) {
+    throw Error("step", chosen_python_error(python, "cannot be run (" + why + ")"));
+  }
+}
+
 // Runs the embedded plotting script as `python - <json> <out>` with each candidate interpreter until
 // one has matplotlib: $LATENTKV_PYTHON alone when set, else python3 on the PATH, then the system's
 // /usr/bin/python3 (Debian's python3-matplotlib lives there when the PATH's python3 is another one).
-// Returns false after saying why and how to fix it.
-bool draw_plot(const std::string& json_path, const std::string& out_path) {
+// Returns false after saying why and how to fix it; `kept` is the file of the run's data to redraw.
+bool draw_plot(const std::string& json_path, const std::string& out_path, const std::string& kept) {
+  const std::string chosen = chosen_python();
   std::vector<std::string> pythons;
-  if (const char* chosen = std::getenv("LATENTKV_PYTHON"); chosen && *chosen) {
+  if (!chosen.empty()) {
     pythons.push_back(chosen);
   } else {
     pythons = {"python3"};
@@ -217,45 +275,50 @@ bool draw_plot(const std::string& json_path, const std::string& out_path) {
     std::fputs(kStepPlotScript, pipe);
     const int status = pclose(pipe);
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    if (code == 0) return true;
+    if (code == 0 && std::filesystem::exists(out_path)) return true;
     if (code == kShellNotFound) continue;
     any_python = true;
     if (code == kPlotNoMatplotlib) continue;
-    std::fprintf(stderr, "error: the plot script failed (%s, exit %d); the data is in %s\n", python.c_str(), code,
-                 json_path.c_str());
+    std::fprintf(stderr, "error: the plot script failed (%s, %s); the data is in %s\n", python.c_str(),
+                 code == 0 ? ("exit 0 without writing " + out_path).c_str() : ("exit " + std::to_string(code)).c_str(),
+                 kept.c_str());
     return false;
   }
-  if (!any_python) {
+  if (!chosen.empty()) {
+    const std::string problem = any_python ? "cannot import matplotlib" : "cannot be run";
+    std::fprintf(stderr, "error: step: %s\n", chosen_python_error(chosen, problem).c_str());
+    if (any_python) {
+      std::fprintf(stderr, "  install: %s -m pip install matplotlib (or apt-get install python3-matplotlib for the "
+                   "system's python3)\n", chosen.c_str());
+    }
+  } else if (!any_python) {
     std::fprintf(stderr,
-                 "error: --plot needs python3 with matplotlib, and no python3 was found.\n"
+                 "error: --plot needs python3 with matplotlib, and no python3 was found (on the PATH, or as "
+                 "/usr/bin/python3).\n"
                  "  install: apt-get install python3 python3-matplotlib (or set LATENTKV_PYTHON)\n");
   } else {
     std::fprintf(stderr,
                  "error: --plot needs matplotlib, which %s cannot import.\n"
                  "  install: apt-get install python3-matplotlib, or python3 -m pip install matplotlib\n"
                  "  (LATENTKV_PYTHON=/path/to/python picks the interpreter)\n",
-                 join(pythons).c_str());
+                 join(pythons, " and ").c_str());
   }
   std::fprintf(stderr, "  the run's data is kept in %s; redraw it with: latentkv step --from-json %s --plot %s\n",
-               json_path.c_str(), json_path.c_str(), out_path.c_str());
+               kept.c_str(), kept.c_str(), out_path.c_str());
   return false;
 }
 
-// Writes the JSON where asked (or to a temporary file that is removed once drawn), then draws.
-bool plot_report(const std::string& json_text, const std::string& json_path, const std::string& out_path) {
-  std::string path = json_path;
-  bool temporary = false;
-  if (path.empty()) {
-    char name[] = "/tmp/latentkv-step-XXXXXX.json";
-    const int fd = mkstemps(name, 5);
-    if (fd < 0) throw Error("step", "--plot", out_path, "a writable /tmp for the run's JSON");
-    close(fd);
-    path = name;
-    temporary = true;
-    write_output_file("step", "--plot", path, json_text);
-  }
-  const bool drawn = draw_plot(path, out_path);
-  if (drawn && temporary) std::remove(path.c_str());
+// Draws the report. The script reads it from a temporary file; when drawing fails, the run's data
+// stays in `json_path` (--json, or the --from-json it came from), else in that file, for a redraw.
+bool plot_report(const StepReport& report, const std::string& json_path, const std::string& out_path) {
+  char name[] = "/tmp/latentkv-step-XXXXXX.json";
+  const int fd = mkstemps(name, 5);
+  if (fd < 0) throw Error("step", "--plot", out_path, "a writable /tmp for the run's JSON");
+  close(fd);
+  const std::string path = name;
+  write_output_file("step", "--plot", path, report_json(report));
+  const bool drawn = draw_plot(path, out_path, json_path.empty() ? path : json_path);
+  if (drawn || !json_path.empty()) std::remove(path.c_str());
   if (drawn) std::printf("plot: %s\n", out_path.c_str());
   return drawn;
 }
@@ -304,6 +367,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
       const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
       if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");
       check_output_path("step", "--plot", o.plot);
+      check_chosen_python();
     }
     if (!o.json.empty()) check_output_path("step", "--json", o.json);
     if (!o.from_json.empty()) {
@@ -332,13 +396,12 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
   std::fputs(format_report(report).c_str(), stdout);
   std::fflush(stdout);
   // A saved report is written (and drawn) again, with every derived field recomputed.
-  const std::string json_text = report_json(report);
   if (!o.json.empty()) {
-    write_output_file("step", "--json", o.json, json_text);
+    write_output_file("step", "--json", o.json, report_json(report));
     std::printf("json: %s\n", o.json.c_str());
   }
   bool ok = !any_failed(report);
-  if (!o.plot.empty()) ok = plot_report(json_text, o.json, o.plot) && ok;
+  if (!o.plot.empty()) ok = plot_report(report, o.json.empty() ? o.from_json : o.json, o.plot) && ok;
   if (!ok) throw CLI::RuntimeError(kExitFailure);
 }
 
@@ -423,20 +486,25 @@ void add_step_command(CLI::App& app) {
   cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(integer_in(1, 4096));
   cmd->add_option("--context", opt->context, "Tokens per request, new ones included (default 32768; 3000 on the CPU)")
       ->check(integer_in(1, kIntMax));
-  cmd->add_option("--pool", opt->pool, "Cache slots per layer (default 495000, or what the batch needs)")
+  cmd->add_option("--pool", opt->pool,
+                  "Cache slots per layer, at least the batch's pages, rounded up to whole pages (default 495000, or "
+                  "what the batch needs with 1/8 to spare; on the CPU twice the batch's pages)")
       ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(integer_in(1, kMaxDecodeQLen));
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
       ->check(integer_in(1, kIntMax));
   cmd->add_option("--strategies", opt->strategies,
-                  "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse, "
-                  "dense_<backend>, sparse_<backend>")
+                  "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse (the "
+                  "fp8 backend on that path), or dense_/sparse_ followed by fp8, gather_cast or cast_full "
+                  "(default fp8,gather_cast,cast_full,dense,sparse; fp8,dense,sparse on the CPU)")
       ->delimiter(',');
   cmd->add_option("--warmup", opt->warmup, "Untimed replays first (default 3; 1 on the CPU)")
       ->check(integer_in(0, 100000));
   cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(integer_in(1, 100000));
-  cmd->add_option("--check-requests", opt->check_requests, "Requests checked against the float64 reference (0: none)")
+  cmd->add_option("--check-requests", opt->check_requests,
+                  "Requests checked against the float64 reference, 0 .. the batch (default 2, or the batch when "
+                  "smaller; 0: none)")
       ->check(integer_in(0, kIntMax));
   cmd->add_flag("--fault-checks", opt->fault_checks,
                 "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
@@ -444,12 +512,15 @@ void add_step_command(CLI::App& app) {
                 "on a bad one");
   cmd->add_option("--device", opt->device, "auto (a GPU when there is one), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables");
+  cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables (default 1)")
+      ->check(seed_in_range());
   cmd->add_option("--json", opt->json, "Also write the report as JSON to this file");
-  cmd->add_option("--plot", opt->plot, "Draw the step per strategy and each op against its floor (.png or .svg)");
+  cmd->add_option("--plot", opt->plot,
+                  "Draw the step per strategy and each op against its floor (.png or .svg; python3 with "
+                  "matplotlib, LATENTKV_PYTHON picks it)");
   cmd->add_option("--from-json", opt->from_json,
                   "Print a saved report instead of running (--json writes it again, --plot draws it)");
-  cmd->add_flag("!--no-progress", opt->progress, "No progress line on stderr");
+  cmd->add_flag_callback("--no-progress", [opt] { opt->progress = false; }, "No progress line on stderr");
   cmd->callback([opt, cmd] { run_step_command(*opt, *cmd); });
 }
 

@@ -319,6 +319,9 @@ std::string format_report(const StepReport& r) {
 
 std::string report_json(const StepReport& r) {
   using nlohmann::json;
+  // A value the report has, or null for one never measured.
+  const auto known = [](double x, bool measured) { return measured ? json(x) : json(nullptr); };
+  const auto positive = [&](double x) { return known(x, x > 0); };
   const StepShape& s = r.shape;
   json j;
   j["command"] = r.command;
@@ -338,11 +341,11 @@ std::string report_json(const StepReport& r) {
                 {"pool_tokens", s.pool_tokens},
                 {"page_size", s.page_size},
                 {"dense_is_exact", s.dense_is_exact()}};
-  j["read_gbps"] = r.read_gbps;
-  j["copy_gbps"] = r.copy_gbps;
-  j["matrix_tflops"] = r.matrix_tflops;
-  j["matrix_how"] = r.matrix_how;
-  j["launch_us"] = r.launch_us;
+  j["read_gbps"] = positive(r.read_gbps);
+  j["copy_gbps"] = positive(r.copy_gbps);
+  j["matrix_tflops"] = positive(r.matrix_tflops);
+  j["matrix_how"] = r.matrix_how.empty() ? json(nullptr) : json(r.matrix_how);
+  j["launch_us"] = positive(r.launch_us);
   j["warmup"] = r.warmup;
   j["iters"] = r.iters;
   j["seed"] = r.seed;
@@ -353,39 +356,77 @@ std::string report_json(const StepReport& r) {
                {"backend", x.backend},
                {"status", x.status},
                {"timed", x.timed},
-               {"step_us", x.step_us},
-               {"step_p10_us", x.step_p10_us},
-               {"step_p90_us", x.step_p90_us},
-               {"ops_us", x.ops_us},
-               {"floor_us", x.floor_us},
-               {"gap", x.gap},
-               {"tokens_per_s_stream", x.tokens_per_s_stream},
-               {"tokens_per_s_batch", x.tokens_per_s_batch},
-               {"speedup_vs_cast_full", x.speedup_vs_cast_full}};
+               {"step_us", known(x.step_us, x.timed)},
+               {"step_p10_us", known(x.step_p10_us, x.timed)},
+               {"step_p90_us", known(x.step_p90_us, x.timed)},
+               {"ops_us", known(x.ops_us, x.timed)},
+               {"floor_us", positive(x.floor_us)},
+               {"gap", positive(x.gap)},
+               {"tokens_per_s_stream", positive(x.tokens_per_s_stream)},
+               {"tokens_per_s_batch", positive(x.tokens_per_s_batch)},
+               {"speedup_vs_cast_full", positive(x.speedup_vs_cast_full)}};
     st["ops"] = json::array();
     for (const OpResult& op : x.ops) {
+      const bool measured = x.timed && op.us > 0;  // as analyze_step has it; null where the table has "-"
       st["ops"].push_back({{"op", step_op_name(op.op)},
                            {"backend", op.backend},
                            {"kernel", op.kernel},
-                           {"us", op.us},
-                           {"p10_us", op.p10_us},
-                           {"p90_us", op.p90_us},
-                           {"launches", op.launches},
+                           {"us", known(op.us, x.timed)},
+                           {"p10_us", known(op.p10_us, x.timed)},
+                           {"p90_us", known(op.p90_us, x.timed)},
+                           {"launches", positive(op.launches)},
                            {"bytes", op.work.bytes},
                            {"floor_bytes", op.work.floor_bytes},
                            {"flops", op.work.flops},
-                           {"share", op.share},
-                           {"gbps", op.gbps},
-                           {"tflops", op.tflops},
-                           {"pct_of_copy", op.pct_of_copy},
-                           {"pct_of_matrix", op.pct_of_matrix},
-                           {"floor_us", op.floor_us},
-                           {"gap", op.gap}});
+                           {"share", known(op.share, measured && x.step_us > 0)},
+                           {"gbps", known(op.gbps, measured)},
+                           {"tflops", known(op.tflops, measured && op.work.flops > 0)},
+                           {"pct_of_copy", known(op.pct_of_copy, measured && r.copy_gbps > 0)},
+                           {"pct_of_matrix",
+                            known(op.pct_of_matrix, measured && r.matrix_tflops > 0 && op.work.flops > 0)},
+                           {"floor_us", positive(op.floor_us)},
+                           {"gap", positive(op.gap)}});
     }
     j["strategies"].push_back(std::move(st));
   }
   return j.dump(2) + "\n";
 }
+
+namespace {
+
+// "shape.batch = 0: expected >= 1"
+[[noreturn]] void bad_field(const std::string& field, const nlohmann::json& value, const std::string& expected) {
+  throw std::invalid_argument(field + " = " + value.dump() + ": expected " + expected);
+}
+
+// A number of the report that may be null (never measured: 0), and is never negative.
+double non_negative(const nlohmann::json& parent, const char* key, const std::string& where) {
+  const nlohmann::json& v = parent.at(key);
+  if (v.is_null()) return 0;
+  const auto x = v.get<double>();
+  if (!(x >= 0)) bad_field(where + key, v, ">= 0 (or null: not measured)");
+  return x;
+}
+
+// An integer of the shape, at least `least`.
+template <typename T>
+T at_least(const nlohmann::json& shape, const char* key, std::int64_t least) {
+  const nlohmann::json& v = shape.at(key);
+  const auto x = v.get<T>();
+  if (!v.is_number_integer() || x < least) {
+    bad_field(std::string("shape.") + key, v, "an integer >= " + std::to_string(least));
+  }
+  return x;
+}
+
+// "append, indexer_logits, topk, sparse_decode"
+std::string op_names(const std::vector<StepOp>& ops) {
+  std::string s;
+  for (StepOp op : ops) s += (s.empty() ? "" : ", ") + std::string(step_op_name(op));
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
 
 StepReport parse_report_json(std::string_view text) {
   using nlohmann::json;
@@ -398,45 +439,69 @@ StepReport parse_report_json(std::string_view text) {
     r.notes = j.at("notes").get<std::vector<std::string>>();
     const json& s = j.at("shape");
     r.shape.model = s.at("model").get<std::string>();
-    r.shape.tp = s.at("tp").get<int>();
-    r.shape.layers = s.at("layers").get<int>();
-    r.shape.model_layers = s.at("model_layers").get<int>();
-    r.shape.heads = s.at("heads").get<int>();
-    r.shape.indexer_heads = s.at("indexer_heads").get<int>();
-    r.shape.topk = s.at("topk").get<int>();
-    r.shape.batch = s.at("batch").get<int>();
-    r.shape.context = s.at("context").get<std::int64_t>();
-    r.shape.q_len = s.at("q_len").get<int>();
-    r.shape.pool_tokens = s.at("pool_tokens").get<std::int64_t>();
-    r.shape.page_size = s.at("page_size").get<int>();
-    r.read_gbps = j.at("read_gbps").get<double>();
-    r.copy_gbps = j.at("copy_gbps").get<double>();
-    r.matrix_tflops = j.at("matrix_tflops").get<double>();
-    r.matrix_how = j.at("matrix_how").get<std::string>();
-    r.launch_us = j.value("launch_us", 0.0);  // absent from reports written before it was measured
+    r.shape.tp = at_least<int>(s, "tp", 1);
+    r.shape.layers = at_least<int>(s, "layers", 1);
+    r.shape.model_layers = at_least<int>(s, "model_layers", r.shape.layers);
+    r.shape.heads = at_least<int>(s, "heads", 1);
+    r.shape.indexer_heads = at_least<int>(s, "indexer_heads", 1);
+    r.shape.topk = at_least<int>(s, "topk", 1);
+    r.shape.batch = at_least<int>(s, "batch", 1);
+    r.shape.q_len = at_least<int>(s, "q_len", 1);
+    r.shape.context = at_least<std::int64_t>(s, "context", r.shape.q_len);
+    r.shape.page_size = at_least<int>(s, "page_size", 1);
+    r.shape.pool_tokens = at_least<std::int64_t>(s, "pool_tokens", 1);
+    r.read_gbps = non_negative(j, "read_gbps", "");
+    r.copy_gbps = non_negative(j, "copy_gbps", "");
+    r.matrix_tflops = non_negative(j, "matrix_tflops", "");
+    r.matrix_how = j.at("matrix_how").is_null() ? "" : j.at("matrix_how").get<std::string>();
+    // Absent from reports written before it was measured.
+    r.launch_us = j.contains("launch_us") ? non_negative(j, "launch_us", "") : 0.0;
     r.warmup = j.at("warmup").get<int>();
+    if (r.warmup < 0) bad_field("warmup", j.at("warmup"), ">= 0");
     r.iters = j.at("iters").get<int>();
+    if (r.iters < 1) bad_field("iters", j.at("iters"), ">= 1");
+    if (!j.at("seed").is_number_unsigned()) bad_field("seed", j.at("seed"), "an integer >= 0");
     r.seed = j.at("seed").get<std::uint64_t>();
-    for (const json& x : j.at("strategies")) {
+    const json& strategies = j.at("strategies");
+    if (!strategies.is_array() || strategies.empty()) {
+      bad_field("strategies", strategies, "a list of one or more strategies");
+    }
+    for (std::size_t i = 0; i < strategies.size(); ++i) {
+      const json& x = strategies[i];
+      const std::string where = "strategies[" + std::to_string(i) + "].";
       StrategyResult st;
       st.name = x.at("name").get<std::string>();
-      st.dense = x.at("path").get<std::string>() == "dense";
+      if (st.name.empty()) bad_field(where + "name", x.at("name"), "a strategy's name");
+      const std::string path = x.at("path").get<std::string>();
+      if (path != "dense" && path != "sparse") bad_field(where + "path", x.at("path"), "\"dense\" or \"sparse\"");
+      st.dense = path == "dense";
       st.backend = x.at("backend").get<std::string>();
       st.status = x.at("status").get<std::string>();
       st.timed = x.at("timed").get<bool>();
-      st.step_us = x.at("step_us").get<double>();
-      st.step_p10_us = x.at("step_p10_us").get<double>();
-      st.step_p90_us = x.at("step_p90_us").get<double>();
-      for (const json& o : x.at("ops")) {
+      st.step_us = non_negative(x, "step_us", where);
+      st.step_p10_us = non_negative(x, "step_p10_us", where);
+      st.step_p90_us = non_negative(x, "step_p90_us", where);
+      const json& ops = x.at("ops");
+      for (std::size_t k = 0; k < ops.size(); ++k) {
+        const json& o = ops[k];
+        const std::string at = where + "ops[" + std::to_string(k) + "].";
         OpResult op;
         op.op = parse_step_op(o.at("op").get<std::string>());
         op.backend = o.at("backend").get<std::string>();
         op.kernel = o.at("kernel").get<std::string>();
-        op.us = o.at("us").get<double>();
-        op.p10_us = o.at("p10_us").get<double>();
-        op.p90_us = o.at("p90_us").get<double>();
-        op.launches = o.value("launches", 0.0);
+        op.us = non_negative(o, "us", at);
+        op.p10_us = non_negative(o, "p10_us", at);
+        op.p90_us = non_negative(o, "p90_us", at);
+        // Absent from reports written before they were counted.
+        op.launches = o.contains("launches") ? non_negative(o, "launches", at) : 0.0;
         st.ops.push_back(std::move(op));
+      }
+      // The ops of its path, in the order a layer runs them.
+      std::vector<StepOp> kinds;
+      for (const OpResult& op : st.ops) kinds.push_back(op.op);
+      if (kinds != step_ops(st.dense)) {
+        throw std::invalid_argument(where + "ops = " + op_names(kinds) + ": expected " +
+                                    op_names(step_ops(st.dense)) + " (the " + path + " path)");
       }
       r.strategies.push_back(std::move(st));
     }

@@ -114,8 +114,10 @@ void analyze_step(StepReport& report);
 std::string format_report(const StepReport& report);
 
 // JSON of the whole report (measured and derived fields; docs/step.md lists them), and back:
-// parse_report_json reads the measured fields and derives the rest again. Throws
-// std::invalid_argument naming what is missing or malformed.
+// parse_report_json reads the measured fields and derives the rest again. A value never measured
+// (the table's "-": no floor without the ceilings, no time for a strategy not timed, ...) is null,
+// and reads back as 0. parse_report_json throws std::invalid_argument naming what is missing,
+// malformed or inconsistent (the field, its value and what was expected).
 std::string report_json(const StepReport& report);
 StepReport parse_report_json(std::string_view text);
 

@@ -1,7 +1,8 @@
 // The `latentkv` program run as a user runs it (LKV_CLI_PATH, built with the tests): usage errors
 // exit 2 in every subcommand, messages name the option, the value and the bounds, output files that
-// cannot be written are refused before anything runs, and --from-json refuses the options of a run.
-// Every run is a usage error or the smallest CPU step, so each test takes well under a second.
+// cannot be written are refused before anything runs, and --from-json refuses the options of a run
+// and reports that are not consistent. Every run is a usage error, the smallest CPU step or the
+// demo, so each test takes well under a second.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -10,11 +11,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "latentkv/backend.hpp"
 
 namespace {
 
@@ -57,10 +61,17 @@ class Cli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // Runs `latentkv args...` with its output captured in files of the test's directory.
-  Result run(std::vector<std::string> args, const std::vector<std::string>& more = {}) const {
+  // Runs `latentkv args...` with its output captured in files of the test's directory, and with
+  // `environment` ("NAME=value" each) set for it.
+  Result run(std::vector<std::string> args, const std::vector<std::string>& more = {},
+             const std::vector<std::string>& environment = {}) const {
     args.insert(args.end(), more.begin(), more.end());
-    std::string command = shell_quote(LKV_CLI_PATH);
+    std::string command;
+    for (const std::string& assignment : environment) {
+      const std::size_t equals = assignment.find('=');
+      command += assignment.substr(0, equals + 1) + shell_quote(assignment.substr(equals + 1)) + " ";
+    }
+    command += shell_quote(LKV_CLI_PATH);
     for (const std::string& a : args) command += " " + shell_quote(a);
     command += " >" + shell_quote(path("stdout")) + " 2>" + shell_quote(path("stderr"));
     const int status = std::system(command.c_str());
@@ -72,6 +83,20 @@ class Cli : public ::testing::Test {
   }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // The report of the smallest step, saved in the test's directory; its path.
+  std::string saved_step() const {
+    const Result saved = run(kSmallStep, {"--json", path("step.json")});
+    EXPECT_EQ(saved.exit_code, 0) << saved.err;
+    return path("step.json");
+  }
+
+  // An executable shell script in the test's directory; its path.
+  std::string script(const std::string& name, const std::string& body) const {
+    std::ofstream(path(name)) << "#!/bin/sh\n" << body << "\n";
+    fs::permissions(path(name), fs::perms::owner_all);
+    return path(name);
+  }
 
   fs::path dir_;
 };
@@ -194,6 +219,189 @@ TEST_F(Cli, DuplicateStrategyIsNamedAsOne) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("fp8 is listed twice in --strategies"));
   EXPECT_THAT(r.out, Not(HasSubstr("the model's rule picks")));
+}
+
+TEST_F(Cli, ChosenPythonThatCannotRunIsNamedAndRefusedBeforeTheRun) {
+  const std::string report = saved_step();
+  const std::string plot = path("p.png");
+  for (const std::string python : {"/nonexistent/python3", "no-such-python-here"}) {
+    const Result r = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + python});
+    EXPECT_EQ(r.exit_code, 2) << python << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr("LATENTKV_PYTHON=" + python + " cannot be run ("));
+    EXPECT_THAT(r.err, HasSubstr("expected a python3 with matplotlib"));
+    EXPECT_THAT(r.err, Not(HasSubstr("no python3 was found"))) << "the variable was set: it is the one to name";
+    EXPECT_EQ(r.out, "");
+  }
+  // A run is refused before it starts: nothing printed, nothing written.
+  const Result before = run(kSmallStep, {"--json", path("run.json"), "--plot", plot}, {"LATENTKV_PYTHON=/nonexistent"});
+  EXPECT_EQ(before.exit_code, 2);
+  EXPECT_EQ(before.out, "");
+  EXPECT_FALSE(fs::exists(path("run.json")));
+  // One that runs but has no matplotlib (the script's exit 3) is named too, and no other is tried;
+  // the report to redraw is the --from-json one.
+  const std::string without = script("python-without-matplotlib", "cat >/dev/null; exit 3");
+  const Result bare = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + without});
+  EXPECT_EQ(bare.exit_code, 1);
+  EXPECT_THAT(bare.err, HasSubstr("LATENTKV_PYTHON=" + without + " cannot import matplotlib"));
+  EXPECT_THAT(bare.err, HasSubstr("kept in " + report));
+  EXPECT_FALSE(fs::exists(plot));
+}
+
+TEST_F(Cli, NegativeSeedsAreRefused) {
+  for (const std::string command : {"step", "demo", "bench"}) {
+    for (const std::vector<std::string>& seed : std::vector<std::vector<std::string>>{{"--seed", "-1"}, {"--seed=-1"}}) {
+      const Result r = run({command}, seed);
+      EXPECT_EQ(r.exit_code, 2) << command;
+      EXPECT_THAT(r.err, HasSubstr("error: " + command + ": --seed: -1 is not in 0 .. 18446744073709551615"));
+      EXPECT_EQ(r.out, "");
+    }
+  }
+  const Result big = run(kSmallStep, {"--seed", "18446744073709551615"});
+  EXPECT_EQ(big.exit_code, 0) << big.err;
+  EXPECT_THAT(big.out, HasSubstr("--seed 18446744073709551615"));
+}
+
+TEST_F(Cli, CheckRequestsAboveTheBatchIsRefused) {
+  const Result r = run({"step", "--device", "cpu", "--batch", "2", "--check-requests", "5"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("argument '--check-requests' = 5: expected at most the batch, 2 (--batch)"));
+  const Result by_default = run({"step", "--device", "cpu", "--check-requests", "3"});
+  EXPECT_THAT(by_default.err, HasSubstr("at most the batch, 2 (--batch, its default on the CPU)"));
+  // Its own default follows a smaller batch.
+  const Result small = run(kSmallStep);
+  ASSERT_EQ(small.exit_code, 0) << small.err;
+  EXPECT_THAT(small.out, HasSubstr("--check-requests 1 "));
+  const Result bench = run({"bench", "--batch", "2", "--check-requests", "3"});
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_THAT(bench.err, HasSubstr("argument '--check-requests' = 3: expected at most the batch, 2"));
+}
+
+TEST_F(Cli, ValuesNeverMeasuredAreNullInTheJson) {
+  const nlohmann::json j = nlohmann::json::parse(read_file(saved_step()));
+  for (const char* key : {"read_gbps", "copy_gbps", "matrix_tflops", "launch_us"}) {
+    EXPECT_TRUE(j[key].is_null()) << key << " = " << j[key];
+  }
+  const nlohmann::json& fp8 = j["strategies"][0];
+  ASSERT_TRUE(fp8["timed"].get<bool>());
+  EXPECT_TRUE(fp8["step_us"].is_number());
+  for (const char* key : {"floor_us", "gap", "speedup_vs_cast_full"}) EXPECT_TRUE(fp8[key].is_null()) << key;
+  for (const nlohmann::json& op : fp8["ops"]) {
+    EXPECT_TRUE(op["us"].is_number());
+    EXPECT_TRUE(op["gbps"].is_number());
+    for (const char* key : {"floor_us", "gap", "pct_of_copy", "pct_of_matrix", "launches"}) {
+      EXPECT_TRUE(op[key].is_null()) << op["op"] << "." << key << " = " << op[key];
+    }
+  }
+  // The table keeps its "-", and --from-json reads the nulls back.
+  const Result again = run({"step", "--from-json", path("step.json"), "--json", path("again.json")});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(nlohmann::json::parse(read_file(path("again.json"))), j);
+}
+
+TEST_F(Cli, PoolBelowWhatTheRequestsTakeIsRefusedAsTheMessageSays) {
+  for (const std::string pool : {"10", "200", "255"}) {
+    const Result r = run({"step", "--device", "cpu", "--context", "100", "--layers", "1", "--pool", pool});
+    EXPECT_EQ(r.exit_code, 2) << pool;
+    EXPECT_THAT(r.err, HasSubstr("argument '--pool' = " + pool +
+                                 ": expected >= 256 tokens (2 requests of 100 tokens take 2 pages of 64 each)"));
+  }
+  const std::vector<std::string> tiny = {"step",  "--device",   "cpu", "--context", "100", "--layers",
+                                         "1",     "--warmup",   "0",   "--iters",   "1",   "--no-progress"};
+  const Result least = run(tiny, {"--pool", "256"});
+  ASSERT_EQ(least.exit_code, 0) << least.err;
+  EXPECT_THAT(least.out, HasSubstr("--pool 256 "));
+  EXPECT_THAT(run(tiny, {"--pool", "257"}).out, HasSubstr("--pool 320 "));  // rounded up to whole pages
+  EXPECT_THAT(run(tiny).out, HasSubstr("--pool 512 "));  // the CPU default: 2 x B x L in whole pages
+}
+
+TEST_F(Cli, StepHelpListsWhatIsAccepted) {
+  const Result r = run({"step", "--help"});
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, HasSubstr("dense_/sparse_ followed by fp8, gather_cast or cast_full"));
+  EXPECT_THAT(r.out, Not(HasSubstr("<backend>")));
+  EXPECT_THAT(r.out, Not(HasSubstr("{false}")));
+  EXPECT_THAT(r.out, HasSubstr("on the CPU twice the batch's pages"));
+}
+
+TEST_F(Cli, ParserErrorsReadAsEveryOtherUsageError) {
+  const Result config = run({"config", "--bogus"});
+  EXPECT_EQ(config.exit_code, 2);
+  EXPECT_EQ(config.err.rfind("error: config: the following argument was not expected: --bogus\n", 0), 0u) << config.err;
+  EXPECT_THAT(config.err, HasSubstr("(configuration rejected"));
+  EXPECT_THAT(config.err, HasSubstr("`latentkv config --help`"));
+  const Result missing = run({"step", "--tp"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_EQ(missing.err.rfind("error: step: --tp: expected a value", 0), 0u) << missing.err;
+  EXPECT_THAT(missing.err, HasSubstr("`latentkv step --help`"));
+  const Result top = run({"--bogus"});
+  EXPECT_EQ(top.exit_code, 2);
+  EXPECT_THAT(top.err, HasSubstr("error: unknown option '--bogus' before the subcommand (one of: step,"));
+  for (const Result& r : {config, missing, top}) EXPECT_THAT(r.err, Not(HasSubstr("Run with --help")));
+}
+
+TEST_F(Cli, NoGpuIsTheSameUsageErrorInStepAndBench) {
+  if (latentkv::detect_device().kind == latentkv::DeviceKind::kCuda) GTEST_SKIP() << "this machine has a GPU";
+  const Result step = run({"step", "--device", "cuda"});
+  const Result bench = run({"bench"});
+  EXPECT_EQ(step.exit_code, 2) << step.err;
+  EXPECT_EQ(bench.exit_code, 2) << bench.err;
+  EXPECT_THAT(bench.err, HasSubstr("no CUDA GPU"));
+}
+
+TEST_F(Cli, BenchChecksWhatNeedsNoGpuFirst) {
+  const Result names = run({"bench", "--backends", "cuda,foo"});
+  EXPECT_EQ(names.exit_code, 2);
+  EXPECT_THAT(names.err, HasSubstr("argument '--backends' = 'foo': expected one of cuda, gather_cast, cast_full"));
+  EXPECT_THAT(names.err, Not(HasSubstr("GPU")));
+  const Result lengths = run({"bench", "--context", "1", "--q-len", "2"});
+  EXPECT_EQ(lengths.exit_code, 2);
+  EXPECT_THAT(lengths.err, HasSubstr("argument '--context' = 1: expected >= --q-len (2)"));
+  const Result prefill = run({"bench", "--op", "mla_prefill", "--context", "100", "--new-tokens", "200"});
+  EXPECT_EQ(prefill.exit_code, 2);
+  EXPECT_THAT(prefill.err, HasSubstr("argument '--new-tokens' = 200: expected at most --context (100)"));
+}
+
+TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {
+  const nlohmann::json original = nlohmann::json::parse(read_file(saved_step()));
+  const auto refused = [&](const std::string& name, const std::function<void(nlohmann::json&)>& change,
+                           const std::string& want) {
+    nlohmann::json j = original;
+    change(j);
+    std::ofstream(path(name)) << j.dump();
+    const Result r = run({"step", "--from-json", path(name)});
+    EXPECT_EQ(r.exit_code, 2) << name;
+    EXPECT_THAT(r.err, HasSubstr("argument '--from-json' = " + path(name)));
+    EXPECT_THAT(r.err, HasSubstr(want)) << name;
+    EXPECT_EQ(r.out, "") << name;
+  };
+  refused("batch.json", [](nlohmann::json& j) { j["shape"]["batch"] = 0; }, "shape.batch = 0: expected an integer >= 1");
+  refused("layers.json", [](nlohmann::json& j) { j["shape"]["layers"] = -2; }, "shape.layers = -2: expected");
+  refused("time.json", [](nlohmann::json& j) { j["strategies"][0]["ops"][1]["us"] = -5.0; },
+          "strategies[0].ops[1].us = -5.0: expected >= 0");
+  refused("step.json", [](nlohmann::json& j) { j["strategies"][0]["step_us"] = -1.0; },
+          "strategies[0].step_us = -1.0: expected >= 0");
+  refused("none.json", [](nlohmann::json& j) { j["strategies"] = nlohmann::json::array(); },
+          "strategies = []: expected a list of one or more strategies");
+  refused("ops.json", [](nlohmann::json& j) { j["strategies"][0]["ops"].erase(1); }, "strategies[0].ops = append:");
+}
+
+TEST_F(Cli, DemoSaysWhatTheTopkPaddedAndOneReadPerDecode) {
+  const Result full = run({"demo", "--context", "3000"});
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  EXPECT_THAT(full.out, HasSubstr("top-2048 of 3000 per request (4096 slots)"));
+  EXPECT_THAT(full.out, Not(HasSubstr("padded")));
+  // The sparse decode's read on its step line is the one the summary gives.
+  const std::size_t line = full.out.find("sparse_mla_decode");
+  ASSERT_NE(line, std::string::npos);
+  const std::size_t read = full.out.find("read ", line);
+  const double step_mb = std::stod(full.out.substr(read + 5));
+  const std::size_t summary = full.out.find("the sparse decode read ");
+  ASSERT_NE(summary, std::string::npos) << full.out;
+  EXPECT_DOUBLE_EQ(std::stod(full.out.substr(summary + 23)), step_mb);
+
+  const Result short_rows = run({"demo", "--context", "1000"});
+  ASSERT_EQ(short_rows.exit_code, 0) << short_rows.err;
+  EXPECT_THAT(short_rows.out, HasSubstr("(2000 slots, 2096 padded with -1)"));
 }
 
 }  // namespace

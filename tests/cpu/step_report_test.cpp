@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -319,6 +321,88 @@ TEST(StepReportJson, RejectsWhatIsNotAReport) {
   ASSERT_NE(at, std::string::npos);
   text.replace(at, 15, "\"warp_decode\"");
   EXPECT_THROW(parse_report_json(text), std::invalid_argument);
+}
+
+TEST(StepReportJson, ValuesNeverMeasuredAreNullWhereTheTableHasADash) {
+  StepReport r = measured_report();  // a cast_full, a strategy not timed
+  r.copy_gbps = r.read_gbps = r.matrix_tflops = 0;  // as on the CPU: no ceilings, so no floors
+  r.matrix_how.clear();
+  r.cpu_reference = true;
+  r.strategies.erase(r.strategies.begin() + 1);  // no cast_full: no speed-up
+  analyze_step(r);
+  const nlohmann::json j = nlohmann::json::parse(report_json(r));
+  for (const char* key : {"read_gbps", "copy_gbps", "matrix_tflops", "matrix_how", "launch_us"}) {
+    EXPECT_TRUE(j[key].is_null()) << key;
+  }
+  const nlohmann::json& fp8 = j["strategies"][0];
+  EXPECT_DOUBLE_EQ(fp8["step_us"].get<double>(), 1000);
+  EXPECT_DOUBLE_EQ(fp8["tokens_per_s_stream"].get<double>(), 1000);
+  for (const char* key : {"floor_us", "gap", "speedup_vs_cast_full"}) EXPECT_TRUE(fp8[key].is_null()) << key;
+  const nlohmann::json& append = fp8["ops"][0];
+  EXPECT_TRUE(append["gbps"].is_number());
+  for (const char* key : {"floor_us", "gap", "pct_of_copy", "pct_of_matrix", "tflops", "launches"}) {
+    EXPECT_TRUE(append[key].is_null()) << key;
+  }
+  EXPECT_TRUE(fp8["ops"][1]["tflops"].is_number());  // the indexer computes: its rate is measured
+  const nlohmann::json& failed = j["strategies"][1];  // not timed: no time at all
+  for (const char* key : {"step_us", "step_p10_us", "step_p90_us", "ops_us", "tokens_per_s_stream"}) {
+    EXPECT_TRUE(failed[key].is_null()) << key;
+  }
+  EXPECT_TRUE(failed["ops"][0]["us"].is_null());
+
+  // Read back as 0, the same report; so is a report written before the nulls, with 0 in their place.
+  const StepReport back = parse_report_json(report_json(r));
+  EXPECT_EQ(format_report(back), format_report(r));
+  EXPECT_EQ(report_json(back), report_json(r));
+  nlohmann::json zeros = j;
+  for (const char* key : {"read_gbps", "copy_gbps", "matrix_tflops", "launch_us"}) zeros[key] = 0.0;
+  zeros["matrix_how"] = "";
+  for (nlohmann::json& st : zeros["strategies"]) {
+    for (auto& [key, value] : st.items()) {
+      if (value.is_null()) value = 0.0;
+    }
+    for (nlohmann::json& op : st["ops"]) {
+      for (auto& [key, value] : op.items()) {
+        if (value.is_null()) value = 0.0;
+      }
+    }
+  }
+  EXPECT_EQ(format_report(parse_report_json(zeros.dump())), format_report(r));
+}
+
+TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
+  StepReport r = measured_report();
+  analyze_step(r);
+  const nlohmann::json good = nlohmann::json::parse(report_json(r));
+  const auto problem = [&](const std::function<void(nlohmann::json&)>& change) -> std::string {
+    nlohmann::json j = good;
+    change(j);
+    try {
+      parse_report_json(j.dump());
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["batch"] = 0; }), "shape.batch = 0: expected an integer >= 1");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["layers"] = 0; }), "shape.layers = 0: expected an integer >= 1");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["model_layers"] = 3; }),
+            "shape.model_layers = 3: expected an integer >= 78");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["context"] = 0; }),
+            "shape.context = 0: expected an integer >= 1");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][1]["ops"][3]["us"] = -2.5; }),
+            "strategies[1].ops[3].us = -2.5: expected >= 0 (or null: not measured)");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][0]["step_p90_us"] = -1.0; }),
+            "strategies[0].step_p90_us = -1.0: expected >= 0 (or null: not measured)");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["copy_gbps"] = -1.0; }),
+            "copy_gbps = -1.0: expected >= 0 (or null: not measured)");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"] = nlohmann::json::array(); }),
+            "strategies = []: expected a list of one or more strategies");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][0]["path"] = "dense"; }),
+            "strategies[0].ops = append, indexer_logits, topk, sparse_decode: expected append, dense_decode (the "
+            "dense path)");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["iters"] = 0; }), "iters = 0: expected >= 1");
+  EXPECT_EQ(problem([](nlohmann::json&) {}), "accepted");
 }
 
 // ---- the top-k check ------------------------------------------------------------------------------

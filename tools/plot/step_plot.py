@@ -66,7 +66,7 @@ def draw_step_bars(ax, report, strategies):
                    label="between ops" if "between" not in shown else None, linewidth=0.5)
             shown.add("between")
         text = "%.3g ms" % (s["step_us"] / 1000.0)
-        if s.get("tokens_per_s_stream", 0) > 0:
+        if (s.get("tokens_per_s_stream") or 0) > 0:  # null: not measured
             text += "\n%.0f tok/s" % s["tokens_per_s_stream"]
         if totals[x] > top:
             ax.annotate(text + "\n(off scale)", (x, top), ha="center", va="top", fontsize=8, fontweight="bold",
@@ -98,13 +98,13 @@ def draw_floors(ax, report, strategies):
         by_op = {op["op"]: op for op in s["ops"]}
         for i, name in enumerate(ops):
             op = by_op.get(name)
-            if op is None or op["us"] <= 0:
+            if op is None or (op["us"] or 0) <= 0:
                 continue
             x = i - 0.4 + width * (k + 0.5)
             ax.bar(x, op["us"], width=width * 0.9, color=OP_COLOURS.get(name, "#999999"),
                    alpha=0.35 + 0.65 * (k + 1) / len(strategies), edgecolor="black", linewidth=0.3)
             label = s["name"]
-            if op.get("floor_us", 0) > 0:
+            if (op.get("floor_us") or 0) > 0:  # null: no floor without the ceilings
                 has_floor = True
                 ax.hlines(op["floor_us"], x - width * 0.45, x + width * 0.45, colors="black", linewidth=1.5)
                 label += "  " + gap_text(op["gap"])
