@@ -12,7 +12,8 @@
 //    indexer heads 1 .. kMaxIndexerHeads (64), q_len 1 .. kMaxDecodeQLen (4), k and index columns
 //    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
 //    contiguous and on the call's device, fewer than 2^31 slots in a pool and tokens in a block
-//    table. A GPU call also takes at most 65,535 requests (sparse decode: B x q_len query tokens)
+//    table, at most kMaxLogitsColumns (2^30) logits columns (on a GPU the indexer prefill's
+//    block-table capacity too: its logits rows reach that far). A GPU call also takes at most 65,535 requests (sparse decode: B x q_len query tokens)
 //    and wants q 16-byte, o 8-byte and the caches 16-byte aligned (cudaMalloc gives 256). What a
 //    call writes (outputs, the caches of an append, workspace and clear, fault; the workspace as
 //    workspace_bytes long) shares no byte with any other of its arguments.
@@ -42,6 +43,7 @@ inline constexpr int kMaxHeads = 128;
 inline constexpr int kMaxDecodeQLen = 4;
 inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
+inline constexpr std::int64_t kMaxLogitsColumns = std::int64_t{1} << 30;  // indexer logits and top-k: max_len
 
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token). A GPU backend
 // leaves a token with a slot outside the pool or a NaN or inf in its latent or key unwritten in both

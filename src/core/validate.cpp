@@ -289,8 +289,13 @@ void expect_capacity(std::string_view op, const TensorView& block_table, std::in
 }
 
 // Logits columns within int32.
+// At most 2^30 logits columns (a row of 4 GiB; a pool holds fewer than 2^31 slots in all): the GPU
+// kernels count columns, turns and their grid-strided positions in int32, which 2^31 - 1 columns
+// would overflow.
 void expect_columns(std::string_view op, const TensorView& logits) {
-  if (logits.size(2) > INT32_MAX) fail(op, "logits", describe(logits), "max_len < 2^31 columns");
+  if (logits.size(2) > kMaxLogitsColumns) {
+    fail(op, "logits", describe(logits), "max_len <= 2^30 columns");
+  }
 }
 
 // seq_lens within [0, capacity] and the block-table pages they use within the pool.

@@ -413,6 +413,25 @@ struct IndexerCase {
   }
 };
 
+// Logits of more than kMaxLogitsColumns (2^30) columns are refused by the indexer and the top-k
+// before anything is read (the GPU kernels count columns and their grid-strided positions in int32).
+// The views only describe such rows; nothing is allocated for them.
+TEST(BadInput, LogitsColumnsPastTheLimit) {
+  IndexerCase t;
+  float stand_in = 0.0f;
+  const TensorView huge =
+      TensorView::contiguous(&stand_in, DType::kF32, {2, 1, kMaxLogitsColumns + 1}, Device::cpu());
+  IndexerLogitsParams p = t.params();
+  p.logits = huge;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "logits", ""));
+  EXPECT_NE(error_of([&] { cpu::indexer_logits(p); }).find("max_len <= 2^30 columns"), std::string::npos);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams tp = t.c.topk_params(t.logits, slots, 4);
+  tp.logits = huge;
+  EXPECT_TRUE(throws_error([&] { cpu::topk(tp); }, "topk", "logits", ""));
+  EXPECT_TRUE(is_sentinel(slots));
+}
+
 TEST(BadInput, IndexerWeightsAndQuery) {
   IndexerCase t;
   IndexerLogitsParams p = t.params();

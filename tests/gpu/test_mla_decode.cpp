@@ -375,6 +375,30 @@ TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
   EXPECT_THROW(run(backend, p, {}, device), Error) << "1025 splits at the call";
 }
 
+// A workspace that is not 16-byte aligned (a caller's sub-allocation) is refused before anything is
+// queued, naming it: the split partials are read and written in 16-byte pieces. The outputs stay
+// sentinels.
+TEST(GpuMlaDecodePlan, MisalignedWorkspaceIsRefused) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {700, 1500};
+  opt.with_indexer = false;
+  PagedFixture f = make_paged_fixture(opt, rng);
+  HostTensor q = random_bf16(rng, {f.batch(), 1, 8, 576});
+  DeviceDecode d(f, q, 0.0625f);
+  const Backend& backend = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  const Plan plan = d.plan(backend, device, 3);
+  DeviceBuffer shifted(plan.workspace_bytes + 16);
+  d.params.workspace = shifted.get<std::uint8_t>() + 4;
+  EXPECT_TRUE(throws_error([&] { run(backend, d.params, {}, device); }, "mla_decode", "workspace", "not 16-byte aligned"));
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+  d.download();
+  EXPECT_TRUE(is_sentinel(d.o_host));
+  EXPECT_TRUE(is_sentinel(d.lse_host));
+}
+
 // A block table of no pages (every length 0, which the validation and the reference accept): the
 // plan and the call run, and every row comes out empty (o 0, lse -inf), on the narrow and the
 // many-heads kernel. (The plan's short-split rule once divided by a split count of 0 here.)

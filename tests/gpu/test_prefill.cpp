@@ -350,6 +350,69 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
 
 // 1100 prompts of 60 new tokens: 66,000 query rows, more than one decode launch takes (65,535, a
 // grid dimension), so both prefills run in two slices; every row against the reference.
+// A workspace that is not 16-byte aligned (a caller's sub-allocation) is refused before anything is
+// queued, naming it: the dense prefill of a 64-token prompt on 8 heads (its tables and groups' spans,
+// then the decode's partials) and the sparse prefill of one token over 2048 indices (its split
+// partials), which the kernels read and write in 8- and 16-byte pieces. The outputs stay sentinels.
+TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  const Batch batch{{0}, {64}};
+  PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+  const std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+  const HostTensor q = random_bf16(rng, {cu.back(), 8, kQkDim});
+  const Backend& cuda = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  DeviceBuffer cache(f.cache_bytes), table(f.block_table), lens(f.seq_lens), d_cu(cu), d_q(q.raw(), q.bytes());
+  // The planned workspace 4 bytes into a buffer of 16 more.
+  const auto run_misaligned = [&](auto& p, const char* op) {
+    const Plan plan = cuda.plan(p, device);
+    DeviceBuffer workspace(plan.workspace_bytes + 16);
+    p.num_splits = plan.num_splits;
+    p.workspace = workspace.get<std::uint8_t>() + 4;
+    p.workspace_bytes = plan.workspace_bytes;
+    EXPECT_TRUE(throws_error([&] { run(cuda, p, {}, device); }, op, "workspace", "not 16-byte aligned"));
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+  };
+  {
+    SCOPED_TRACE("mla_prefill");
+    DeviceOutputs out(q.shape()[0], 8);
+    MlaPrefillParams p;
+    p.q = q.view_of(d_q.get(), Device::cuda());
+    p.cu_new_tokens =
+        TensorView::contiguous(d_cu.get(), DType::kI32, {static_cast<std::int64_t>(cu.size())}, Device::cuda());
+    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    p.block_table = f.block_table_view(table.get<std::int32_t>(), Device::cuda());
+    p.seq_lens = f.seq_lens_view(lens.get<std::int32_t>(), Device::cuda());
+    p.o = out.o_view();
+    p.lse = out.lse_view();
+    p.softmax_scale = kScale;
+    run_misaligned(p, "mla_prefill");
+    out.download();
+    EXPECT_TRUE(is_sentinel(out.o));
+    EXPECT_TRUE(is_sentinel(out.lse));
+  }
+  {
+    SCOPED_TRACE("sparse_mla_prefill");
+    const HostTensor one = random_bf16(rng, {1, 8, kQkDim});
+    DeviceBuffer d_one(one.raw(), one.bytes());
+    const std::vector<std::int32_t> none(kMaxTopk, -1);
+    DeviceBuffer d_idx(none);
+    DeviceOutputs out(1, 8);
+    SparseMlaPrefillParams p;
+    p.q = one.view_of(d_one.get(), Device::cuda());
+    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
+    p.o = out.o_view();
+    p.lse = out.lse_view();
+    p.softmax_scale = kScale;
+    run_misaligned(p, "sparse_mla_prefill");
+    out.download();
+    EXPECT_TRUE(is_sentinel(out.o));
+    EXPECT_TRUE(is_sentinel(out.lse));
+  }
+}
+
 TEST(GpuPrefillLarge, MoreNewTokensThanAGridColumn) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();

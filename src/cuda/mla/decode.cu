@@ -605,6 +605,7 @@ void check_decode_call(const DecodeCall& c) {
       throw Error(c.op, "workspace_bytes", std::to_string(c.workspace_bytes),
                   ">= " + std::to_string(need) + " for " + std::to_string(c.num_splits) + " splits (see plan())");
     }
+    check_aligned(c.op, "workspace", c.workspace, 16);  // the partials: 16-byte copies and float4 loads
   }
   if (c.batch > kMaxDecodeBatch) {  // a grid dimension each; prefill slices its tokens below this
     throw Error(c.op, "q", std::to_string(c.batch) + " query tokens",

@@ -106,6 +106,8 @@ void check_table_workspace(const MlaPrefillParams& p, std::size_t table_bytes, c
     throw Error("mla_prefill", "workspace_bytes", std::to_string(p.workspace_bytes),
                 ">= " + std::to_string(table_bytes) + " for the " + what + " (see plan())");
   }
+  // The groups' spans are int2, the decode's partials after the tables float4 (table_bytes keeps it).
+  check_aligned("mla_prefill", "workspace", p.workspace, 16);
 }
 
 // The requests of the call, as launch_prefill_rows and launch_prefill_groups take them.
