@@ -101,24 +101,35 @@ struct GpuOutputs {
   std::string fault;  // what the call noted in its fault record, "" for nothing
 };
 
+// A dense prefill's device side: copies of the fixture's cache and tables, cu and q, sentinel
+// outputs, and its parameters over them (no workspace yet).
+struct DeviceMlaPrefill {
+  DeviceBuffer cache, table, lens, d_cu, d_q;
+  DeviceOutputs out;
+  MlaPrefillParams p;
+
+  DeviceMlaPrefill(const PagedFixture& f, const HostTensor& q, const std::vector<std::int32_t>& cu)
+      : cache(f.cache_bytes), table(f.block_table), lens(f.seq_lens), d_cu(cu), d_q(q.raw(), q.bytes()),
+        out(q.shape()[0], q.shape()[1]) {
+    p.q = q.view_of(d_q.get(), Device::cuda());
+    p.cu_new_tokens =
+        TensorView::contiguous(d_cu.get(), DType::kI32, {static_cast<std::int64_t>(cu.size())}, Device::cuda());
+    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    p.block_table = f.block_table_view(table.get<std::int32_t>(), Device::cuda());
+    p.seq_lens = f.seq_lens_view(lens.get<std::int32_t>(), Device::cuda());
+    p.o = out.o_view();
+    p.lse = out.lse_view();
+    p.softmax_scale = kScale;
+  }
+};
+
 // Dense prefill of q [T, H, 576] on the GPU over device copies of the fixture.
 GpuOutputs gpu_mla_prefill(const PagedFixture& f, const HostTensor& q, const std::vector<std::int32_t>& cu) {
-  DeviceBuffer cache(f.cache_bytes), table(f.block_table), lens(f.seq_lens), d_cu(cu), d_q(q.raw(), q.bytes());
-  DeviceOutputs out(q.shape()[0], q.shape()[1]);
-  MlaPrefillParams p;
-  p.q = q.view_of(d_q.get(), Device::cuda());
-  p.cu_new_tokens =
-      TensorView::contiguous(d_cu.get(), DType::kI32, {static_cast<std::int64_t>(cu.size())}, Device::cuda());
-  p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
-  p.block_table = f.block_table_view(table.get<std::int32_t>(), Device::cuda());
-  p.seq_lens = f.seq_lens_view(lens.get<std::int32_t>(), Device::cuda());
-  p.o = out.o_view();
-  p.lse = out.lse_view();
-  p.softmax_scale = kScale;
+  DeviceMlaPrefill d(f, q, cu);
   std::string fault;
-  const Plan plan = plan_and_run(p, fault);
-  out.download();
-  return {std::move(out.o), std::move(out.lse), plan, std::move(fault)};
+  const Plan plan = plan_and_run(d.p, fault);
+  d.out.download();
+  return {std::move(d.out.o), std::move(d.out.lse), plan, std::move(fault)};
 }
 
 // Sparse prefill of q [T, H, 576] over indices [T, topk] on the GPU.
@@ -363,7 +374,6 @@ TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
   const HostTensor q = random_bf16(rng, {cu.back(), 8, kQkDim});
   const Backend& cuda = *find_backend("cuda");
   const DeviceInfo device = detect_device();
-  DeviceBuffer cache(f.cache_bytes), table(f.block_table), lens(f.seq_lens), d_cu(cu), d_q(q.raw(), q.bytes());
   // The planned workspace 4 bytes into a buffer of 16 more.
   const auto run_misaligned = [&](auto& p, const char* op) {
     const Plan plan = cuda.plan(p, device);
@@ -376,21 +386,11 @@ TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
   };
   {
     SCOPED_TRACE("mla_prefill");
-    DeviceOutputs out(q.shape()[0], 8);
-    MlaPrefillParams p;
-    p.q = q.view_of(d_q.get(), Device::cuda());
-    p.cu_new_tokens =
-        TensorView::contiguous(d_cu.get(), DType::kI32, {static_cast<std::int64_t>(cu.size())}, Device::cuda());
-    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
-    p.block_table = f.block_table_view(table.get<std::int32_t>(), Device::cuda());
-    p.seq_lens = f.seq_lens_view(lens.get<std::int32_t>(), Device::cuda());
-    p.o = out.o_view();
-    p.lse = out.lse_view();
-    p.softmax_scale = kScale;
-    run_misaligned(p, "mla_prefill");
-    out.download();
-    EXPECT_TRUE(is_sentinel(out.o));
-    EXPECT_TRUE(is_sentinel(out.lse));
+    DeviceMlaPrefill d(f, q, cu);
+    run_misaligned(d.p, "mla_prefill");
+    d.out.download();
+    EXPECT_TRUE(is_sentinel(d.out.o));
+    EXPECT_TRUE(is_sentinel(d.out.lse));
   }
   {
     SCOPED_TRACE("sparse_mla_prefill");
@@ -401,6 +401,7 @@ TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
     DeviceOutputs out(1, 8);
     SparseMlaPrefillParams p;
     p.q = one.view_of(d_one.get(), Device::cuda());
+    DeviceBuffer cache(f.cache_bytes);
     p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
     p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
     p.o = out.o_view();
