@@ -17,12 +17,6 @@
 namespace latentkv::tools {
 namespace {
 
-std::string join(const std::vector<std::string>& v, const std::string& separator = ",") {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : separator) + x;
-  return s;
-}
-
 // The backends a build with CUDA registers (src/cuda/sources.cmake, LKV_BACKENDS): names --backends
 // may give on a build or machine that lacks them, which then says that a GPU is missing.
 const std::vector<std::string> kCudaBackends = {"cuda", "gather_cast", "cast_full"};

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <type_traits>
 
 namespace latentkv::tools {
 namespace {
@@ -43,42 +44,49 @@ double address_space_left_bytes() {
 
 }  // namespace
 
+namespace {
+
+// Why `text` is not a decimal integer of T within [lo, hi] ("" when it is), `bounds` and `why` said
+// after a value out of them. A minus sign before an unsigned T is parsed past, so that "-1" is
+// called out of bounds rather than wrapped around as CLI11 alone would.
+template <typename T>
+std::string integer_problem(const std::string& text, T lo, T hi, const std::string& bounds, const std::string& why) {
+  const char* first = text.data();
+  const char* last = first + text.size();
+  const bool negative = first != last && *first == '-';
+  if (first != last && (*first == '+' || (negative && std::is_unsigned_v<T>))) ++first;
+  T value{};
+  const auto [end, ec] = std::from_chars(first, last, value);
+  const bool out_of_range = ec == std::errc::result_out_of_range;
+  if (first == last || end != last || (ec != std::errc() && !out_of_range)) return "'" + text + "' is not an integer";
+  if (out_of_range || (std::is_unsigned_v<T> && negative) || value < lo || value > hi) {
+    return text + " is not in " + bounds + why;
+  }
+  return "";
+}
+
+}  // namespace
+
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why) {
   const std::string bounds = std::to_string(lo) + " .. " + std::to_string(hi);
   return CLI::Validator(
-      [lo, hi, why, bounds](std::string& text) -> std::string {
-        const char* first = text.data();
-        const char* last = first + text.size();
-        if (first != last && *first == '+') ++first;
-        std::int64_t value = 0;
-        const auto [end, ec] = std::from_chars(first, last, value);
-        const bool out_of_range = ec == std::errc::result_out_of_range;
-        if (first == last || end != last || (ec != std::errc() && !out_of_range)) {
-          return "'" + text + "' is not an integer";
-        }
-        if (out_of_range || value < lo || value > hi) return text + " is not in " + bounds + why;
-        return "";
-      },
+      [lo, hi, why, bounds](std::string& text) { return integer_problem(text, lo, hi, bounds, why); },
       "[" + bounds + "]");
 }
 
+std::string join(const std::vector<std::string>& items, const std::string& separator) {
+  std::string s;
+  for (const std::string& x : items) s += (s.empty() ? "" : separator) + x;
+  return s;
+}
+
 CLI::Validator seed_in_range() {
-  const std::string bounds = "0 .. " + std::to_string(std::numeric_limits<std::uint64_t>::max());
+  constexpr std::uint64_t kMost = std::numeric_limits<std::uint64_t>::max();
+  const std::string bounds = "0 .. " + std::to_string(kMost);
   return CLI::Validator(
-      [bounds](std::string& text) -> std::string {
-        const char* first = text.data();
-        const char* last = first + text.size();
-        if (first != last && (*first == '+' || *first == '-')) ++first;
-        std::uint64_t value = 0;
-        const auto [end, ec] = std::from_chars(first, last, value);
-        const bool out_of_range = ec == std::errc::result_out_of_range;
-        if (first == last || end != last || (ec != std::errc() && !out_of_range)) {
-          return "'" + text + "' is not an integer";
-        }
-        if (out_of_range || text.front() == '-') {
-          return text + " is not in " + bounds + (text.front() == '-' ? " (a seed is not negative)" : "");
-        }
-        return "";
+      [bounds](std::string& text) {
+        const bool negative = !text.empty() && text.front() == '-';
+        return integer_problem<std::uint64_t>(text, 0, kMost, bounds, negative ? " (a seed is not negative)" : "");
       },
       "[" + bounds + "]");
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "latentkv/error.hpp"
@@ -21,6 +22,9 @@ inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max
 // A CLI11 check that the value is a decimal integer in [lo, hi]; its failures read
 // "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why = "");
+
+// The items with `separator` between them: "a,b,c".
+std::string join(const std::vector<std::string>& items, const std::string& separator = ",");
 
 // The same check for a seed, a decimal integer in 0 .. 2^64 - 1: "--seed: -1 is not in 0 ..
 // 18446744073709551615" (CLI11 alone would wrap -1 around to 2^64 - 1).

@@ -66,12 +66,6 @@ constexpr int kCheckRequests = 2;
 const std::vector<std::string> kGpuStrategies = {"fp8", "gather_cast", "cast_full", "dense", "sparse"};
 const std::vector<std::string> kCpuStrategies = {"fp8", "dense", "sparse"};
 
-std::string join(const std::vector<std::string>& v, const std::string& separator = ",") {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : separator) + x;
-  return s;
-}
-
 std::int64_t round_up(std::int64_t n, std::int64_t to) { return (n + to - 1) / to * to; }
 
 std::string repro_line(const StepRun& run, bool cpu) {

@@ -432,10 +432,8 @@ Fields fields_of(Op op) {
 Selection ask(const Backend& backend, const Problem& problem) {
   try {
     return backend.select(problem);
-  } catch (const Error& e) {
-    if (e.argument().rfind("LATENTKV_", 0) == 0) throw;
-    return Selection::no(std::string("select() threw: ") + e.what());
   } catch (const std::exception& e) {
+    if (const auto* error = dynamic_cast<const Error*>(&e); error && error->argument().starts_with("LATENTKV_")) throw;
     return Selection::no(std::string("select() threw: ") + e.what());
   }
 }
