@@ -233,6 +233,87 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   }
 }
 
+// Request 0's o and lse rows of its first `positions` query positions, as [positions, H, 512] and
+// [positions, H]: the rows of a decode output [B, q_len, H, ...] that a test compares on their own.
+std::pair<HostTensor, HostTensor> first_positions(const HostTensor& o, const HostTensor& lse, int positions) {
+  const std::int64_t heads = o.shape()[2];
+  HostTensor o_rows(o.dtype(), {positions, heads, 512}), lse_rows(lse.dtype(), {positions, heads});
+  for (std::int64_t i = 0; i < o_rows.numel(); ++i) o_rows.set(i, o.get(i));
+  for (std::int64_t i = 0; i < lse_rows.numel(); ++i) lse_rows.set(i, lse.get(i));
+  return {std::move(o_rows), std::move(lse_rows)};
+}
+
+// A non-finite value among a request's newest tokens, which the causal mask hides from its earlier
+// query rows (q_len 2 to 4), must not reach those rows: the output product weighs a hidden token by
+// P = 0, and 0 x NaN is NaN, so the kernels zero such values once the scores are taken. The rows
+// that see the token are NaN (from its score), as in the reference. Request 0 (300 tokens, so that
+// the token shares its tile and split with visible ones) gets the value; request 1 stays clean.
+// Kernels: 8 heads at q_len 2 the narrow one, 8 at q_len 4 (32 rows) the wide mma.sync one, 64 at
+// q_len 2 wgmma on sm_90 (the wide one under LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
+// Every case compares all rows but the two infinite ones', whose seeing rows are left out: there the
+// reference's sums of infinite terms (code x inf per dim; -inf x q) need not match the kernels'.
+TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
+  LKV_REQUIRE_GPU();
+  struct Poison {
+    const char* what;
+    KvDtype dtype;
+    int q_len;
+    int back;            // the token: request 0's length - back
+    int byte;            // in its cache entry
+    std::uint32_t bits;  // written there: one fp8 code, or a little-endian bf16 or float
+    int bytes;
+    int hidden_positions;  // query positions that do not see it (0: compare every row)
+  };
+  const Poison cases[] = {
+      {"fp8 NaN code in block 0 of the newest token", KvDtype::kFp8E4M3, 2, 1, 5, 0x7Fu, 1, 0},
+      {"fp8 NaN code (0xFF) in block 2 of the newest token", KvDtype::kFp8E4M3, 4, 1, 300, 0xFFu, 1, 0},
+      {"fp8 NaN scale of block 1, third newest token", KvDtype::kFp8E4M3, 4, 3, 512 + 4, 0x7FC00000u, 4, 0},
+      {"fp8 +inf scale of block 3, second newest token", KvDtype::kFp8E4M3, 4, 2, 512 + 12, 0x7F800000u, 4, 2},
+      {"bf16 NaN in dim 7 of the newest token", KvDtype::kBf16, 4, 1, 14, 0x7FC0u, 2, 0},
+      {"bf16 -inf in dim 400 of the second newest token", KvDtype::kBf16, 4, 2, 800, 0xFF80u, 2, 2},
+  };
+  for (const Poison& c : cases) {
+    for (const char* kernel : {"auto", "mma"}) {
+      for (int heads : {8, 64}) {
+        Rng rng = test_rng();
+        PagedFixtureOptions opt;
+        opt.lengths = {300, 100};
+        opt.kv_dtype = c.dtype;
+        opt.with_indexer = false;
+        PagedFixture f = make_paged_fixture(opt, rng);
+        const std::int64_t t = opt.lengths[0] - c.back;
+        const std::int64_t slot = static_cast<std::int64_t>(f.block_table[t / f.page_size]) * f.page_size + t % f.page_size;
+        const std::int64_t entry = slot * (c.dtype == KvDtype::kBf16 ? 1152 : 656) + c.byte;
+        for (int i = 0; i < c.bytes; ++i) f.cache_bytes[static_cast<std::size_t>(entry + i)] = (c.bits >> (8 * i)) & 0xFFu;
+        HostTensor q = random_bf16(rng, {f.batch(), c.q_len, heads, 576});
+        const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+        ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
+        DeviceDecode d(f, q, 0.0625f);
+        const Backend& backend = *find_backend("cuda");
+        d.plan(backend, detect_device());
+        run(backend, d.params);
+        LKV_CUDA_OK(cudaDeviceSynchronize());
+        ::unsetenv("LATENTKV_MLA_KERNEL");
+        d.download();
+        SCOPED_TRACE(std::string(c.what) + ", q_len " + std::to_string(c.q_len) + ", " + kernel + ", H " +
+                     std::to_string(heads) + ", " + std::to_string(d.params.num_splits) + " splits");
+        // The reference: the last row sees the value, the first does not.
+        ASSERT_TRUE(std::isnan(ref.lse.get((c.q_len - 1) * heads)) || c.hidden_positions > 0);
+        ASSERT_TRUE(std::isfinite(ref.o.get(0)));
+        if (c.hidden_positions == 0) {
+          EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
+          EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+        } else {
+          const auto [got_o, got_lse] = first_positions(d.o_host, d.lse_host, c.hidden_positions);
+          const auto [ref_o, ref_lse] = first_positions(ref.o, ref.lse, c.hidden_positions);
+          EXPECT_TRUE(compare("o of the rows that do not see it", got_o, ref_o, Tolerance::bf16_output()));
+          EXPECT_TRUE(compare("lse of the rows that do not see it", got_lse, ref_lse, Tolerance::lse()));
+        }
+      }
+    }
+  }
+}
+
 // The fault tests' cache: three requests (300, 1000 and 129 tokens) of `dtype`, and with `requests`
 // above 3 more of mixed lengths, which the narrow kernel merges itself in its balanced grid.
 PagedFixture fault_fixture(KvDtype dtype, Rng& rng, int requests = 3) {

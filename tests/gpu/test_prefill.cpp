@@ -281,6 +281,45 @@ TEST(GpuMlaPrefillExact, ConstantValuesGiveThatValue) {
   }
 }
 
+// A NaN code in one new token of a prompt (which the appends refuse, but a cache written by other
+// code may hold) is hidden by the causal mask from the new tokens before it: their rows stay
+// finite, as in the reference, also where they share a group with the tokens that see it (the
+// kernels weigh a hidden token by P = 0, and 0 x NaN would be NaN). Groups: 8 heads and 32 take the
+// wgmma kernel's groups (8 and 2 new tokens) on sm_90; one head over 2048 new tokens under
+// LATENTKV_MLA_KERNEL=mma the narrow kernel's (16), elsewhere per token.
+TEST(GpuMlaPrefillNan, ANanNewTokenStaysOutOfTheEarlierTokensRows) {
+  LKV_REQUIRE_GPU();
+  struct Case {
+    const char* kernel;
+    int heads;
+    Batch batch;
+    std::int64_t token;  // of request 0, with a NaN code in latent dim 5
+  };
+  const Case cases[] = {{"auto", 8, {{100, 0}, {12, 5}}, 103},
+                        {"auto", 32, {{100, 0}, {12, 5}}, 105},
+                        {"mma", 8, {{100, 0}, {12, 5}}, 103},
+                        {"mma", 1, {{0}, {2048}}, 5}};
+  for (const Case& c : cases) {
+    Rng rng = test_rng();
+    PagedFixture f = make_prefill_fixture(c.batch, 64, rng, KvDtype::kFp8E4M3, false);
+    const std::int64_t slot =
+        static_cast<std::int64_t>(f.block_table[c.token / f.page_size]) * f.page_size + c.token % f.page_size;
+    f.cache_bytes[static_cast<std::size_t>(slot * 656 + 5)] = 0x7F;
+    const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
+    const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});
+    const AttentionOutputs ref = reference_mla_prefill(f, q, cu, kScale);
+    ::setenv("LATENTKV_MLA_KERNEL", c.kernel, 1);
+    const GpuOutputs got = gpu_mla_prefill(f, q, cu);
+    ::unsetenv("LATENTKV_MLA_KERNEL");
+    SCOPED_TRACE(std::string(c.kernel) + ", H " + std::to_string(c.heads) + ", NaN in position " + std::to_string(c.token));
+    const std::int64_t nan_row = c.token - c.batch.prefixes[0];  // the first new token that sees it
+    ASSERT_TRUE(std::isfinite(ref.lse.get((nan_row - 1) * c.heads)));
+    ASSERT_TRUE(std::isnan(ref.lse.get(nan_row * c.heads)));
+    EXPECT_TRUE(compare("o", got.o, ref.o, Tolerance::bf16_output())) << got.plan.num_splits << " splits";
+    EXPECT_TRUE(compare("lse", got.lse, ref.lse, Tolerance::lse())) << got.plan.num_splits << " splits";
+  }
+}
+
 // ---- sparse prefill --------------------------------------------------------------------------
 
 // Index rows [T, cols], row cu[b] + j for new token j of request b: the slots of the positions that

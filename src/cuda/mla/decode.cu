@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     const int row = row_base + g * kRowsPerGroup + lane / 4 + 8 * h;
     visible[h] = visible_tokens(a, len, row);
   }
+  const int hidden_from = first_hidden_token(visible_tokens(a, len, row_base), a.rows - row_base, len);
 
   if (num_tiles > 0) issue_loads(0);
   for (int tile = 0; tile < num_tiles; ++tile) {
@@ -198,7 +199,19 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       if (lane % 4 == 0) my_red_max[w * kRowsPerGroup + lane / 4 + 8 * h] = m;
     }
-    __syncthreads();  // (C)
+    __syncthreads();  // (C) the scores are taken: K is read again only as V, after (D)
+    if (tile_begin + kTileTokens > hidden_from) {  // non-finite V values and scales of hidden tokens zeroed
+      const int first = max(hidden_from - tile_begin, 0), count = min(end - tile_begin, kTileTokens) - first;
+#pragma unroll 1
+      for (int i = tid; i < count * (kDimV / 2); i += kThreads) {
+        auto* pair = reinterpret_cast<std::uint32_t*>(k_s + (first + i / (kDimV / 2)) * kRowStride) + i % (kDimV / 2);
+        *pair = finite_16x2<0x7F80u>(*pair);
+      }
+      if constexpr (kFp8) {
+#pragma unroll 1
+        for (int i = tid; i < count * 4; i += kThreads) scale_s[first * 4 + i] = finite_or_zero(scale_s[first * 4 + i]);
+      }
+    }
     float alpha[2];
     float* p_rows = p_s + g * kRowsPerGroup * kPStride;
 #pragma unroll

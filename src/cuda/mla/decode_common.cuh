@@ -172,6 +172,30 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const Request
   return row < rows.count ? len - rows.q_len + row / a.heads + 1 : 0;
 }
 
+// Tokens hidden by the causal mask. The output product weighs every staged token of a tile, and a
+// token hidden from a row gets P' = 0 there, but 0 x NaN is NaN: a NaN in a newer token (which a
+// cache written by other code may hold) would reach the rows that must not see it. So once a tile's
+// scores are taken, the kernels zero the non-finite V values and scales of its tokens from
+// `hidden_from` on (the first token that some row of the CTA does not see: its first row's visible
+// count, the rows' counts rising with the row; `len`, nothing hidden, for a CTA without rows). A
+// row that sees such a token already has a NaN score, hence a NaN output and lse, as in the
+// reference; a row that does not gets 0 x 0. Only a request's newest q_len - 1 tokens (a grouped
+// prefill's group - 1) can be hidden, so whole tiles before them skip this.
+__device__ __forceinline__ int first_hidden_token(int visible_of_first_row, int row_count, int len) {
+  return row_count > 0 ? visible_of_first_row : len;
+}
+// Four fp8 e4m3 codes with the NaN ones (0x7F, 0xFF) zeroed.
+__device__ __forceinline__ std::uint32_t finite_fp8x4(std::uint32_t codes) {
+  return codes & ~__vcmpeq4(codes & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+}
+// Two f16 (kExponent 0x7C00) or bf16 (0x7F80) values with the infinite and NaN ones zeroed.
+template <std::uint32_t kExponent>
+__device__ __forceinline__ std::uint32_t finite_16x2(std::uint32_t values) {
+  constexpr std::uint32_t kBoth = kExponent | (kExponent << 16);
+  return values & ~__vcmpeq2(values & kBoth, kBoth);
+}
+__device__ __forceinline__ float finite_or_zero(float x) { return isfinite(x) ? x : 0.0f; }
+
 // Token t of request b comes from its block table (dense: page t / page_size) or its index row
 // (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the
 // global load can be issued early and used late. A slot outside the pool, or -1, gives -1: the

@@ -501,6 +501,7 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
 #pragma unroll
   for (int n = 0; n < kNt; ++n) row_max[n] = -INFINITY, row_sum[n] = 0.0f;
   float unit = 0.0f;
+  const int hidden_from = first_hidden_token(visible_tokens(a, rows, len, 0), rows.count, len);
 
   float acc_o[8][kNt][4];
 #pragma unroll
@@ -594,6 +595,22 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       }
     }
     __syncthreads();  // (B) score partials complete
+    // Non-finite V codes and scales of the tokens some row does not see, zeroed (decode_common.cuh):
+    // warp w, the only reader of block w's codes and scales from here on, zeroes its own.
+    if (tile_begin + kTile > hidden_from) {
+      std::uint8_t* staged = stages + (tile % kStages) * kStageBytes;
+      const int last = min(end - tile_begin, kTile);
+#pragma unroll 1
+      for (int t = max(hidden_from - tile_begin, 0); t < last; ++t) {
+        auto* codes = reinterpret_cast<std::uint32_t*>(staged + t * kTokenBytes + 128 * warp) + lane;
+        *codes = finite_fp8x4(*codes);
+        if (lane == 0) {
+          auto* scale = reinterpret_cast<float*>(staged + t * kTokenBytes + 512) + warp;
+          *scale = finite_or_zero(*scale);
+        }
+      }
+      __syncwarp();
+    }
 
     // ---- online softmax over the tile, in every warp: lane (r, c) takes rows n * 8 + r and the tokens
     // 16 ks + 2c + {0, 1, 8, 9} (ks = 0, 1) that its B fragments of P' hold: p[n][4 ks + {0, 1, 2, 3}] ----

@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     visible[h] = visible_tokens(a, rows, len, row);
   }
   const float q_scale[2] = {q_scale_s[r_of[0]], q_scale_s[r_of[1]]};
+  const int hidden_from = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
   float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed over the quad at the end
   float unit[2] = {0.0f, 0.0f};               // largest scale seen of blocks 2 wg, 2 wg + 1 (equal in the warpgroup)
@@ -355,6 +356,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     const std::int32_t* tile_slots = slot_s + ring * kTile;  // [64]: this tile's slots, -1 unread
     const bool whole = all_read_s[ring * 2] && all_read_s[ring * 2 + 1] &&
                        tile_begin + kTile <= min(visible[0], visible[1]);
+    // Non-finite V values and scales of the tokens some row does not see, zeroed (decode_common.cuh):
+    // each warpgroup its own V blocks (column blocks 4 wg .. 4 wg + 3, scale blocks 2 wg, 2 wg + 1),
+    // which only its P V reads from here on, made visible to the tensor cores before that.
+    if (tile_begin + kTile > hidden_from) {
+      const int t128 = tid % 128, first = max(hidden_from - tile_begin, 0), last = min(end - tile_begin, kTile);
+      unsigned char* column = k_base + cur * kTileBytes + (4 * wg + t128 / 32) * kBlockBytes + 4 * (t128 % 32);
+#pragma unroll 1
+      for (int t = first; t < last; ++t) {
+        auto* pair = reinterpret_cast<std::uint32_t*>(column + t * wgmma::kSwizzleRowBytes);
+        *pair = finite_16x2<0x7C00u>(*pair);
+      }
+      const int token = t128 % kTile;
+      if (token >= first && token < last) {
+        float* scale = scale_base + cur * 4 * kTile + (2 * wg + t128 / kTile) * kTile + token;
+        *scale = finite_or_zero(*scale);
+      }
+      wgmma::fence_shared_for_async();
+      warpgroup_barrier(wg);
+    }
     if (whole) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) s[e] *= a.scale_log2;
