@@ -123,17 +123,17 @@ for step in "${steps[@]}"; do
       run_bench h16_b64_8k --model glm5 --tp 4 --batch 64 --context 8192 --pool 600000 --backends cuda
       run_bench h8_b64_mixed --model glm5 --tp 8 --batch 64 --context 16384 --context-min 1024 --pool 1200000 --backends cuda,gather_cast --check-requests 4
       run_bench h128_b64_8k --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --pool 600000 --backends cuda --iters 20 --check-requests 1
-      run_bench sparse_h8_b64_k2048 --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000 --backends cuda
+      run_bench sparse_h8_b64_k2048 --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 1100000 --backends cuda
       run_bench sparse_h8_b1_k2048 --op sparse_mla_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 495000 --backends cuda
-      run_bench sparse_h128_b64_k2048 --op sparse_mla_decode --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --topk 2048 --pool 600000 --backends cuda --iters 20 --check-requests 1
-      run_bench indexer_hi32_b1_128k --op indexer_logits --model glm5 --batch 1 --context 131072 --pool 600000 --backends cuda
+      run_bench sparse_h128_b64_k2048 --op sparse_mla_decode --model deepseek-v3.2 --tp 1 --batch 64 --context 8192 --topk 2048 --pool 1100000 --backends cuda --iters 20 --check-requests 1
+      run_bench indexer_hi32_b1_128k --op indexer_logits --model glm5 --batch 1 --context 131072 --pool 1100000 --backends cuda
       run_bench indexer_hi32_b16_128k --op indexer_logits --model glm5 --batch 16 --context 131072 --pool 2200000 --backends cuda --check-requests 1
       run_bench topk_b1_128k --op topk --batch 1 --context 131072 --topk 2048 --pool 600000 --backends cuda
       run_bench topk_b1_32k --op topk --batch 1 --context 32768 --topk 2048 --pool 495000 --backends cuda
       run_bench topk_b64_32k --op topk --batch 64 --context 32768 --topk 2048 --pool 2200000 --backends cuda --check-requests 4
-      run_bench dsa_glm5_b1_32k --op dsa_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 495000
+      run_bench dsa_glm5_b1_32k --op dsa_decode --model glm5 --tp 8 --batch 1 --context 32768 --topk 2048 --pool 800000
       run_bench dsa_glm5_b64_8k --op dsa_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000 --check-requests 2
-      run_bench sparse_h8_b64_k2048_baselines --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 600000
+      run_bench sparse_h8_b64_k2048_baselines --op sparse_mla_decode --model glm5 --tp 8 --batch 64 --context 8192 --topk 2048 --pool 1100000
       run_bench sparse_prefill_h128_4k_k2048 --op sparse_mla_prefill --model deepseek-v3.2 --tp 1 --batch 1 --context 32768 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda,gather_cast --iters 5 --warmup 1
       run_bench sparse_prefill_h8_4k_k2048 --op sparse_mla_prefill --model glm5 --tp 8 --batch 1 --context 32768 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda,gather_cast,cast_full --iters 10 --warmup 2
       run_bench indexer_prefill_hi32_4k_over_32k --op indexer_prefill --model glm5 --batch 1 --context 36864 --new-tokens 4096 --topk 2048 --pool 100000 --backends cuda --iters 5 --warmup 1

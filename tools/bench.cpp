@@ -91,6 +91,11 @@ void print_report(const BenchOptions& o, const BenchReport& r) {
               o.op.c_str(), o.model.c_str(), o.tp, o.batch, context.c_str(), queries.c_str(),
               sparse ? (", topk " + std::to_string(o.topk)).c_str() : "", o.page_size,
               o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
+  if (!r.rotation_cold) {
+    std::printf("warning: the pool holds %d rotation sets, too few for every timed call to find its inputs outside "
+                "the L2; a larger --pool gives more\n",
+                r.rotation_sets);
+  }
   if (r.matrix_tflops > 0) std::printf("matrix rate (this run): %.0f TFLOP/s, %s\n", r.matrix_tflops, r.matrix_how.c_str());
   std::printf("timing: %s, %s\n", r.timing.c_str(),
               o.launch == "paced" ? "launched by the host as it goes"
@@ -136,6 +141,7 @@ void write_json(const BenchOptions& o, const BenchReport& r, const std::string& 
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
                 {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
+  j["rotation_cold"] = r.rotation_cold;
   j["timing"] = r.timing;
   j["launch"] = o.launch;
   if (r.matrix_tflops > 0) {

@@ -56,6 +56,7 @@ struct BenchReport {
   double read_gbps = 0, copy_gbps = 0, gather_gbps = 0;
   double empty_launch_us = 0, empty_graph_us = 0;  // an empty kernel timed as the calls are (measure.hpp)
   int rotation_sets = 0;
+  bool rotation_cold = true;  // false: the pool held too few sets for every timed call to miss L2 (pool.hpp)
   std::string timing = "stream launches";  // or "CUDA graph replays"
   double matrix_tflops = 0;                 // the matrix rate measured in the run, when the op needs it
   std::string matrix_how;

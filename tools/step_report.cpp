@@ -164,13 +164,13 @@ OpWork op_work(StepOp op, std::string_view decode_backend, const StepShape& s) {
         w.bytes = (kFp8Token + 2 * kBf16Token) * c.selected + q_o_lse + index_rows;
       }
       break;
-    case StepOp::kDenseDecode:
-      w.floor_bytes = kFp8Token * c.visible + q_o_lse;
+    case StepOp::kDenseDecode:  // each request's tokens read once: its q_len rows share them
+      w.floor_bytes = kFp8Token * c.cached + q_o_lse;
       w.flops = 2.0 * heads * (kQkDim + kVDim) * c.visible;
       if (decode_backend == "cast_full") {
-        w.bytes = pool * (kFp8Token + kBf16Token) + kBf16Token * c.visible + q_o_lse;
+        w.bytes = pool * (kFp8Token + kBf16Token) + kBf16Token * c.cached + q_o_lse;
       } else if (decode_backend == "gather_cast") {  // each request's tokens gathered and cast once
-        w.bytes = c.cached * (kFp8Token + kBf16Token) + kBf16Token * c.visible + q_o_lse;
+        w.bytes = c.cached * (kFp8Token + 2 * kBf16Token) + q_o_lse;
       }
       break;
   }

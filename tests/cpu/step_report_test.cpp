@@ -88,6 +88,13 @@ TEST(StepWork, DenseDecodeReadsEveryVisibleToken) {
   EXPECT_DOUBLE_EQ(w.flops, 64 * 2.0 * 8 * 1088 * 8192);
   const OpWork gather = op_work(StepOp::kDenseDecode, "gather_cast", s);
   EXPECT_DOUBLE_EQ(gather.bytes, 64 * 8192 * (656.0 + 1152) + 64 * (8192 * 1152.0 + q_o_lse(s)));
+  // With q_len 2 the two rows share the request's tokens: read once, attended twice.
+  s.q_len = 2;
+  const OpWork two = op_work(StepOp::kDenseDecode, "cuda", s);
+  EXPECT_DOUBLE_EQ(two.bytes, 64 * 8192 * 656.0 + 128 * q_o_lse(s));
+  EXPECT_DOUBLE_EQ(two.flops, 64 * 2.0 * 8 * 1088 * (8191 + 8192));
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kDenseDecode, "gather_cast", s).bytes,
+                   64 * 8192 * (656.0 + 2 * 1152) + 128 * q_o_lse(s));
 }
 
 TEST(StepWork, IndexerTopkAndAppend) {

@@ -2,6 +2,7 @@
 // side on the same pool, same requests, same queries, each output checked before it is timed.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -100,7 +101,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     std::uniform_int_distribution<std::int64_t> draw(opt.context_min, opt.context);
     for (std::int64_t& length : lengths) length = draw(rng);
   }
-  // Tokens each call reads: every visible token (dense) or every selected one (sparse).
+  // (query row, token) pairs: every visible token (dense) or every selected one (sparse) of each row.
   double attended = 0;
   for (const std::int64_t length : lengths) {
     for (int i = 0; i < opt.q_len; ++i) {
@@ -108,25 +109,35 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       attended += sparse ? std::min<double>(visible, opt.topk) : visible;
     }
   }
-  const std::int64_t bytes_per_call = static_cast<std::int64_t>(attended) * token_bytes;
-  const std::int64_t tokens_per_set = std::accumulate(lengths.begin(), lengths.end(), std::int64_t{0}) +
-                                      static_cast<std::int64_t>(opt.batch) * opt.page_size;
-  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size, tokens_per_set);
-  const RequestSets sets = make_request_sets(pool, report.rotation_sets, lengths, opt.seed);
+  // Entries each call must read: a dense request's tokens once (its q_len rows share them), each
+  // sparse row's selected ones.
+  const std::int64_t cached = std::accumulate(lengths.begin(), lengths.end(), std::int64_t{0});
+  const std::int64_t bytes_per_call = (sparse ? static_cast<std::int64_t>(attended) : cached) * token_bytes;
+  // A set of requests per rotation for dense calls, which read all of them; sparse ones read only
+  // their index rows, so their rotations share fewer sets of requests (pool.hpp).
+  const std::int64_t fits = pool.num_pages * pool.page_size / (cached + static_cast<std::int64_t>(opt.batch) * opt.page_size);
+  const Rotation rotation = plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters, sparse ? kAnySets : fits);
+  const int variants = rotation.sets;
+  const RequestSets sets =
+      make_request_sets(pool, static_cast<int>(std::clamp<std::int64_t>(fits, 1, variants)), lengths, opt.seed);
+  report.rotation_sets = variants;
+  // Sparse variants over the same requests share the tokens both select: few when each selects at
+  // most an eighth of them.
+  report.rotation_cold = rotation.cold && (sets.sets == variants || 8 * opt.topk <= opt.context);
 
   // Queries, outputs (and index rows), one set per rotation.
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 576;
   const std::size_t o_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 512;
   const std::size_t lse_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads;
   const std::size_t index_elems = sparse ? static_cast<std::size_t>(opt.batch) * opt.q_len * opt.topk : 0;
-  DeviceMemory q(q_elems * 2 * sets.sets), o(o_elems * 2 * sets.sets), lse(lse_elems * 4 * sets.sets);
-  launch_random_bf16(q.get<std::uint16_t>(), q_elems * sets.sets, opt.seed * 7 + 3, 1.0f, stream);
+  DeviceMemory q(q_elems * 2 * variants), o(o_elems * 2 * variants), lse(lse_elems * 4 * variants);
+  launch_random_bf16(q.get<std::uint16_t>(), q_elems * variants, opt.seed * 7 + 3, 1.0f, stream);
   std::vector<std::uint16_t> host_q(q_elems);
   cuda_ok(cudaMemcpy(host_q.data(), q.get(), q_elems * 2, cudaMemcpyDeviceToHost), "q download");
   std::vector<std::int32_t> host_indices;
   DeviceMemory indices;
   if (sparse) {
-    host_indices = random_index_rows(sets, opt.q_len, opt.topk, opt.context, opt.page_size, opt.seed * 13 + 5);
+    host_indices = random_index_rows(sets, variants, opt.q_len, opt.topk, opt.context, opt.page_size, opt.seed * 13 + 5);
     indices = DeviceMemory(host_indices.size() * 4);
     cuda_ok(cudaMemcpy(indices.get(), host_indices.data(), host_indices.size() * 4, cudaMemcpyHostToDevice), "indices");
   }
@@ -153,10 +164,10 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     MlaDecodeParams p;
     p.q = qv;
     p.cache = pool.cache();
-    p.block_table = TensorView::contiguous(const_cast<std::int32_t*>(sets.table(set)), DType::kI32,
+    p.block_table = TensorView::contiguous(const_cast<std::int32_t*>(sets.table(set % sets.sets)), DType::kI32,
                                            {opt.batch, sets.max_pages}, Device::cuda());
-    p.seq_lens = TensorView::contiguous(const_cast<std::int32_t*>(sets.lengths(set)), DType::kI32, {opt.batch},
-                                        Device::cuda());
+    p.seq_lens = TensorView::contiguous(const_cast<std::int32_t*>(sets.lengths(set % sets.sets)), DType::kI32,
+                                        {opt.batch}, Device::cuda());
     p.o = ov;
     p.lse = lv;
     p.softmax_scale = scale;
@@ -164,8 +175,8 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     return p;
   };
 
-  // Work the op must do: each attended token's bytes once, the queries and outputs; 2 H (576 + 512)
-  // FLOP per attended token and query row.
+  // Work the op must do: the entries above once, the queries and outputs; 2 H (576 + 512) FLOP per
+  // (query row, token) pair.
   const double flops = 2.0 * heads * (576 + 512) * attended;
   const double bytes = static_cast<double>(bytes_per_call) + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +
                        4.0 * static_cast<double>(index_elems);
@@ -197,7 +208,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     row.num_splits = plan.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
     auto call = [&](int i) {
-      OpArgs args = params_for(i % sets.sets);
+      OpArgs args = params_for(i % variants);
       attach_plan(args, plan, workspace);
       sel.kernel->launch(args, {stream});
     };

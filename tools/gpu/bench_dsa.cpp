@@ -71,10 +71,15 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
   const std::int64_t rows = static_cast<std::int64_t>(opt.batch) * opt.q_len;
   const std::int64_t bytes_per_call = rows * opt.context * 4;
   const std::int64_t pool_pages = (opt.pool + opt.page_size - 1) / opt.page_size;
-  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool_pages * opt.page_size,
-                                       opt.batch * (opt.context + opt.page_size));
-  const int sets = report.rotation_sets;
-  const HostTables h = host_tables(pool_pages, opt.page_size, sets, opt.batch, opt.context, opt.seed);
+  // The logits are the top-k's input, a buffer of their own per rotation set; the sets share the block
+  // tables of as many sets of requests as the pool holds (a call reads a few kB of them).
+  const Rotation rotation = plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters, kAnySets);
+  report.rotation_sets = rotation.sets;
+  report.rotation_cold = rotation.cold;
+  const int sets = rotation.sets;
+  const int table_sets = static_cast<int>(
+      std::clamp<std::int64_t>(pool_pages * opt.page_size / (opt.batch * (opt.context + opt.page_size)), 1, sets));
+  const HostTables h = host_tables(pool_pages, opt.page_size, table_sets, opt.batch, opt.context, opt.seed);
   const DeviceMemory tables = upload(h.tables), lens = upload(h.lens);
 
   // Logits like the indexer's: normal values, -inf where a row cannot see (causal rows).
@@ -94,9 +99,10 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
     TopkParams p;
     p.logits = TensorView::contiguous(d_logits.get<float>() + set * rows * opt.context, DType::kF32,
                                       {opt.batch, opt.q_len, opt.context}, Device::cuda());
-    p.block_table = TensorView::contiguous(tables.get<std::int32_t>() + static_cast<std::size_t>(set) * opt.batch * h.max_pages,
+    const int t = set % table_sets;
+    p.block_table = TensorView::contiguous(tables.get<std::int32_t>() + static_cast<std::size_t>(t) * opt.batch * h.max_pages,
                                            DType::kI32, {opt.batch, h.max_pages}, Device::cuda());
-    p.seq_lens = TensorView::contiguous(lens.get<std::int32_t>() + set * opt.batch, DType::kI32, {opt.batch}, Device::cuda());
+    p.seq_lens = TensorView::contiguous(lens.get<std::int32_t>() + t * opt.batch, DType::kI32, {opt.batch}, Device::cuda());
     p.page_size = opt.page_size;
     p.k = opt.topk;
     p.slots = TensorView::contiguous(slots.get<std::int32_t>() + set * rows * opt.topk, DType::kI32,
@@ -169,9 +175,11 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
   // Bytes the layer must move: every visible indexer key once per request, the logits written and read
   // back, the selected fp8 tokens, queries and outputs.
   const double cache_bytes = (static_cast<double>(opt.context) * kIndexerTokenBytes + attended * kFp8TokenBytes) * opt.batch;
-  report.rotation_sets = rotation_sets(static_cast<std::int64_t>(cache_bytes), ctx.l2_bytes, pool.num_pages * pool.page_size,
-                                       opt.batch * (opt.context + opt.page_size));
-  const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
+  const Rotation rotation = plan_rotation(static_cast<std::int64_t>(cache_bytes), ctx.l2_bytes, opt.warmup + opt.iters,
+                                         pool.num_pages * pool.page_size / (opt.batch * (opt.context + opt.page_size)));
+  report.rotation_sets = rotation.sets;
+  report.rotation_cold = rotation.cold;
+  const RequestSets sets = make_request_sets(pool, rotation.sets, opt.batch, opt.context, opt.seed);
 
   const std::size_t rows = static_cast<std::size_t>(opt.batch) * opt.q_len;
   const std::size_t q_elems = rows * heads * 576, o_elems = rows * heads * 512, lse_elems = rows * heads;
@@ -240,30 +248,56 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     }
     row.kernel = "indexer + topk + " + sel.kernel->name;
     row.num_splits = plan.sparse.num_splits;
+    // One workspace for the layer's calls (its logits and slots pass from op to op within a call, as
+    // in a decode step); `workspaces[set]` one of its own per set.
     const DeviceMemory workspace = DeviceMemory::zeroed(plan.workspace_bytes);
-    auto with_workspace = [&](int set) {
+    const auto on_workspace = [&](int set, const DeviceMemory& w) {
       DsaDecodeParams p = params_for(set % sets.sets);
-      p.workspace = workspace.get();
-      p.workspace_bytes = workspace.bytes();
+      p.workspace = w.get();
+      p.workspace_bytes = w.bytes();
       p.workspace_cleared = true;
       return p;
     };
+    auto with_workspace = [&](int set) { return on_workspace(set, workspace); };
     auto call = [&](int i) { dsa_decode(backends, with_workspace(i), plan, {stream}, device); };
 
     cuda_ok(cudaMemsetAsync(o.get(), 0xFF, o_elems * 2, stream), "sentinel");
     cuda_ok(cudaMemsetAsync(lse.get(), 0xFF, lse_elems * 4, stream), "sentinel");
+    {
+      const DsaSteps steps = dsa_steps(with_workspace(0), plan);
+      cuda_ok(cudaMemsetAsync(steps.indexer.logits.data, 0xFF, steps.indexer.logits.numel() * 4, stream), "sentinel");
+      cuda_ok(cudaMemsetAsync(steps.topk.slots.data, 0xA5, steps.topk.slots.numel() * 4, stream), "sentinel");
+    }
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     if (checked > 0) {
-      // The selection must be a top-k of the GPU's own logits, and o/lse the reference's sparse
-      // decode over exactly the slots it selected.
+      // The logits must be the reference indexer's, the selection a top-k of them, and o/lse the
+      // reference's sparse decode over exactly the slots it selected.
       const DsaSteps steps = dsa_steps(with_workspace(0), plan);
       const std::size_t checked_rows = static_cast<std::size_t>(checked) * opt.q_len;
-      std::vector<float> logits(checked_rows * static_cast<std::size_t>(opt.context));
+      std::vector<float> logits(checked_rows * static_cast<std::size_t>(opt.context)), want_logits(logits.size());
       std::vector<std::int32_t> slots(checked_rows * static_cast<std::size_t>(opt.topk));
       cuda_ok(cudaMemcpy(logits.data(), steps.indexer.logits.data, logits.size() * 4, cudaMemcpyDeviceToHost), "logits");
       cuda_ok(cudaMemcpy(slots.data(), steps.topk.slots.data, slots.size() * 4, cudaMemcpyDeviceToHost), "slots");
-      std::string failure;
+      std::vector<std::uint8_t> indexer_host(pool.indexer_bytes.bytes());
+      cuda_ok(cudaMemcpy(indexer_host.data(), pool.indexer_bytes.get(), indexer_host.size(), cudaMemcpyDeviceToHost), "indexer");
+      std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + checked * sets.max_pages);
+      std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
+      IndexerLogitsParams ri;
+      ri.q = TensorView::contiguous(host_qi.data(), DType::kFP8E4M3, {checked, opt.q_len, hi, 128});
+      ri.weights = TensorView::contiguous(host_w.data(), DType::kF32, {checked, opt.q_len, hi});
+      ri.cache = pool.indexer();
+      ri.cache.data = indexer_host.data();
+      ri.cache.device = Device::cpu();
+      ri.block_table = TensorView::contiguous(table.data(), DType::kI32, {checked, sets.max_pages});
+      ri.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {checked});
+      ri.logits = TensorView::contiguous(want_logits.data(), DType::kF32, {checked, opt.q_len, opt.context});
+      cpu::indexer_logits(ri);
+      // bench_indexer.cpp's bound: float32 sums of exact fp8 products in another order.
+      const CheckResult cl = check_close(
+          logits.size(), [&](std::size_t i) { return static_cast<double>(logits[i]); },
+          [&](std::size_t i) { return static_cast<double>(want_logits[i]); }, 1e-4, 1e-5, 1e-9);
+      std::string failure = cl.ok ? "" : "indexer logits " + cl.detail;
       for (std::size_t r = 0; r < checked_rows && failure.empty(); ++r) {
         const int b = static_cast<int>(r / static_cast<std::size_t>(opt.q_len)), i = static_cast<int>(r % static_cast<std::size_t>(opt.q_len));
         failure = topk_row_problem(logits.data() + r * static_cast<std::size_t>(opt.context),
@@ -304,7 +338,16 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     report.rows.push_back(row);
 
     if (name == "cuda") {  // each step of the layer on its own
-      const DsaSteps steps0 = dsa_steps(with_workspace(0), plan);
+      // Timed alone, the top-k and the sparse decode read what the step before left in the
+      // workspace: each set gets a workspace of its own, filled by a whole call, so that no timed
+      // call reads another's logits or slots from L2.
+      std::vector<DeviceMemory> workspaces;
+      for (int set = 0; set < sets.sets; ++set) {
+        workspaces.push_back(DeviceMemory::zeroed(plan.workspace_bytes));
+        dsa_decode(backends, on_workspace(set, workspaces.back()), plan, {stream}, device);
+      }
+      cuda_ok(cudaStreamSynchronize(stream), "the parts' inputs");
+      const DsaSteps steps0 = dsa_steps(on_workspace(0, workspaces[0]), plan);
       const double logit_bytes = 4.0 * visible * opt.batch;
       struct Step {
         const char* name;
@@ -326,7 +369,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
         const Selection ps = cuda->select(problem_of(parts[s].args, device));
         part.kernel = ps ? ps.kernel->name : ps.reason;
         const auto step_call = [&](int i) {
-          DsaSteps st = dsa_steps(with_workspace(i), plan);
+          DsaSteps st = dsa_steps(on_workspace(i, workspaces[static_cast<std::size_t>(i % sets.sets)]), plan);
           st.topk.workspace_cleared = false;  // alone: no indexer before it clears its state
           const OpArgs args = s == 0 ? OpArgs(st.indexer) : s == 1 ? OpArgs(st.topk) : OpArgs(st.sparse);
           run(*cuda, args, {stream}, device);

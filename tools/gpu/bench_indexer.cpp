@@ -35,8 +35,10 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
 
   const DevicePool pool(opt.pool, opt.page_size, KvDtype::kFp8E4M3, true, opt.seed, stream);
   const std::int64_t bytes_per_call = opt.batch * opt.context * static_cast<std::int64_t>(kIndexerTokenBytes);
-  report.rotation_sets = rotation_sets(bytes_per_call, ctx.l2_bytes, pool.num_pages * pool.page_size,
-                                       opt.batch * (opt.context + opt.page_size));
+  const Rotation rotation = plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters,
+                                         pool.num_pages * pool.page_size / (opt.batch * (opt.context + opt.page_size)));
+  report.rotation_sets = rotation.sets;
+  report.rotation_cold = rotation.cold;
   const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);
 
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 128;
@@ -82,6 +84,7 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
       attach_plan(args, plan, workspace);
       sel.kernel->launch(args, {stream});
     };
+    cuda_ok(cudaMemsetAsync(logits.get(), 0xFF, out_elems * 4, stream), "sentinel");  // NaN: unwritten logits fail
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());
     const int checked = std::min(opt.check_requests, opt.batch);

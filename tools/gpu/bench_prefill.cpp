@@ -73,7 +73,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
   std::vector<std::int32_t> host_indices;
   DeviceMemory indices;
   if (sparse) {  // [B, n, topk] = [T, topk]: token j of a request sees t < context - n + j + 1
-    host_indices = random_index_rows(sets, n, opt.topk, opt.context, opt.page_size, opt.seed * 13 + 5);
+    host_indices = random_index_rows(sets, 1, n, opt.topk, opt.context, opt.page_size, opt.seed * 13 + 5);
     indices = DeviceMemory(host_indices.size() * 4);
     cuda_ok(cudaMemcpy(indices.get(), host_indices.data(), host_indices.size() * 4, cudaMemcpyHostToDevice), "indices");
   }

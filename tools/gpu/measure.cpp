@@ -50,11 +50,26 @@ class Hold {
 // (which would block the host while the GPU waits for it).
 constexpr int kQueuedBatch = 64;
 
+// Reads a buffer twice the L2's size (a read, so that the L2 is left holding clean lines that the
+// calls' misses evict without writing back), so that nothing the set-up and the warm-up left there
+// serves the timed calls.
+void flush_l2(cudaStream_t stream) {
+  int device = 0, l2_bytes = 0, multiprocessors = 0;
+  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_ok(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "L2 size");
+  cuda_ok(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device), "multiprocessors");
+  DeviceMemory scratch(2 * static_cast<std::size_t>(l2_bytes)), sink(sizeof(unsigned long long));
+  launch_read_only(scratch.get(), scratch.bytes(), sink.get<unsigned long long>(), multiprocessors, stream);
+  cuda_ok(cudaGetLastError(), "L2 flush");
+  cuda_ok(cudaStreamSynchronize(stream), "L2 flush");
+}
+
 }  // namespace
 
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream, Launch launch) {
   for (int i = 0; i < warmup; ++i) call(i);
   cuda_ok(cudaStreamSynchronize(stream), "warm-up");
+  flush_l2(stream);
   std::vector<cudaEvent_t> events(static_cast<std::size_t>(2 * iters), nullptr);
   struct Destroy {
     std::vector<cudaEvent_t>& events;

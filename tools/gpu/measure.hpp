@@ -37,7 +37,9 @@ inline std::string pacing_note(const Timing& t, Launch launch = Launch::kQueued)
   return launch == Launch::kQueued && !t.queued ? " (partly paced by the host: the hold timed out)" : "";
 }
 
-// Times `call(i)` for i = 0 .. iters-1 after `warmup` untimed calls, each call between two events.
+// Times `call(warmup + i)` for i = 0 .. iters-1, each between two events, after `warmup` untimed
+// calls (call(0) .. call(warmup - 1)) and a read of twice the L2's size: what the set-up and the
+// warm-up left in the L2 serves no timed call.
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream,
                   Launch launch = Launch::kQueued);
 

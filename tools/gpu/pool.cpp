@@ -103,19 +103,22 @@ RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vecto
   return r;
 }
 
-int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
-                  std::int64_t tokens_per_set) {
-  const std::int64_t wanted = (4 * l2_bytes + bytes_per_call - 1) / std::max<std::int64_t>(bytes_per_call, 1);
-  const std::int64_t fits = pool_tokens / std::max<std::int64_t>(tokens_per_set, 1);
-  return static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, 64));
+Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits) {
+  const std::int64_t bytes = std::max<std::int64_t>(bytes_per_call, 1);
+  const std::int64_t wanted = std::min<std::int64_t>((2 * l2_bytes + bytes - 1) / bytes, std::max(calls, 1));
+  Rotation r;
+  r.sets = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, wanted));
+  r.cold = r.sets >= wanted;
+  return r;
 }
 
-std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
-                                            int page_size, std::uint64_t seed) {
+std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int variants, int q_len, int topk,
+                                            std::int64_t context, int page_size, std::uint64_t seed) {
   std::vector<std::int32_t> out;
   std::mt19937_64 rng(seed);
   std::vector<std::int64_t> positions;
-  for (int s = 0; s < sets.sets; ++s) {
+  for (int v = 0; v < variants; ++v) {
+    const int s = v % sets.sets;
     for (int b = 0; b < sets.batch; ++b) {
       const std::int32_t* table = sets.host_tables.data() + (static_cast<std::size_t>(s) * sets.batch + b) * sets.max_pages;
       for (int i = 0; i < q_len; ++i) {

@@ -45,12 +45,12 @@ RequestSets make_request_sets(const DevicePool& pool, int sets, int batch, std::
 RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vector<std::int64_t>& lengths,
                               std::uint64_t seed);
 
-// Index rows [sets, B, q_len, topk]: for each of a request's q_len newest tokens (token i sees
-// positions t < context - q_len + i + 1), topk distinct visible positions (all of them when fewer)
-// as physical slots, in random order, padded with -1. q_len is the decode q_len, or a prefill's new
-// tokens per request.
-std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int q_len, int topk, std::int64_t context,
-                                            int page_size, std::uint64_t seed);
+// Index rows [variants, B, q_len, topk], variant v over the requests of set v % sets.sets: for each
+// of a request's q_len newest tokens (token i sees positions t < context - q_len + i + 1), topk
+// distinct visible positions (all of them when fewer) as physical slots, in random order, padded
+// with -1. q_len is the decode q_len, or a prefill's new tokens per request.
+std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int variants, int q_len, int topk,
+                                            std::int64_t context, int page_size, std::uint64_t seed);
 
 // Indexer queries q (fp8 codes of roughly N(0, 1) values) and weights w (around 1/sqrt(heads * 128)),
 // any number of rows of `heads` heads; q.size() = 128 w.size().
@@ -63,8 +63,18 @@ std::vector<float> reference_token_logits(const IndexerCache& host_cache, const 
                                           const std::uint8_t* q_row, const float* w_row, int heads,
                                           std::int32_t visible);
 
-// How many sets keep the bytes read per rotation well above the L2 size, within the pool.
-int rotation_sets(std::int64_t bytes_per_call, std::int64_t l2_bytes, std::int64_t pool_tokens,
-                  std::int64_t tokens_per_set);
+// The sets of inputs a timed loop rotates through, so that no timed call finds its inputs in L2
+// (time_calls empties the L2 after the warm-up): enough that the sets read in one round of the
+// rotation come to twice the L2's size or more (one set when a call alone reads that much), but no
+// more than the loop's calls (warm-up and timed: beyond that no set is used twice), and within
+// `fits`, the sets the pool has room for (the ops that read every token of their requests need
+// requests of their own per set). `cold` is false when `fits` held the sets below that: the bench
+// then says that some calls may read their inputs from L2.
+struct Rotation {
+  int sets = 1;
+  bool cold = true;
+};
+inline constexpr std::int64_t kAnySets = std::int64_t{1} << 40;  // `fits` of inputs the pool does not bound
+Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits);
 
 }  // namespace latentkv::tools::gpu
