@@ -31,7 +31,10 @@ struct TokenFormat {
   static constexpr int kChunks = kBytes / 16;  // 41 or 72 sixteen-byte chunks
 };
 
-template <bool kFp8, int kGroups, bool kChecks>
+// kHidden: q_len > 1, so the causal mask may hide a request's newest tokens from some rows, whose
+// non-finite values the loop then keeps out of those rows (decode_common.cuh); the q_len 1 calls
+// run the loop without that code, as decode_wgmma.cu does.
+template <bool kFp8, int kGroups, bool kChecks, bool kHidden>
 __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
     decode_kernel(const DecodeArgs a, const FaultSink fault) {
   using Smem = DecodeSmem<kGroups>;
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
       if (lane % 4 == 0) my_red_max[w * kRowsPerGroup + lane / 4 + 8 * h] = m;
     }
     __syncthreads();  // (C) the scores are taken: K is read again only as V, after (D)
-    if (tile_begin + kTileTokens > hidden_from) {  // non-finite V values and scales of hidden tokens zeroed
+    if (kHidden && tile_begin + kTileTokens > hidden_from) {  // non-finite V values and scales of hidden tokens zeroed
       const int first = max(hidden_from - tile_begin, 0), count = min(end - tile_begin, kTileTokens) - first;
 #pragma unroll 1
       for (int i = tid; i < count * (kDimV / 2); i += kThreads) {
@@ -435,30 +438,35 @@ void launch_combine(const DecodeArgs& a, const int2* spans, const char* op, cuda
 
 int groups_for(int rows) { return rows <= kRowsPerGroup ? 1 : 2; }
 
-template <bool kFp8, int kGroups, bool kChecks = false>
+template <bool kFp8, int kGroups, bool kChecks = false, bool kHidden = false>
 int configure() {
   constexpr int kSmem = static_cast<int>(DecodeSmem<kGroups>::kBytes);
-  return allow_dynamic_smem(decode_kernel<kFp8, kGroups, kChecks>, kSmem, "mla_decode");
+  return allow_dynamic_smem(decode_kernel<kFp8, kGroups, kChecks, kHidden>, kSmem, "mla_decode");
 }
 
-template <bool kFp8, int kGroups, bool kChecks>
+template <bool kFp8, int kGroups, bool kChecks, bool kHidden>
 void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  const int smem_bytes = configure<kFp8, kGroups, kChecks>();
+  const int smem_bytes = configure<kFp8, kGroups, kChecks, kHidden>();
   const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", decode_kernel<kFp8, kGroups, kChecks>, grid, kGroups * kWarpsPerGroup * 32, smem_bytes,
-                 stream, false, a, fault);
+  launch_chained("mla_decode", decode_kernel<kFp8, kGroups, kChecks, kHidden>, grid, kGroups * kWarpsPerGroup * 32,
+                 smem_bytes, stream, false, a, fault);
+}
+template <bool kFp8, int kGroups, bool kHidden>
+void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  if (fault.record != nullptr) launch_instance<kFp8, kGroups, true, kHidden>(a, fault, stream);
+  else launch_instance<kFp8, kGroups, false, kHidden>(a, fault, stream);
 }
 template <bool kFp8, int kGroups>
 void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  if (fault.record != nullptr) launch_instance<kFp8, kGroups, true>(a, fault, stream);
+  if (a.q_len > 1) launch_instance<kFp8, kGroups, true>(a, fault, stream);
   else launch_instance<kFp8, kGroups, false>(a, fault, stream);
 }
 
 template <bool kFp8, int kGroups>
 int wide_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_kernel<kFp8, kGroups, false>, kGroups * kWarpsPerGroup * 32,
+  return resident_ctas_per_sm(decode_kernel<kFp8, kGroups, false, false>, kGroups * kWarpsPerGroup * 32,
                               configure<kFp8, kGroups>(), "mla_decode");
 }
 

@@ -69,6 +69,9 @@ constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block o
 [[maybe_unused]] constexpr int kHalfBlock = kBlockBytes / 2;  // a block's upper half: its codes before conversion
 constexpr int kTileBytes = kColumnBlocks * kBlockBytes;    // one K tile (or the queries)
 constexpr int kSlotRing = 3;        // tiles whose slots are kept: this one's (masks), the next two's (copies)
+// The slot of a token whose V values or scales held a non-finite value that convert_tile zeroed
+// (a token some row does not see): the rows that see it score it NaN.
+constexpr std::int32_t kPoisonedSlot = INT32_MIN;
 
 struct WgmmaSmem {
   static constexpr int kQ = 0;                                   // f16/bf16 [9 blocks][64 rows][64], swizzled
@@ -78,7 +81,8 @@ struct WgmmaSmem {
   static constexpr int kQScale = kScaleIn + 4 * 4 * kTile;       // f32 [64 rows], 2^-e of the f16 queries
   static constexpr int kSlots = kQScale + 4 * kRows;             // i32 [kSlotRing][64 tokens]
   static constexpr int kAllRead = kSlots + 4 * kSlotRing * kTile;  // i32 [kSlotRing][2 warps]: every slot >= 0
-  static constexpr int kBytes = kAllRead + 4 * kSlotRing * 2;
+  static constexpr int kHiddenFrom = kAllRead + 4 * kSlotRing * 2;  // i32: first_hidden_token (decode_common.cuh)
+  static constexpr int kBytes = kHiddenFrom + 4;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
   static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
@@ -92,10 +96,16 @@ struct WgmmaSmem {
 
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups): request b's
 // query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse on.
-template <bool kChecks, bool kGrouped>
+// kHidden: the causal mask may hide a request's newest tokens from some of its rows (q_len > 1, or
+// a grouped prefill), whose non-finite values convert_tile then keeps out of those rows. Only
+// there: in the tile loop of calls that need none of it (q_len 1: every decode and sparse row, a
+// prefill per token) the same code cost 1.5-2.5% (H200, H 128 B 64 x 8K: 614.5 against 604.7 us,
+// sparse H 128 173.2 against 169.3, prefill H 64 over 32K 79.6 against 78.5 ms).
+template <bool kChecks, bool kGrouped, bool kHidden>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
+  static_assert(kHidden || !kGrouped, "a group's tokens are causal among themselves");
 #if LKV_WGMMA
   using Smem = WgmmaSmem;
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -107,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* q_scale_s = reinterpret_cast<float*>(smem + Smem::kQScale);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
+  auto* hidden_from_s = reinterpret_cast<std::int32_t*>(smem + Smem::kHiddenFrom);
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -170,8 +181,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       all_read_s[2 + tid / 32] = all_read1;
     }
   }
+  if (kHidden && tid == 0) *hidden_from_s = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
   wgmma::fence_shared_for_async();
-  __syncthreads();  // the queries and the first slots
+  __syncthreads();  // the queries, the first slots and hidden_from
 
   const int warp = tid / 32;
   // cp.async of a tile's entries into K buffer tile % 2; a slot of -1 (outside the pool, no index)
@@ -243,6 +255,40 @@ __global__ void __launch_bounds__(kThreads, 1)
       sc[2 * kTile] = v.z;
       sc[3 * kTile] = v.w;
     }
+    // Tokens that some row does not see (decode_common.cuh), from `first` on: their non-finite V
+    // values and scales zeroed, each by the thread that wrote it, and the token's slot poisoned so
+    // that the rows that do see it get a NaN score (the mask below).
+    if constexpr (kHidden) {
+      const int tile_begin = begin + tile * kTile;
+      if (const int first = max(*hidden_from_s - tile_begin, 0); first < kTile) {
+        const int last = min(end - tile_begin, kTile);
+        std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
+        const auto poison = [&](int token) {
+          atomicMin(slots + token, kPoisonedSlot);
+          atomicAnd(all_read_s + (tile % kSlotRing) * 2 + token / 32, 0);
+        };
+#pragma unroll 1
+        for (int t = first; t < last; ++t) {
+          auto* pair = reinterpret_cast<std::uint32_t*>(blk + t * wgmma::kSwizzleRowBytes) + lane;
+          const std::uint32_t v = *pair, kept = finite_16x2<0x7C00u>(v);
+          if (kept != v) {
+            *pair = kept;
+            poison(t);
+          }
+        }
+        const int token = 8 * warp + lane;
+        if (lane < 8 && token >= first && token < last) {
+          float* sc = scale_base + (tile & 1) * 4 * kTile + token;
+          bool finite = true;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            finite = finite && isfinite(sc[k * kTile]);
+            sc[k * kTile] = finite_or_zero(sc[k * kTile]);
+          }
+          if (!finite) poison(token);
+        }
+      }
+    }
     wgmma::fence_shared_for_async();
   };
 
@@ -255,7 +301,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     visible[h] = visible_tokens(a, rows, len, row);
   }
   const float q_scale[2] = {q_scale_s[r_of[0]], q_scale_s[r_of[1]]};
-  const int hidden_from = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, equal in both warpgroups
   float row_sum[2] = {0.0f, 0.0f};            // this thread's tokens only; summed over the quad at the end
   float unit[2] = {0.0f, 0.0f};               // largest scale seen of blocks 2 wg, 2 wg + 1 (equal in the warpgroup)
@@ -356,28 +401,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const std::int32_t* tile_slots = slot_s + ring * kTile;  // [64]: this tile's slots, -1 unread
     const bool whole = all_read_s[ring * 2] && all_read_s[ring * 2 + 1] &&
                        tile_begin + kTile <= min(visible[0], visible[1]);
-    // Non-finite V values and scales of the tokens some row does not see, zeroed (decode_common.cuh):
-    // each warpgroup its own V blocks (column blocks 4 wg .. 4 wg + 3, scale blocks 2 wg, 2 wg + 1),
-    // which only its P V reads from here on, made visible to the tensor cores before that.
-    if (tile_begin + kTile > hidden_from) {
-      const int t128 = tid % 128, first = max(hidden_from - tile_begin, 0), last = min(end - tile_begin, kTile);
-      unsigned char* column = k_base + cur * kTileBytes + (4 * wg + t128 / 32) * kBlockBytes + 4 * (t128 % 32);
-#pragma unroll 1
-      for (int t = first; t < last; ++t) {
-        auto* pair = reinterpret_cast<std::uint32_t*>(column + t * wgmma::kSwizzleRowBytes);
-        *pair = finite_16x2<0x7C00u>(*pair);
-      }
-      const int token = t128 % kTile;
-      if (token >= first && token < last) {
-        float* scale = scale_base + cur * 4 * kTile + (2 * wg + t128 / kTile) * kTile + token;
-        *scale = finite_or_zero(*scale);
-      }
-      wgmma::fence_shared_for_async();
-      warpgroup_barrier(wg);
-    }
     if (whole) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) s[e] *= a.scale_log2;
+    } else if constexpr (kHidden) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int token = 8 * (e / 4) + 2 * quad + e % 2;
+        const std::int32_t slot = tile_slots[token];
+        const bool visible_here = tile_begin + token < visible[(e / 2) % 2];
+        s[e] = slot >= 0 && visible_here ? s[e] * a.scale_log2 : slot == kPoisonedSlot && visible_here ? NAN : -INFINITY;
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 32; ++e) {
@@ -536,9 +570,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <bool kChecks = false, bool kGrouped = false>
+template <bool kChecks = false, bool kGrouped = false, bool kHidden = kGrouped>
 int configure() {
-  return allow_dynamic_smem(decode_wgmma_kernel<kChecks, kGrouped>, WgmmaSmem::kAlloc, "mla_decode");
+  return allow_dynamic_smem(decode_wgmma_kernel<kChecks, kGrouped, kHidden>, WgmmaSmem::kAlloc, "mla_decode");
+}
+
+// The decode instance for a call: with checks (a fault record) or not, and tokens hidden (q_len > 1) or not.
+template <bool kHidden>
+void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid, cudaStream_t stream) {
+  if (fault.record != nullptr) {
+    launch_chained("mla_decode", decode_wgmma_kernel<true, false, kHidden>, grid, kThreads, configure<true, false, kHidden>(),
+                   stream, false, a, fault, nullptr);
+  } else {
+    launch_chained("mla_decode", decode_wgmma_kernel<false, false, kHidden>, grid, kThreads,
+                   configure<false, false, kHidden>(), stream, false, a, fault, nullptr);
+  }
 }
 
 }  // namespace
@@ -546,7 +592,7 @@ int configure() {
 bool wgmma_decode_available(int sm) { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL", sm); }
 
 int wgmma_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_wgmma_kernel<false, false>, kThreads, configure(), "mla_decode");
+  return resident_ctas_per_sm(decode_wgmma_kernel<false, false, false>, kThreads, configure(), "mla_decode");
 }
 
 void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
@@ -555,14 +601,12 @@ void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2
   if (spans != nullptr) {
     if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
     const int smem_bytes = configure<false, true>();
-    launch_chained("mla_prefill", decode_wgmma_kernel<false, true>, grid, kThreads, smem_bytes, stream, false, a, fault,
-                   spans);
-  } else if (fault.record != nullptr) {
-    launch_chained("mla_decode", decode_wgmma_kernel<true, false>, grid, kThreads, configure<true>(), stream, false, a,
+    launch_chained("mla_prefill", decode_wgmma_kernel<false, true, true>, grid, kThreads, smem_bytes, stream, false, a,
                    fault, spans);
+  } else if (a.q_len > 1) {
+    launch_decode<true>(a, fault, grid, stream);
   } else {
-    launch_chained("mla_decode", decode_wgmma_kernel<false, false>, grid, kThreads, configure<false>(), stream, false, a,
-                   fault, spans);
+    launch_decode<false>(a, fault, grid, stream);
   }
 }
 
