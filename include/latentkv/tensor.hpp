@@ -27,7 +27,7 @@ struct TensorView {
                                Device device = Device::cpu());
 
   bool present() const { return data != nullptr; }
-  std::int64_t numel() const;
+  std::int64_t numel() const;  // INT64_MAX where the count does not fit int64 (0 with any zero extent)
   std::int64_t size(int dim) const { return shape[static_cast<std::size_t>(dim)]; }
   bool is_contiguous() const;
   std::string shape_string() const;  // "[2, 1, 8, 576]"

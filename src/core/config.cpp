@@ -798,6 +798,10 @@ void check_config(const AttentionConfig& config) {
                       "a divisor of the " + std::to_string(model.heads) + " attention heads of " + model.name +
                           " (model from " + config.model.source.describe() + "): " + divisors_text(model.heads));
   }
+  if (config.kv_dtype.value != KvDtype::kFp8E4M3 && config.kv_dtype.value != KvDtype::kBf16) {
+    throw ConfigError("kv_dtype", std::to_string(static_cast<int>(config.kv_dtype.value)), config.kv_dtype.source,
+                      expected_text("kv_dtype"));
+  }
   if (config.page_size.value < 1) {
     throw ConfigError("page_size", std::to_string(config.page_size.value), config.page_size.source,
                       expected_text("page_size"));

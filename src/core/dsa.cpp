@@ -80,10 +80,23 @@ void check_workspace(std::string_view op, std::string_view planner, const void* 
   }
 }
 
+// q's rows each take `row_bytes` of the workspace (`what`): refused, naming q, where all of them
+// would pass 64 bits though q's own bytes fit.
+void check_rows_fit(std::string_view op, const TensorView& q, std::int64_t rows, std::int64_t row_bytes,
+                    const std::string& what) {
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(rows, row_bytes, &bytes)) {
+    throw Error(std::string(op), "q", q.shape_string(),
+                "rows whose " + what + " (" + std::to_string(row_bytes) + " bytes a row) fit 64 bits of workspace");
+  }
+}
+
 // The step views agree on [B, q_len] with q (each step checks the rest), so that a mismatch is
-// named here after the caller's argument, not after a workspace view of a later step.
+// named here after the caller's argument, not after a workspace view of a later step. And what the
+// workspace is counted from (q's rows, the logits' columns) is checked before it is counted.
 void check_shapes(const DsaDecodeParams& p) {
   if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
+  detail::expect_descriptor(kOp, "q", p.q);
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
   const std::string rows = " with B = " + std::to_string(b) + ", q_len = " + std::to_string(q_len) + " (q's)";
   if (p.q_idx.rank != 4 || p.q_idx.size(0) != b || p.q_idx.size(1) != q_len) {
@@ -96,12 +109,28 @@ void check_shapes(const DsaDecodeParams& p) {
     throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
                 "[B, max_pages] i32 with B = " + std::to_string(b) + " (q's)");
   }
+  detail::expect_descriptor(kOp, "block_table", p.block_table);
   if (p.seq_lens.rank != 1 || p.seq_lens.size(0) != b) {
     throw Error(std::string(kOp), "seq_lens", p.seq_lens.shape_string(),
                 "[B] i32 with B = " + std::to_string(b) + " (q's)");
   }
   check_caches_and_topk(kOp, p.indexer, p.cache, p.topk);
   if (p.max_len < 0) throw Error(std::string(kOp), "max_len", std::to_string(p.max_len), ">= 0 (0: table capacity)");
+  if (p.cache.page_size < 1) {  // the table's capacity below counts in it
+    throw Error(std::string(kOp), "cache.page_size", std::to_string(p.cache.page_size), ">= 1");
+  }
+  // At most the columns the indexer and top-k take, named as the caller gave them: not planned as a
+  // workspace of gigabytes whose logits view the indexer step then refuses.
+  if (p.max_len > kMaxLogitsColumns) {
+    throw Error(std::string(kOp), "max_len", std::to_string(p.max_len),
+                "0 .. 2^30 (the logits' columns, as the indexer and top-k take them; 0: table capacity)");
+  }
+  if (p.max_len == 0 && p.block_table.size(1) > kMaxLogitsColumns / p.cache.page_size) {
+    throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
+                "max_pages * page_size <= 2^30 (with max_len 0 the logits' columns are the table's capacity; "
+                "page_size " + std::to_string(p.cache.page_size) + ")");
+  }
+  check_rows_fit(kOp, p.q, b * q_len, (logits_columns(p) + p.topk) * 4, "f32 logits and i32 top-k slots");
 }
 
 Layout layout_of(const DsaDecodeParams& p, const DsaPlan& plan) {
@@ -172,6 +201,12 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
 
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_shapes(p);
+  // The indexer step zeroes this much from the start of the top-k's scratch: no more than there is.
+  if (plan.topk_cleared_by_indexer && plan.topk.cleared_bytes > plan.topk.workspace_bytes) {
+    throw Error(std::string(kOp), "plan.topk.cleared_bytes", std::to_string(plan.topk.cleared_bytes),
+                "<= plan.topk.workspace_bytes (" + std::to_string(plan.topk.workspace_bytes) +
+                    "): with topk_cleared_by_indexer the indexer step clears that much of the top-k's scratch");
+  }
   const Layout l = layout_of(p, plan);
   check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
@@ -227,6 +262,7 @@ void check_prefill_backends(const DsaBackends& b) {
 
 void check_prefill_shapes(const DsaPrefillParams& p) {
   if (p.q.rank != 3) throw Error(std::string(kPrefillOp), "q", p.q.shape_string(), "[T, H, 576] bf16");
+  detail::expect_descriptor(kPrefillOp, "q", p.q);  // its rows size the workspace
   if (p.q_idx.rank != 3 || p.q_idx.size(0) != p.q.size(0)) {
     throw Error(std::string(kPrefillOp), "q_idx", p.q_idx.shape_string(),
                 "[T, Hi, 128] fp8 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
@@ -236,6 +272,7 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
                 "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
   check_caches_and_topk(kPrefillOp, p.indexer, p.cache, p.topk);
+  check_rows_fit(kPrefillOp, p.q, p.q.size(0), std::int64_t{p.topk} * 4, "i32 top-k slots");
 }
 
 // The index rows [T, topk], then one scratch region that the two steps use in turn (they run one

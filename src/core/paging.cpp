@@ -93,6 +93,7 @@ std::int64_t PageAllocator::slot(RequestId request, std::int64_t position) const
 }
 
 std::vector<std::int32_t> PageAllocator::block_table_matrix(std::span<const RequestId> requests, int max_pages) const {
+  if (max_pages < 0) throw Error("page_allocator.block_table_matrix", "max_pages", std::to_string(max_pages), ">= 0");
   std::vector<std::int32_t> table(requests.size() * static_cast<std::size_t>(max_pages), -1);
   for (std::size_t b = 0; b < requests.size(); ++b) {
     const auto& pages = find("page_allocator.block_table_matrix", requests[b]).pages;
@@ -113,6 +114,8 @@ std::vector<std::int32_t> PageAllocator::lengths(std::span<const RequestId> requ
 
 void PageAllocator::check_block_table(std::string_view op, const std::int32_t* block_table, std::int64_t batch,
                                       int max_pages, const std::int32_t* seq_lens) const {
+  // Before a length is held against it: a negative capacity is the table's fault, not a length's.
+  if (max_pages < 0) throw Error(std::string(op), "max_pages", std::to_string(max_pages), ">= 0");
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t used = pages_for(seq_lens[b]);
     if (seq_lens[b] < 0 || used > max_pages) {

@@ -1,10 +1,22 @@
 #include "latentkv/tensor.hpp"
 
 #include <algorithm>
+#include <limits>
 
 #include "latentkv/error.hpp"
 
 namespace latentkv {
+namespace {
+
+// a * b, or INT64_MAX where that does not fit: a hand-built view may hold any extents, and counts and
+// strides must not wrap (a count wrapped to 0 would pass null data as an empty view). Validation
+// refuses a shape whose bytes do not fit (expect_descriptor) before a saturated count is used.
+std::int64_t saturating_mul(std::int64_t a, std::int64_t b) {
+  std::int64_t product = 0;
+  return __builtin_mul_overflow(a, b, &product) ? std::numeric_limits<std::int64_t>::max() : product;
+}
+
+}  // namespace
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
@@ -46,7 +58,7 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
   std::int64_t stride = 1;
   for (int d = view.rank - 1; d >= 0; --d) {
     view.strides[static_cast<std::size_t>(d)] = stride;
-    stride *= view.shape[static_cast<std::size_t>(d)];
+    stride = saturating_mul(stride, view.shape[static_cast<std::size_t>(d)]);
   }
   return view;
 }
@@ -61,7 +73,7 @@ int held_rank(int rank) { return std::clamp(rank, 0, TensorView::kMaxRank); }
 
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
-  for (int d = 0; d < held_rank(rank); ++d) n *= shape[static_cast<std::size_t>(d)];
+  for (int d = 0; d < held_rank(rank); ++d) n = saturating_mul(n, shape[static_cast<std::size_t>(d)]);
   return n;
 }
 
@@ -70,7 +82,7 @@ bool TensorView::is_contiguous() const {
   for (int d = held_rank(rank) - 1; d >= 0; --d) {
     const auto i = static_cast<std::size_t>(d);
     if (shape[i] != 1 && strides[i] != stride) return false;
-    stride *= shape[i];
+    stride = saturating_mul(stride, shape[i]);
   }
   return true;
 }

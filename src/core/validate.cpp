@@ -17,8 +17,25 @@ void fail(std::string_view op, std::string_view argument, const std::string& val
   throw Error(std::string(op), std::string(argument), value, expected);
 }
 
+namespace {
+
+// The bounds these errors count with are int32 quantities (slots, pages, lengths, offsets) wherever a
+// check or a latentkv kernel found the fault. A fault record that was not zeroed, or that no latentkv
+// kernel wrote, can hold any int64 there: such a field is named as the record's (throw_device_fault)
+// before any arithmetic on it.
+void expect_record_field(std::string_view field, std::int64_t value, std::int64_t lo) {
+  if (value < lo || value > INT32_MAX) {
+    fail("device fault", field, std::to_string(value),
+         std::to_string(lo) + " .. " + std::to_string(INT32_MAX) +
+             " (the record is not one a latentkv kernel wrote, or it was not zeroed)");
+  }
+}
+
+}  // namespace
+
 void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
                std::int64_t num_slots) {
+  expect_record_field("bound", num_slots, 1);
   fail(op, std::string(argument) + " element " + std::to_string(index), std::to_string(slot),
        "-1 (none) or a slot in 0 .. " + std::to_string(num_slots - 1));
 }
@@ -45,6 +62,8 @@ void fail_nan_logit(std::string_view op, std::int64_t request, std::int64_t row,
 
 void fail_seq_len(std::string_view op, std::int64_t request, std::int64_t len, std::int64_t max_pages,
                   std::int64_t page_size) {
+  expect_record_field("pages", max_pages, 0);
+  expect_record_field("page_size", page_size, 1);
   fail(op, "seq_lens[" + std::to_string(request) + "]", std::to_string(len),
        "0 .. " + std::to_string(max_pages * page_size) + " (block table capacity: " + std::to_string(max_pages) +
            " pages x " + std::to_string(page_size) + " tokens)");
@@ -57,6 +76,9 @@ void fail_seq_len_columns(std::string_view op, std::int64_t request, std::int64_
 
 void fail_block_table_page(std::string_view op, std::int64_t request, std::int64_t position, std::int64_t page,
                            std::int64_t num_pages, std::int64_t len, std::int64_t page_size) {
+  expect_record_field("bound", num_pages, 1);
+  expect_record_field("length", len, 0);
+  expect_record_field("page_size", page_size, 1);
   const std::int64_t used = (len + page_size - 1) / page_size;
   fail(op, "block_table[" + std::to_string(request) + "][" + std::to_string(position) + "]", std::to_string(page),
        "a page id in 0 .. " + std::to_string(num_pages - 1) + " (request " + std::to_string(request) + " uses " +
@@ -69,6 +91,8 @@ void fail_new_tokens_start(std::string_view op, std::int64_t first) {
 
 void fail_new_tokens_count(std::string_view op, std::int64_t index, std::int64_t value, std::int64_t previous,
                            std::int64_t len) {
+  expect_record_field("bound", previous, INT32_MIN);
+  expect_record_field("length", len, INT32_MIN);
   fail(op, "cu_new_tokens[" + std::to_string(index) + "]", std::to_string(value),
        std::to_string(previous) + " .. " + std::to_string(previous + len) + " (request " + std::to_string(index - 1) +
            " has " + std::to_string(len) + " tokens in all)");
@@ -163,6 +187,22 @@ void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans) 
   }
 }
 
+// A wrapped count could pass a null view as empty. Nonzero extents count beside a zero one too:
+// strides are their products ([0, 2^62, 576] has a stride of 576 x 2^62).
+void expect_descriptor(std::string_view op, std::string_view arg, const TensorView& v) {
+  if (v.rank < 0 || v.rank > TensorView::kMaxRank) {
+    fail(op, arg, "rank " + std::to_string(v.rank), "0 .. " + std::to_string(TensorView::kMaxRank) + " dims");
+  }
+  std::int64_t bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
+  for (int d = 0; d < v.rank; ++d) {
+    const std::int64_t extent = v.shape[static_cast<std::size_t>(d)];
+    if (extent < 0) fail(op, arg, v.shape_string(), "extents >= 0");
+    if (extent != 0 && __builtin_mul_overflow(bytes, extent, &bytes)) {
+      fail(op, arg, v.shape_string(), "a shape whose size in bytes fits 64 bits");
+    }
+  }
+}
+
 namespace {
 
 constexpr std::int64_t kAny = -1;
@@ -180,23 +220,6 @@ std::string shape_text(std::initializer_list<std::int64_t> dims, std::initialize
 
 // Checks a required view: present (or empty), one of `dtypes`, contiguous, on `device`, and shaped
 // `dims` (kAny matches any extent; `names` spell the dims out in the message).
-// A view's descriptor before anything reads it: a rank it holds, extents >= 0, and (unless an extent
-// is 0) an element count whose bytes fit int64. A wrapped count could pass a null view as empty.
-void expect_descriptor(std::string_view op, std::string_view arg, const TensorView& v) {
-  if (v.rank < 0 || v.rank > TensorView::kMaxRank) {
-    fail(op, arg, "rank " + std::to_string(v.rank), "0 .. " + std::to_string(TensorView::kMaxRank) + " dims");
-  }
-  if (std::any_of(v.shape.begin(), v.shape.begin() + v.rank, [](std::int64_t e) { return e == 0; })) return;
-  std::int64_t bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
-  for (int d = 0; d < v.rank; ++d) {
-    const std::int64_t extent = v.shape[static_cast<std::size_t>(d)];
-    if (extent < 0) fail(op, arg, v.shape_string(), "extents >= 0");
-    if (__builtin_mul_overflow(bytes, extent, &bytes)) {
-      fail(op, arg, v.shape_string(), "a shape whose size in bytes fits 64 bits");
-    }
-  }
-}
-
 void expect_view(std::string_view op, std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
                  std::initializer_list<std::int64_t> dims, std::initializer_list<const char*> names, Device device) {
   expect_descriptor(op, arg, v);

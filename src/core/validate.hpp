@@ -58,6 +58,11 @@ MemorySpan span_of(std::string_view name, const IndexerCache& cache, bool writte
 // Throws the Error naming the written span of the first pair that overlaps (a pair of reads may).
 void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans);
 
+// A view's descriptor before anything counts its elements or reads it: a rank it holds, extents
+// >= 0, and nonzero extents whose bytes fit int64 (expect_view's first check; dsa.cpp asks it of the
+// caller's views before it sizes a workspace from them).
+void expect_descriptor(std::string_view op, std::string_view arg, const TensorView& view);
+
 // Small helpers for other checks in the same style.
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,
                        const std::string& expected);
@@ -67,7 +72,8 @@ std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
 // `argument`, outside -1 .. num_slots - 1), a non-finite bf16 or float element, a NaN fp8 code, a
 // NaN logit at a position its row sees, a length outside its block table's capacity or past the
 // logits' columns, a block-table page outside the pool, and the three ways cu_new_tokens can be
-// wrong.
+// wrong. A bound they count with outside int32 can only come from a record no latentkv kernel wrote:
+// they throw the "device fault" Error naming the record's field instead.
 [[noreturn]] void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
                             std::int64_t num_slots);
 [[noreturn]] void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -298,6 +299,101 @@ TEST(DsaDecodeBadInput, NegativeMaxLen) {
   d.params.max_len = -1;
   EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "max_len", "-1"));
   EXPECT_TRUE(d.untouched());
+}
+
+// The logits' columns (max_len, or with max_len 0 the block table's capacity) are at most
+// kMaxLogitsColumns, as the indexer and top-k take them: refused by name when the call is planned,
+// not planned as a workspace of gigabytes that a step's view of it then fails.
+TEST(DsaDecodeBadInput, LogitsColumnsPastTheLimit) {
+  HostDsa d = small_case();
+  const DsaDecodeParams good = d.params;
+  for (int max_len : {static_cast<int>(kMaxLogitsColumns) + 1, std::numeric_limits<int>::max()}) {
+    d.params.max_len = max_len;
+    EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode",
+                             "max_len", std::to_string(max_len)));
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "max_len", std::to_string(max_len)));
+  }
+  // 2^30 + 4 tokens of pages: the view only describes them (nothing reads past the fixture's rows).
+  d.params = good;
+  const std::int64_t pages = kMaxLogitsColumns / d.f.page_size + 1;
+  d.params.block_table = TensorView::contiguous(good.block_table.data, DType::kI32, {d.f.batch(), pages});
+  EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode",
+                           "block_table", std::to_string(pages)));
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "block_table", std::to_string(pages)));
+  EXPECT_TRUE(d.untouched());
+
+  d.params = good;
+  d.params.max_len = static_cast<int>(kMaxLogitsColumns);  // the limit itself is planned
+  EXPECT_NO_THROW(plan_dsa_decode(same_backend(reference()), d.params, kCpu));
+}
+
+// The workspace is counted from q's rows only after the shapes are checked: a q whose bytes do not
+// fit 64 bits, or whose rows' logits and slots would not, is refused naming q, by the plan call too
+// (not counted in wrapped arithmetic, nor then reported as a workspace_bytes too small).
+TEST(DsaDecodeBadInput, ShapesTooLargeForAWorkspace) {
+  HostDsa d = small_case();
+  // The call's views over the fixture's memory with `b` x `q_len` rows; nothing reads their data.
+  const auto with_rows = [&d](std::int64_t b, std::int64_t q_len, int max_len) {
+    DsaDecodeParams p = d.params;
+    p.q = TensorView::contiguous(d.params.q.data, DType::kBF16, {b, q_len, 2, kQkDim});
+    p.q_idx = TensorView::contiguous(d.params.q_idx.data, DType::kFP8E4M3, {b, q_len, 1, kIndexerDim});
+    p.weights = TensorView::contiguous(d.params.weights.data, DType::kF32, {b, q_len, 1});
+    p.block_table = TensorView::contiguous(d.params.block_table.data, DType::kI32, {b, 1});
+    p.seq_lens = TensorView::contiguous(d.params.seq_lens.data, DType::kI32, {b});
+    p.max_len = max_len;
+    return p;
+  };
+  const std::int64_t huge = std::int64_t{1} << 40;
+  // q of 2^81 elements; then q of 2^51 bytes whose rows' logits take 2^72.
+  for (const DsaDecodeParams& p : {with_rows(huge, huge, 0), with_rows(huge, 1, static_cast<int>(kMaxLogitsColumns))}) {
+    EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), p, kCpu); }, "dsa_decode", "q",
+                             std::to_string(huge)));
+    EXPECT_TRUE(throws_error([&] { dsa_decode(same_backend(reference()), p, d.plan, {}, kCpu); }, "dsa_decode", "q",
+                             std::to_string(huge)));
+  }
+  EXPECT_TRUE(d.untouched());
+}
+
+// With topk_cleared_by_indexer the indexer step zeroes plan.topk.cleared_bytes of the top-k's
+// scratch: a plan that clears more than that scratch is refused by name before any step runs, not
+// cleared past it.
+TEST(DsaDecodeBadInput, PlanClearingPastTheTopksScratch) {
+  HostDsa d = small_case();
+  d.plan.topk.workspace_bytes = 256;
+  d.plan.topk.cleared_bytes = 512;
+  d.plan.topk_cleared_by_indexer = true;
+  // Room for the top-k's scratch and for what an unchecked clear would reach past it (it stays in
+  // this vector, so that a call that clears shows as a written workspace).
+  d.workspace.assign(d.plan.workspace_bytes + 1024, kWorkspaceGarbage);
+  d.params.workspace = d.workspace.data();
+  d.params.workspace_bytes = d.workspace.size();
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "plan.topk.cleared_bytes", "512"));
+  EXPECT_TRUE(throws_error([&] { dsa_steps(d.params, d.plan); }, "dsa_decode", "plan.topk.cleared_bytes", "512"));
+  EXPECT_TRUE(d.untouched());
+
+  d.plan.topk.cleared_bytes = 256;  // all of its scratch
+  EXPECT_EQ(dsa_steps(d.params, d.plan).indexer.clear_bytes, 256u);
+}
+
+// dsa_prefill counts its workspace (the index rows) from q's rows likewise.
+TEST(DsaPrefillBadInput, ShapesTooLargeForAWorkspace) {
+  HostDsa d = small_case();
+  const auto with_rows = [&d](std::int64_t t, int topk) {
+    DsaPrefillParams p;
+    p.q = TensorView::contiguous(d.params.q.data, DType::kBF16, {t, 1, kQkDim});
+    p.q_idx = TensorView::contiguous(d.params.q_idx.data, DType::kFP8E4M3, {t, 1, kIndexerDim});
+    p.weights = TensorView::contiguous(d.params.weights.data, DType::kF32, {t, 1});
+    p.cache = d.params.cache;
+    p.indexer = d.params.indexer;
+    p.topk = topk;
+    return p;
+  };
+  // q of 2^70 bytes; then q of 2^62.2 bytes whose index rows take 2^65.
+  const std::int64_t huge = std::int64_t{1} << 60, rows = std::int64_t{1} << 52;
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), with_rows(huge, 8), kCpu); },
+                           "dsa_prefill", "q", std::to_string(huge)));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), with_rows(rows, kMaxTopk), kCpu); },
+                           "dsa_prefill", "q", std::to_string(rows)));
 }
 
 // A max_len below a request's length fails in the indexer step (dsa.hpp: the error names the step),

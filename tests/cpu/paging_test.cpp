@@ -192,6 +192,17 @@ TEST(PageAllocator, CheckBlockTable) {
   EXPECT_THROW(a.check_block_table("mla_decode", table.data(), 2, 3, lens.data()), Error);
 }
 
+// A negative column count is refused by name before it sizes a matrix or bounds a length.
+TEST(PageAllocator, NegativeMaxPages) {
+  PageAllocator a(8, 4);
+  const std::vector<RequestId> reqs = {a.add_request()};
+  EXPECT_TRUE(
+      throws_error([&] { a.block_table_matrix(reqs, -1); }, "page_allocator.block_table_matrix", "max_pages", "-1"));
+  const std::int32_t table = 0, len = 0;
+  EXPECT_TRUE(throws_error([&] { a.check_block_table("mla_decode", &table, 1, -1, &len); }, "mla_decode", "max_pages",
+                           "-1"));
+}
+
 TEST(PageAllocator, RejectsBadConstruction) {
   EXPECT_TRUE(throws_error([] { PageAllocator(0, 4); }, "page_allocator", "num_pages", "0"));
   EXPECT_TRUE(throws_error([] { PageAllocator(4, 0); }, "page_allocator", "page_size", "0"));

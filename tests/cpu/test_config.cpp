@@ -565,6 +565,9 @@ TEST(ConfigReject, ProgrammaticConfigIsCheckedToo) {
   c = AttentionConfig{};
   c.model.value = "llama";
   EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(), HasSubstr("model = 'llama'"));
+  c = AttentionConfig{};
+  c.kv_dtype.value = static_cast<KvDtype>(7);
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(), HasSubstr("kv_dtype = 7 (default)"));
 }
 
 // A backend whose select() throws an Error about an environment variable (a kernel override set to a
