@@ -181,7 +181,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--context-min", opt->context_min,
                   "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
       ->check(integer_in(1, kIntMax));
-  cmd->add_option("--pool", opt->pool, "Tokens in the cache pool")
+  cmd->add_option("--pool", opt->pool,
+                  "Tokens in the cache pool; the timed calls rotate over as many sets of requests as it holds, "
+                  "and the bench warns when that is too few to keep their inputs out of the L2")
       ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(integer_in(1, 4));
   cmd->add_option("--new-tokens", opt->new_tokens, "New tokens per request (prefill ops)")

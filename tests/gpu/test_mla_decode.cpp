@@ -191,6 +191,23 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMlaDecode, ::testing::ValuesIn(cases()),
                            return s;
                          });
 
+// Request 0's slot of its token t.
+std::int64_t request0_slot(const PagedFixture& f, std::int64_t t) {
+  return static_cast<std::int64_t>(f.block_table[static_cast<std::size_t>(t / f.page_size)]) * f.page_size + t % f.page_size;
+}
+
+// Plans and runs d on the cuda backend with LATENTKV_MLA_KERNEL=kernel ("auto" or "mma"), then
+// downloads its outputs.
+void run_on_kernel(DeviceDecode& d, const char* kernel) {
+  ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
+  const Backend& backend = *find_backend("cuda");
+  d.plan(backend, detect_device());
+  run(backend, d.params);
+  LKV_CUDA_OK(cudaDeviceSynchronize());
+  ::unsetenv("LATENTKV_MLA_KERNEL");
+  d.download();
+}
+
 // A NaN code (0x7F, which a cache written by other code may hold: the appends refuse NaN) in a
 // visible token makes that request's outputs NaN, as in the reference, on every kernel: the wgmma
 // kernel's integer conversion must not turn it into a finite value. 64 heads take the wgmma kernel on sm_90, 8 the narrow one;
@@ -210,20 +227,12 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
         opt.lengths = lengths;
         opt.with_indexer = false;
         PagedFixture f = make_paged_fixture(opt, rng);
-        // request 0's token t, latent dim 5
-        const std::int64_t slot = static_cast<std::int64_t>(f.block_table[t / f.page_size]) * f.page_size + t % f.page_size;
-        f.cache_bytes[static_cast<std::size_t>(slot * 656 + 5)] = 0x7F;
+        f.cache_bytes[static_cast<std::size_t>(request0_slot(f, t) * 656 + 5)] = 0x7F;  // latent dim 5
         HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
         const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
         ASSERT_TRUE(std::isnan(ref.lse.get(0)));
-        ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
         DeviceDecode d(f, q, 0.0625f);
-        const Backend& backend = *find_backend("cuda");
-        d.plan(backend, detect_device());
-        run(backend, d.params);
-        LKV_CUDA_OK(cudaDeviceSynchronize());
-        ::unsetenv("LATENTKV_MLA_KERNEL");
-        d.download();
+        run_on_kernel(d, kernel);
         SCOPED_TRACE(std::string(kernel) + ", H " + std::to_string(heads) + ", lengths " + std::to_string(lengths[0]) +
                      ", NaN at token " + std::to_string(t) + ", " + std::to_string(d.params.num_splits) + " splits");
         EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
@@ -281,20 +290,13 @@ TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
         opt.kv_dtype = c.dtype;
         opt.with_indexer = false;
         PagedFixture f = make_paged_fixture(opt, rng);
-        const std::int64_t t = opt.lengths[0] - c.back;
-        const std::int64_t slot = static_cast<std::int64_t>(f.block_table[t / f.page_size]) * f.page_size + t % f.page_size;
+        const std::int64_t slot = request0_slot(f, opt.lengths[0] - c.back);
         const std::int64_t entry = slot * (c.dtype == KvDtype::kBf16 ? 1152 : 656) + c.byte;
         for (int i = 0; i < c.bytes; ++i) f.cache_bytes[static_cast<std::size_t>(entry + i)] = (c.bits >> (8 * i)) & 0xFFu;
         HostTensor q = random_bf16(rng, {f.batch(), c.q_len, heads, 576});
         const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
-        ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
         DeviceDecode d(f, q, 0.0625f);
-        const Backend& backend = *find_backend("cuda");
-        d.plan(backend, detect_device());
-        run(backend, d.params);
-        LKV_CUDA_OK(cudaDeviceSynchronize());
-        ::unsetenv("LATENTKV_MLA_KERNEL");
-        d.download();
+        run_on_kernel(d, kernel);
         SCOPED_TRACE(std::string(c.what) + ", q_len " + std::to_string(c.q_len) + ", " + kernel + ", H " +
                      std::to_string(heads) + ", " + std::to_string(d.params.num_splits) + " splits");
         // The reference: the last row sees the value, the first does not.

@@ -275,29 +275,13 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
       // reference's sparse decode over exactly the slots it selected.
       const DsaSteps steps = dsa_steps(with_workspace(0), plan);
       const std::size_t checked_rows = static_cast<std::size_t>(checked) * opt.q_len;
-      std::vector<float> logits(checked_rows * static_cast<std::size_t>(opt.context)), want_logits(logits.size());
+      std::vector<float> logits(checked_rows * static_cast<std::size_t>(opt.context));
       std::vector<std::int32_t> slots(checked_rows * static_cast<std::size_t>(opt.topk));
       cuda_ok(cudaMemcpy(logits.data(), steps.indexer.logits.data, logits.size() * 4, cudaMemcpyDeviceToHost), "logits");
       cuda_ok(cudaMemcpy(slots.data(), steps.topk.slots.data, slots.size() * 4, cudaMemcpyDeviceToHost), "slots");
-      std::vector<std::uint8_t> indexer_host(pool.indexer_bytes.bytes());
-      cuda_ok(cudaMemcpy(indexer_host.data(), pool.indexer_bytes.get(), indexer_host.size(), cudaMemcpyDeviceToHost), "indexer");
-      std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + checked * sets.max_pages);
-      std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
-      IndexerLogitsParams ri;
-      ri.q = TensorView::contiguous(host_qi.data(), DType::kFP8E4M3, {checked, opt.q_len, hi, 128});
-      ri.weights = TensorView::contiguous(host_w.data(), DType::kF32, {checked, opt.q_len, hi});
-      ri.cache = pool.indexer();
-      ri.cache.data = indexer_host.data();
-      ri.cache.device = Device::cpu();
-      ri.block_table = TensorView::contiguous(table.data(), DType::kI32, {checked, sets.max_pages});
-      ri.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {checked});
-      ri.logits = TensorView::contiguous(want_logits.data(), DType::kF32, {checked, opt.q_len, opt.context});
-      cpu::indexer_logits(ri);
-      // bench_indexer.cpp's bound: float32 sums of exact fp8 products in another order.
-      const CheckResult cl = check_close(
-          logits.size(), [&](std::size_t i) { return static_cast<double>(logits[i]); },
-          [&](std::size_t i) { return static_cast<double>(want_logits[i]); }, 1e-4, 1e-5, 1e-9);
-      std::string failure = cl.ok ? "" : "indexer logits " + cl.detail;
+      std::string failure = logits_problem(pool, sets, checked, opt.q_len, hi, opt.context, host_qi.data(), host_w.data(),
+                                           static_cast<const float*>(steps.indexer.logits.data));
+      if (!failure.empty()) failure = "indexer logits " + failure;
       for (std::size_t r = 0; r < checked_rows && failure.empty(); ++r) {
         const int b = static_cast<int>(r / static_cast<std::size_t>(opt.q_len)), i = static_cast<int>(r % static_cast<std::size_t>(opt.q_len));
         failure = topk_row_problem(logits.data() + r * static_cast<std::size_t>(opt.context),

@@ -90,26 +90,8 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
     const int checked = std::min(opt.check_requests, opt.batch);
     std::string failure;
     if (checked > 0) {
-      std::vector<std::uint8_t> cache(pool.indexer_bytes.bytes());
-      cuda_ok(cudaMemcpy(cache.data(), pool.indexer_bytes.get(), cache.size(), cudaMemcpyDeviceToHost), "indexer");
-      std::vector<float> got(static_cast<std::size_t>(checked) * opt.q_len * opt.context), want(got.size());
-      cuda_ok(cudaMemcpy(got.data(), logits.get(), got.size() * 4, cudaMemcpyDeviceToHost), "logits");
-      std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + checked * sets.max_pages);
-      std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
-      IndexerLogitsParams r;
-      r.q = TensorView::contiguous(host_q.data(), DType::kFP8E4M3, {checked, opt.q_len, heads, 128});
-      r.weights = TensorView::contiguous(host_w.data(), DType::kF32, {checked, opt.q_len, heads});
-      r.cache = pool.indexer();
-      r.cache.data = cache.data();
-      r.cache.device = Device::cpu();
-      r.block_table = TensorView::contiguous(table.data(), DType::kI32, {checked, sets.max_pages});
-      r.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {checked});
-      r.logits = TensorView::contiguous(want.data(), DType::kF32, {checked, opt.q_len, opt.context});
-      cpu::indexer_logits(r);
-      const CheckResult c = check_close(
-          got.size(), [&](std::size_t i) { return static_cast<double>(got[i]); },
-          [&](std::size_t i) { return static_cast<double>(want[i]); }, 1e-4, 1e-5, 1e-9);
-      failure = c.ok ? "" : c.detail;
+      failure = logits_problem(pool, sets, checked, opt.q_len, heads, opt.context, host_q.data(), host_w.data(),
+                               logits.get<float>());
     }
     finish_row(report, row, failure, checked > 0 ? "pass (" + std::to_string(checked) + " requests)" : "unchecked",
                call, opt, stream);

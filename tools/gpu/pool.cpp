@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "check.hpp"
 #include "cpu/reference.hpp"
 #include "gpu/kernels.hpp"
 #include "latentkv/backend.hpp"
@@ -165,6 +166,30 @@ std::vector<float> reference_token_logits(const IndexerCache& host_cache, const 
   cpu::indexer_logits(r);
   logits.resize(static_cast<std::size_t>(visible));
   return logits;
+}
+
+std::string logits_problem(const DevicePool& pool, const RequestSets& sets, int checked, int q_len, int heads,
+                           std::int64_t columns, const std::uint8_t* q, const float* weights, const float* device_logits) {
+  std::vector<std::uint8_t> cache(pool.indexer_bytes.bytes());
+  cuda_ok(cudaMemcpy(cache.data(), pool.indexer_bytes.get(), cache.size(), cudaMemcpyDeviceToHost), "indexer cache");
+  std::vector<float> got(static_cast<std::size_t>(checked) * q_len * columns), want(got.size());
+  cuda_ok(cudaMemcpy(got.data(), device_logits, got.size() * 4, cudaMemcpyDeviceToHost), "logits");
+  std::vector<std::int32_t> table(sets.host_tables.begin(), sets.host_tables.begin() + checked * sets.max_pages);
+  std::vector<std::int32_t> lens(sets.host_lens.begin(), sets.host_lens.begin() + checked);
+  IndexerLogitsParams r;
+  r.q = TensorView::contiguous(const_cast<std::uint8_t*>(q), DType::kFP8E4M3, {checked, q_len, heads, kIndexerDim});
+  r.weights = TensorView::contiguous(const_cast<float*>(weights), DType::kF32, {checked, q_len, heads});
+  r.cache = pool.indexer();
+  r.cache.data = cache.data();
+  r.cache.device = Device::cpu();
+  r.block_table = TensorView::contiguous(table.data(), DType::kI32, {checked, sets.max_pages});
+  r.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {checked});
+  r.logits = TensorView::contiguous(want.data(), DType::kF32, {checked, q_len, columns});
+  cpu::indexer_logits(r);
+  const CheckResult c = check_close(
+      got.size(), [&](std::size_t i) { return static_cast<double>(got[i]); },
+      [&](std::size_t i) { return static_cast<double>(want[i]); }, 1e-4, 1e-5, 1e-9);
+  return c.ok ? "" : c.detail;
 }
 
 }  // namespace latentkv::tools::gpu

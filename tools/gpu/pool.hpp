@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gpu/measure.hpp"
@@ -62,6 +63,13 @@ void random_indexer_queries(std::uint64_t seed, int heads, std::vector<std::uint
 std::vector<float> reference_token_logits(const IndexerCache& host_cache, const std::int32_t* table_row, int max_pages,
                                           const std::uint8_t* q_row, const float* w_row, int heads,
                                           std::int32_t visible);
+
+// What is wrong with the logits a GPU indexer wrote (`device_logits` [checked, q_len, columns]) for
+// the first `checked` requests of set 0, against the reference indexer's over a host copy of the
+// pool's indexer cache (q [checked, q_len, heads, 128] fp8 and weights [checked, q_len, heads] on
+// the host); "" when they agree within float32 sums of exact fp8 products in another order.
+std::string logits_problem(const DevicePool& pool, const RequestSets& sets, int checked, int q_len, int heads,
+                           std::int64_t columns, const std::uint8_t* q, const float* weights, const float* device_logits);
 
 // The sets of inputs a timed loop rotates through, so that no timed call finds its inputs in L2
 // (time_calls empties the L2 after the warm-up): enough that the sets read in one round of the
