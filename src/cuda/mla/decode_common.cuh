@@ -174,13 +174,15 @@ __device__ __forceinline__ int visible_tokens(const DecodeArgs& a, const Request
 
 // Tokens hidden by the causal mask. The output product weighs every staged token of a tile, and a
 // token hidden from a row gets P' = 0 there, but 0 x NaN is NaN: a NaN in a newer token (which a
-// cache written by other code may hold) would reach the rows that must not see it. So once a tile's
-// scores are taken, the kernels zero the non-finite V values and scales of its tokens from
-// `hidden_from` on (the first token that some row of the CTA does not see: its first row's visible
-// count, the rows' counts rising with the row; `len`, nothing hidden, for a CTA without rows). A
-// row that sees such a token already has a NaN score, hence a NaN output and lse, as in the
-// reference; a row that does not gets 0 x 0. Only a request's newest q_len - 1 tokens (a grouped
-// prefill's group - 1) can be hidden, so whole tiles before them skip this.
+// cache written by other code may hold) would reach the rows that must not see it. So the kernels
+// zero the non-finite V values and scales of a tile's tokens from `hidden_from` on (the first token
+// that some row of the CTA does not see: its first row's visible count, the rows' counts rising with
+// the row; `len`, nothing hidden, for a CTA without rows): once the tile's scores are taken, or (the
+// wgmma kernel) as the tile is converted, marking the token so that its score is NaN. A row that
+// sees such a token has a NaN score, hence a NaN output and lse, as in the reference; a row that
+// does not gets 0 x 0. Only a request's newest q_len - 1 tokens (a grouped prefill's group - 1) can
+// be hidden, so whole tiles before them skip this (and the wgmma and wide kernels run calls of q_len
+// 1 on instances without it).
 __device__ __forceinline__ int first_hidden_token(int visible_of_first_row, int row_count, int len) {
   return row_count > 0 ? visible_of_first_row : len;
 }

@@ -71,7 +71,7 @@ constexpr int kTileBytes = kColumnBlocks * kBlockBytes;    // one K tile (or the
 constexpr int kSlotRing = 3;        // tiles whose slots are kept: this one's (masks), the next two's (copies)
 // The slot of a token whose V values or scales held a non-finite value that convert_tile zeroed
 // (a token some row does not see): the rows that see it score it NaN.
-constexpr std::int32_t kPoisonedSlot = INT32_MIN;
+[[maybe_unused]] constexpr std::int32_t kPoisonedSlot = INT32_MIN;
 
 struct WgmmaSmem {
   static constexpr int kQ = 0;                                   // f16/bf16 [9 blocks][64 rows][64], swizzled
@@ -181,7 +181,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       all_read_s[2 + tid / 32] = all_read1;
     }
   }
-  if (kHidden && tid == 0) *hidden_from_s = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
+  if (kHidden && tid == 0) {
+    *hidden_from_s = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
+  }
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, the first slots and hidden_from
 
@@ -410,7 +412,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int token = 8 * (e / 4) + 2 * quad + e % 2;
         const std::int32_t slot = tile_slots[token];
         const bool visible_here = tile_begin + token < visible[(e / 2) % 2];
-        s[e] = slot >= 0 && visible_here ? s[e] * a.scale_log2 : slot == kPoisonedSlot && visible_here ? NAN : -INFINITY;
+        s[e] = slot >= 0 && visible_here            ? s[e] * a.scale_log2
+               : slot == kPoisonedSlot && visible_here ? NAN
+                                                       : -INFINITY;
       }
     } else {
 #pragma unroll
@@ -579,8 +583,8 @@ int configure() {
 template <bool kHidden>
 void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid, cudaStream_t stream) {
   if (fault.record != nullptr) {
-    launch_chained("mla_decode", decode_wgmma_kernel<true, false, kHidden>, grid, kThreads, configure<true, false, kHidden>(),
-                   stream, false, a, fault, nullptr);
+    launch_chained("mla_decode", decode_wgmma_kernel<true, false, kHidden>, grid, kThreads,
+                   configure<true, false, kHidden>(), stream, false, a, fault, nullptr);
   } else {
     launch_chained("mla_decode", decode_wgmma_kernel<false, false, kHidden>, grid, kThreads,
                    configure<false, false, kHidden>(), stream, false, a, fault, nullptr);
