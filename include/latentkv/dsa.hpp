@@ -29,7 +29,7 @@ struct DsaDecodeParams {
   TensorView lse;          // [B, q_len, H] f32
   float softmax_scale = 0.0f;
   int topk = kMaxTopk;     // index_topk: slots each query row attends to (rows seeing fewer take all)
-  int max_len = 0;         // logits columns, >= every L_b; 0 = the block table's capacity
+  int max_len = 0;         // logits columns, >= every L_b, at most 2^30; 0 = the block table's capacity
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
   // True when the workspace was zeroed once after it was allocated and has been used since only by

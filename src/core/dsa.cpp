@@ -199,8 +199,20 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
   return plan;
 }
 
+// A step's scratch in a plan the caller hands back: at most 2^60 bytes, so that the layout's sum of
+// a few such terms and the logits (which check_rows_fit keeps within int64) cannot wrap.
+void check_plan_scratch(std::string_view op, const char* field, std::size_t bytes) {
+  constexpr std::size_t kMostScratch = std::size_t{1} << 60;
+  if (bytes > kMostScratch) {
+    throw Error(std::string(op), field, std::to_string(bytes), "<= 2^60 bytes (as the plan call gives it)");
+  }
+}
+
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_shapes(p);
+  check_plan_scratch(kOp, "plan.indexer.workspace_bytes", plan.indexer.workspace_bytes);
+  check_plan_scratch(kOp, "plan.topk.workspace_bytes", plan.topk.workspace_bytes);
+  check_plan_scratch(kOp, "plan.sparse.workspace_bytes", plan.sparse.workspace_bytes);
   // The indexer step zeroes this much from the start of the top-k's scratch: no more than there is.
   if (plan.topk_cleared_by_indexer && plan.topk.cleared_bytes > plan.topk.workspace_bytes) {
     throw Error(std::string(kOp), "plan.topk.cleared_bytes", std::to_string(plan.topk.cleared_bytes),
@@ -327,6 +339,8 @@ DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillPar
 
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan) {
   check_prefill_shapes(p);
+  check_plan_scratch(kPrefillOp, "plan.indexer.workspace_bytes", plan.indexer.workspace_bytes);
+  check_plan_scratch(kPrefillOp, "plan.sparse.workspace_bytes", plan.sparse.workspace_bytes);
   const PrefillLayout l = prefill_layout_of(p, plan);
   check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end);
   auto* base = static_cast<std::uint8_t*>(p.workspace);

@@ -375,6 +375,16 @@ TEST(DsaDecodeBadInput, PlanClearingPastTheTopksScratch) {
   EXPECT_EQ(dsa_steps(d.params, d.plan).indexer.clear_bytes, 256u);
 }
 
+// A plan whose scratch would wrap the layout's offsets (a hand-made one: the plan call never gives
+// one) is refused before any offset is counted from it, not laid out into a small workspace.
+TEST(DsaDecodeBadInput, PlanScratchPastTheLayout) {
+  HostDsa d = small_case();
+  d.plan.sparse.workspace_bytes = std::numeric_limits<std::size_t>::max() - 8;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "plan.sparse.workspace_bytes",
+                           std::to_string(d.plan.sparse.workspace_bytes)));
+  EXPECT_TRUE(d.untouched());
+}
+
 // dsa_prefill counts its workspace (the index rows) from q's rows likewise.
 TEST(DsaPrefillBadInput, ShapesTooLargeForAWorkspace) {
   HostDsa d = small_case();
