@@ -1,5 +1,6 @@
 #include "latentkv/backend.hpp"
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -50,12 +51,25 @@ Op op_of(const OpArgs& args) {
   return std::visit(Visitor{}, args);
 }
 
+namespace {
+
+// An extent of a caller's view as the selection sees it (an int): one outside int32 is refused here,
+// naming the view, rather than read truncated (heads 2^32 + 200 as 200); validation sees the rest.
+int extent_of(Op op, const char* argument, const TensorView& v, int dim) {
+  const std::int64_t e = v.size(dim);
+  if (e < 0 || e > INT32_MAX) throw Error(std::string(op_name(op)), argument, v.shape_string(), "extents 0 .. 2^31-1");
+  return static_cast<int>(e);
+}
+
+}  // namespace
+
 Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
   Problem p;
   p.op = op_of(args);
   p.device = device;
   struct Visitor {
     Problem& p;
+    int q(const TensorView& v, int dim) const { return extent_of(p.op, "q", v, dim); }
     void operator()(const AppendParams& a) const {
       p.kv_dtype = a.cache.dtype;
       p.page_size = a.cache.page_size;
@@ -63,40 +77,40 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
     void operator()(const MlaDecodeParams& a) const {
       p.kv_dtype = a.cache.dtype;
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(2));
-      p.q_len = static_cast<int>(a.q.size(1));
+      p.heads = q(a.q, 2);
+      p.q_len = q(a.q, 1);
     }
     void operator()(const MlaPrefillParams& a) const {
       p.kv_dtype = a.cache.dtype;
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(1));
+      p.heads = q(a.q, 1);
     }
     void operator()(const IndexerLogitsParams& a) const {
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(2));
-      p.q_len = static_cast<int>(a.q.size(1));
+      p.heads = q(a.q, 2);
+      p.q_len = q(a.q, 1);
     }
     void operator()(const TopkParams& a) const {
       p.page_size = a.page_size;
-      p.q_len = static_cast<int>(a.logits.size(1));
+      p.q_len = extent_of(p.op, "logits", a.logits, 1);
       p.topk = a.k;
     }
     void operator()(const SparseMlaDecodeParams& a) const {
       p.kv_dtype = a.cache.dtype;
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(2));
-      p.q_len = static_cast<int>(a.q.size(1));
-      p.topk = static_cast<int>(a.indices.size(2));
+      p.heads = q(a.q, 2);
+      p.q_len = q(a.q, 1);
+      p.topk = extent_of(p.op, "indices", a.indices, 2);
     }
     void operator()(const SparseMlaPrefillParams& a) const {
       p.kv_dtype = a.cache.dtype;
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(1));
-      p.topk = static_cast<int>(a.indices.size(1));
+      p.heads = q(a.q, 1);
+      p.topk = extent_of(p.op, "indices", a.indices, 1);
     }
     void operator()(const IndexerPrefillParams& a) const {
       p.page_size = a.cache.page_size;
-      p.heads = static_cast<int>(a.q.size(1));
+      p.heads = q(a.q, 1);
       p.topk = a.k;
     }
   };

@@ -699,6 +699,19 @@ TEST(BadInput, RunNamesTheIndexerHeadLimit) {
   EXPECT_TRUE(is_sentinel(t.logits));
 }
 
+// Through the registry: an extent past int32 is named as the caller's view, not read truncated
+// by the backend's selection (heads 2^32 + 200 as "heads 200 outside 1 .. 128").
+TEST(BadInput, RunNamesAnExtentPastInt32) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  const std::int64_t heads = (std::int64_t{1} << 32) + 200;
+  p.q = TensorView::contiguous(p.q.data, DType::kBF16, {2, 1, heads, kQkDim});
+  const Backend* reference = find_backend("reference");
+  ASSERT_NE(reference, nullptr);
+  EXPECT_TRUE(throws_error([&] { run(*reference, p, {}, DeviceInfo{}); }, "mla_decode", "q", std::to_string(heads)));
+  EXPECT_TRUE(c.outputs_untouched());
+}
+
 TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {
   const ModelPreset& glm5 = model_preset("glm5");
   EXPECT_EQ(shard_model(glm5, 8).heads_per_gpu, 8);
