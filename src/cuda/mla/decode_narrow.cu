@@ -34,6 +34,10 @@
 // (Nor did claims of a request's last tiles from a counter per request: 3% back over the same loop
 // without them, but the tile positions they need cost 4%, so H 8 B 64 x 8K 97.3 -> 98.4 us; nor did
 // uneven split shares by dispatch order - docs/benchmarks.md, twenty-fifth session.)
+// (Nor did tails of every piece, claimed across requests from a counter in the workspace by the CTAs
+// done with their own piece: its instance ran 6.5% slower before claiming anything, and a tail took
+// 10-16 us from its claim to the grid barrier, so H 8 B 64 x 8K 98.4 -> 113.5-117.5 us whatever the
+// share - docs/benchmarks.md, thirty-seventh session.)
 // (Nor did warps that each own 16-token tiles, with their own stages, softmax and all 512 output
 // dims, and no CTA barrier in the loop: about half the instructions per token, 2 CTAs per SM at 251
 // registers. H 8 B 64 x 8K 98.8 against 102.5 us on one instance, 101.6 against 101.2 on another;
