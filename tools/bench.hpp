@@ -36,18 +36,21 @@ struct BenchRow {
   int num_splits = 0;
   double median_us = 0, p10_us = 0, p90_us = 0;
   double bytes = 0, flops = 0;
-  double gbps = 0, pct_of_read = 0, tflops = 0, speedup = 0;
+  double gbps = 0, pct_of_read = 0, pct_of_copy = 0, tflops = 0, speedup = 0;
   bool timed = false;
 };
 
-// Fills a row's timing columns from its median (row.bytes and row.flops already set).
-inline void set_timing(BenchRow& row, double median_us, double p10_us, double p90_us, double read_gbps) {
+// Fills a row's timing columns from its median (row.bytes and row.flops already set), its GB/s
+// against the read-only stream and the device copy measured in the same run.
+inline void set_timing(BenchRow& row, double median_us, double p10_us, double p90_us, double read_gbps,
+                       double copy_gbps) {
   row.timed = true;
   row.median_us = median_us;
   row.p10_us = p10_us;
   row.p90_us = p90_us;
   row.gbps = row.bytes / (median_us * 1e3);
   row.pct_of_read = 100.0 * row.gbps / read_gbps;
+  row.pct_of_copy = 100.0 * row.gbps / copy_gbps;
   row.tflops = row.flops / (median_us * 1e6);
 }
 
