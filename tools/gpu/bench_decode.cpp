@@ -115,7 +115,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
   const std::int64_t bytes_per_call = (sparse ? static_cast<std::int64_t>(attended) : cached) * token_bytes;
   // A set of requests per rotation for dense calls, which read all of them; sparse ones read only
   // their index rows, so their rotations share fewer sets of requests (pool.hpp).
-  const std::int64_t fits = pool.num_pages * pool.page_size / (cached + static_cast<std::int64_t>(opt.batch) * opt.page_size);
+  const std::int64_t fits = request_sets_that_fit(pool.num_pages * pool.page_size, cached, opt.batch, opt.page_size);
   const Rotation rotation = plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters, sparse ? kAnySets : fits);
   const int variants = rotation.sets;
   const RequestSets sets =

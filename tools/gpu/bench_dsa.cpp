@@ -78,7 +78,9 @@ BenchReport run_topk_bench(const BenchOptions& opt) {
   report.rotation_cold = rotation.cold;
   const int sets = rotation.sets;
   const int table_sets = static_cast<int>(
-      std::clamp<std::int64_t>(pool_pages * opt.page_size / (opt.batch * (opt.context + opt.page_size)), 1, sets));
+      std::clamp<std::int64_t>(request_sets_that_fit(pool_pages * opt.page_size, opt.batch * opt.context, opt.batch,
+                                                     opt.page_size),
+                               1, sets));
   const HostTables h = host_tables(pool_pages, opt.page_size, table_sets, opt.batch, opt.context, opt.seed);
   const DeviceMemory tables = upload(h.tables), lens = upload(h.lens);
 
@@ -175,8 +177,9 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
   // Bytes the layer must move: every visible indexer key once per request, the logits written and read
   // back, the selected fp8 tokens, queries and outputs.
   const double cache_bytes = (static_cast<double>(opt.context) * kIndexerTokenBytes + attended * kFp8TokenBytes) * opt.batch;
-  const Rotation rotation = plan_rotation(static_cast<std::int64_t>(cache_bytes), ctx.l2_bytes, opt.warmup + opt.iters,
-                                         pool.num_pages * pool.page_size / (opt.batch * (opt.context + opt.page_size)));
+  const Rotation rotation =
+      plan_rotation(static_cast<std::int64_t>(cache_bytes), ctx.l2_bytes, opt.warmup + opt.iters,
+                    request_sets_that_fit(pool.num_pages * pool.page_size, opt.batch * opt.context, opt.batch, opt.page_size));
   report.rotation_sets = rotation.sets;
   report.rotation_cold = rotation.cold;
   const RequestSets sets = make_request_sets(pool, rotation.sets, opt.batch, opt.context, opt.seed);

@@ -35,8 +35,9 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
 
   const DevicePool pool(opt.pool, opt.page_size, KvDtype::kFp8E4M3, true, opt.seed, stream);
   const std::int64_t bytes_per_call = opt.batch * opt.context * static_cast<std::int64_t>(kIndexerTokenBytes);
-  const Rotation rotation = plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters,
-                                         pool.num_pages * pool.page_size / (opt.batch * (opt.context + opt.page_size)));
+  const Rotation rotation =
+      plan_rotation(bytes_per_call, ctx.l2_bytes, opt.warmup + opt.iters,
+                    request_sets_that_fit(pool.num_pages * pool.page_size, opt.batch * opt.context, opt.batch, opt.page_size));
   report.rotation_sets = rotation.sets;
   report.rotation_cold = rotation.cold;
   const RequestSets sets = make_request_sets(pool, report.rotation_sets, opt.batch, opt.context, opt.seed);

@@ -84,5 +84,10 @@ struct Rotation {
 };
 inline constexpr std::int64_t kAnySets = std::int64_t{1} << 40;  // `fits` of inputs the pool does not bound
 Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits);
+// The sets of `batch` requests of `tokens` tokens in all that a pool of `pool_tokens` tokens has room
+// for, each request's pages apart (a page of slack per request): `fits` above.
+inline std::int64_t request_sets_that_fit(std::int64_t pool_tokens, std::int64_t tokens, int batch, int page_size) {
+  return pool_tokens / (tokens + static_cast<std::int64_t>(batch) * page_size);
+}
 
 }  // namespace latentkv::tools::gpu
