@@ -77,6 +77,23 @@ __device__ __forceinline__ void copy(void* dst, const void* src, std::uint32_t b
 #endif
 }
 
+// The same for data read once (a decode's stream of cache entries): its lines are the first the L2
+// evicts, so that they do not push out what the kernel reads back soon (its splits' partials).
+__device__ __forceinline__ void copy_streaming(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {
+#if LKV_BULK_COPY
+  asm volatile(
+      "{\n.reg .b64 policy;\n"
+      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], policy;\n"
+      "}\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)bar;
+  __trap();
+#endif
+}
+
 // Orders this thread's generic shared-memory accesses (and those a CTA barrier made visible to it)
 // before the copies it issues next.
 __device__ __forceinline__ void fence_for_copy() {

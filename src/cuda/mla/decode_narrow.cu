@@ -442,6 +442,12 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // With bulk copies (kBulk: sm_90 and later, bulk_copies()) warp 0 copies each run of consecutive
   // slots (the tile's tokens in one page) with one copy, all completing on the stage's barrier, which
   // the first thread arms with the tile's bytes; a tile with no slot completes it by a plain arrival.
+  // The copies mark their lines evict-first in the L2: the cache entries are read once, and the
+  // splits' partials, written while hundreds of MB more stream past and read back by the merge, had
+  // better stay (the likely reason for the gain; not profiled). H200, the same call, without / with
+  // the hint: H 8 B 64 x 8K 96.6, 96.8 / 95.4, 95.0 us; B 1 x 256K (the combine kernel's 396 splits)
+  // 58.3, 58.5 / 57.2, 56.9; B 1 x 32K, H 16 B 64 and B 64 of 1K-16K tokens unchanged
+  // (docs/benchmarks.md, thirty-seventh session).
   auto issue_bulk = [&](int tile) {
     if (tile >= num_tiles || warp != 0) return;
     const std::int32_t slot = slot_s[(tile % kStages) * kTile + lane];
@@ -458,8 +464,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     if (valid && !cont) {
       const unsigned after = lane == 31 ? 0u : conts >> (lane + 1);
       const int run = __ffs(~after);  // this lane's token and the continuing ones after it
-      bulk::copy(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
-                 a.cache + static_cast<std::int64_t>(slot) * kTokenBytes, static_cast<std::uint32_t>(run * kTokenBytes), bar);
+      bulk::copy_streaming(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
+                           a.cache + static_cast<std::int64_t>(slot) * kTokenBytes,
+                           static_cast<std::uint32_t>(run * kTokenBytes), bar);
     }
   };
   auto issue_tile = [&](int tile) {
