@@ -1003,7 +1003,7 @@ std::vector<CapabilityRow> probe_capabilities(const Backend& backend, const Prob
       std::string reason = answers[d].rejection;
       const std::string name = grid.devices[d].kind == DeviceKind::kCpu ? "cpu" : describe_device(grid.devices[d]);
       for (std::size_t at = reason.find(name); at != std::string::npos; at = reason.find(name, at + 1)) {
-        reason.replace(at, name.size(), "\x01");
+        reason.replace(at, name.size(), 1, '\x01');
       }
       return reason;
     };
