@@ -63,31 +63,29 @@ __device__ __forceinline__ void arrive(std::uint64_t* bar) {
 #endif
 }
 
+// The L2 policy of a copy's lines: the default, or evict-first for data read once (a decode's stream
+// of cache entries), so that it does not push out what the kernel reads back soon (its partials).
+enum class L2Hint { kDefault, kEvictFirst };
+
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`,
 // delivered to `bar`.
+template <L2Hint kHint = L2Hint::kDefault>
 __device__ __forceinline__ void copy(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {
 #if LKV_BULK_COPY
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-#else
-  (void)dst, (void)src, (void)bytes, (void)bar;
-  __trap();
-#endif
-}
-
-// The same for data read once (a decode's stream of cache entries): its lines are the first the L2
-// evicts, so that they do not push out what the kernel reads back soon (its splits' partials).
-__device__ __forceinline__ void copy_streaming(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {
-#if LKV_BULK_COPY
-  asm volatile(
-      "{\n.reg .b64 policy;\n"
-      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], policy;\n"
-      "}\n" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
+  if constexpr (kHint == L2Hint::kEvictFirst) {
+    asm volatile(
+        "{\n.reg .b64 policy;\n"
+        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], policy;\n"
+        "}\n" ::"r"(smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+  } else {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+  }
 #else
   (void)dst, (void)src, (void)bytes, (void)bar;
   __trap();

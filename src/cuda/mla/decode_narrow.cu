@@ -464,9 +464,9 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     if (valid && !cont) {
       const unsigned after = lane == 31 ? 0u : conts >> (lane + 1);
       const int run = __ffs(~after);  // this lane's token and the continuing ones after it
-      bulk::copy_streaming(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
-                           a.cache + static_cast<std::int64_t>(slot) * kTokenBytes,
-                           static_cast<std::uint32_t>(run * kTokenBytes), bar);
+      bulk::copy<bulk::L2Hint::kEvictFirst>(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
+                                            a.cache + static_cast<std::int64_t>(slot) * kTokenBytes,
+                                            static_cast<std::uint32_t>(run * kTokenBytes), bar);
     }
   };
   auto issue_tile = [&](int tile) {
