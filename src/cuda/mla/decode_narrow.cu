@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // better stay (the likely reason for the gain; not profiled). H200, the same call, without / with
   // the hint: H 8 B 64 x 8K 96.6, 96.8 / 95.4, 95.0 us; B 1 x 256K (the combine kernel's 396 splits)
   // 58.3, 58.5 / 57.2, 56.9; B 1 x 32K, H 16 B 64 and B 64 of 1K-16K tokens unchanged
-  // (docs/benchmarks.md, thirty-seventh session).
+  // (docs/benchmarks.md, thirty-seventh session). A grouped prefill's groups read their request's
+  // prefix again, group after group, and keep the default policy (not measured with the hint).
   auto issue_bulk = [&](int tile) {
     if (tile >= num_tiles || warp != 0) return;
     const std::int32_t slot = slot_s[(tile % kStages) * kTile + lane];
@@ -464,9 +465,10 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     if (valid && !cont) {
       const unsigned after = lane == 31 ? 0u : conts >> (lane + 1);
       const int run = __ffs(~after);  // this lane's token and the continuing ones after it
-      bulk::copy<bulk::L2Hint::kEvictFirst>(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
-                                            a.cache + static_cast<std::int64_t>(slot) * kTokenBytes,
-                                            static_cast<std::uint32_t>(run * kTokenBytes), bar);
+      constexpr bulk::L2Hint kHint = kGrouped ? bulk::L2Hint::kDefault : bulk::L2Hint::kEvictFirst;
+      bulk::copy<kHint>(stages + (tile % kStages) * kStageBytes + lane * kTokenBytes,
+                        a.cache + static_cast<std::int64_t>(slot) * kTokenBytes,
+                        static_cast<std::uint32_t>(run * kTokenBytes), bar);
     }
   };
   auto issue_tile = [&](int tile) {
