@@ -448,7 +448,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
   // the hint: H 8 B 64 x 8K 96.6, 96.8 / 95.4, 95.0 us; B 1 x 256K (the combine kernel's 396 splits)
   // 58.3, 58.5 / 57.2, 56.9; B 1 x 32K, H 16 B 64 and B 64 of 1K-16K tokens unchanged
   // (docs/benchmarks.md, thirty-seventh session). A grouped prefill's groups read their request's
-  // prefix again, group after group, and keep the default policy (not measured with the hint).
+  // prefix again, group after group, and keep the default policy; a prefill per new token (each a
+  // request of its own over the same prefix) takes the hint, not measured with it.
   auto issue_bulk = [&](int tile) {
     if (tile >= num_tiles || warp != 0) return;
     const std::int32_t slot = slot_s[(tile % kStages) * kTile + lane];
