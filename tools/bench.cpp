@@ -230,7 +230,7 @@ void add_bench_command(CLI::App& app) {
         throw Error("bench", "--check-requests", std::to_string(opt->check_requests),
                     "at most the batch, " + std::to_string(opt->batch) + " (--batch)");
       }
-      shard_model(model_preset(opt->model), opt->tp);
+      shard_from_flags("bench", opt->model, opt->tp);
       if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
       if (detect_device().kind != DeviceKind::kCuda) {
         throw Error("bench",

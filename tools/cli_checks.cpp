@@ -122,6 +122,20 @@ void write_output_file(const std::string& command, const std::string& option, co
   if (!out) throw Error(command, option, path, "a writable file (writing it failed)");
 }
 
+ModelShard shard_from_flags(const std::string& command, const std::string& model, int tp) {
+  const ModelPreset* preset = nullptr;
+  try {
+    preset = &model_preset(model);
+  } catch (const Error& e) {
+    throw Error(command, "--model", e.value(), e.expected());
+  }
+  try {
+    return shard_model(*preset, tp);
+  } catch (const Error& e) {
+    throw Error(command, "--tp", e.value(), e.expected());
+  }
+}
+
 std::string gigabytes(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f GB", bytes / 1e9);

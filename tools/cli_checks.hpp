@@ -13,6 +13,7 @@
 
 #include "commands.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/model.hpp"
 
 namespace latentkv::tools {
 
@@ -37,6 +38,10 @@ void check_output_path(const std::string& command, const std::string& option, co
 // Writes `text` to `path`; throws latentkv::Error naming `option` when that fails.
 void write_output_file(const std::string& command, const std::string& option, const std::string& path,
                        const std::string& text);
+
+// The preset named by --model split over --tp GPUs; throws latentkv::Error(command, "--model" or
+// "--tp", ...) when there is no such preset or tp does not divide its attention heads.
+ModelShard shard_from_flags(const std::string& command, const std::string& model, int tp);
 
 // "12.3 GB"
 std::string gigabytes(double bytes);

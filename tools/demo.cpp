@@ -61,7 +61,7 @@ void check_memory(const DemoOptions& o, std::int64_t num_pages, const ModelShard
 }
 
 void run_demo(const DemoOptions& o) {
-  const ModelShard shard = or_usage_error([&] { return shard_model(model_preset(o.model), o.tp); });
+  const ModelShard shard = or_usage_error([&] { return shard_from_flags("demo", o.model, o.tp); });
   const ModelPreset& m = shard.model;
   const int heads = shard.heads_per_gpu, hi = m.indexer_heads, topk = m.index_topk;
   const Backend& ref = *find_backend("reference");

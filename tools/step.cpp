@@ -83,9 +83,9 @@ std::string repro_line(const StepRun& run, bool cpu) {
 
 // Every default filled in for the device the run lands on, every value checked.
 StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
-  const ModelShard shard = shard_model(model_preset(o.model), o.tp);
+  const ModelShard shard = shard_from_flags("step", o.model, o.tp);
   const ModelPreset& m = shard.model;
-  if (m.layers < 1) throw Error("step", "model", m.name, "a preset with its layer count (model.hpp: layers)");
+  if (m.layers < 1) throw Error("step", "--model", m.name, "a preset with its layer count (model.hpp: layers)");
   StepRun run;
   StepShape& s = run.shape;
   s.model = m.name;

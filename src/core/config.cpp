@@ -133,7 +133,7 @@ std::string expected_text(std::string_view key) {
   if (key == "model") return "one of: " + join(model_preset_names());
   if (key == "tp") return "a positive integer that divides the model's attention heads";
   if (key == "kv_dtype") return "fp8_e4m3 or bf16";
-  if (key == "page_size") return "an integer >= 1 (tokens per page)";
+  if (key == "page_size") return "an integer from 1 to " + std::to_string(INT_MAX) + " (tokens per page)";
   if (key == "q_len") {
     return "an integer from 1 to " + std::to_string(kMaxDecodeQLen) + " (new tokens per request in decode)";
   }

@@ -153,6 +153,19 @@ TEST_F(Cli, UsageErrorsExitTwoInDemoAndBench) {
   EXPECT_THAT(unknown.err, HasSubstr("unknown subcommand 'foo'"));
 }
 
+TEST_F(Cli, ModelAndTpErrorsNameTheCommandAndTheFlag) {
+  for (const std::string command : {"step", "demo", "bench"}) {
+    const Result tp = run({command, "--tp", "3"});
+    EXPECT_EQ(tp.exit_code, 2) << command;
+    EXPECT_THAT(tp.err, HasSubstr("error: " + command +
+                                  ": argument '--tp' = 3: expected a positive divisor of glm5's 64 attention heads"));
+    const Result model = run({command, "--model", "foo"});
+    EXPECT_EQ(model.exit_code, 2) << command;
+    EXPECT_THAT(model.err, HasSubstr("error: " + command + ": argument '--model' = 'foo': expected one of: glm5"));
+    EXPECT_EQ(model.out, "");
+  }
+}
+
 TEST_F(Cli, UnwritableOutputPathsAreRefusedBeforeTheRun) {
   const Result json = run(kSmallStep, {"--json", "/nonexistent/dir/x.json"});
   EXPECT_EQ(json.exit_code, 2);

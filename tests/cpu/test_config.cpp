@@ -357,7 +357,7 @@ TEST(ConfigReject, BadIntegers) {
       {"tp", "", "tp = ''"},
       {"tp", "99999999999999999999", "tp = '99999999999999999999'"},
       {"tp", "4294967304", "tp = 4294967304"},
-      {"page_size", "0", "page_size = 0 (flag --page-size): expected an integer >= 1"},
+      {"page_size", "0", "page_size = 0 (flag --page-size): expected an integer from 1 to 2147483647"},
       {"page_size", "-64", "page_size = -64"},
       {"page_size", "6.4", "page_size = '6.4'"},
       {"q_len", "0", "q_len = 0 (flag --q-len): expected an integer from 1 to 4"},
