@@ -7,17 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 BUILD=${BUILD:-build}
-# The CUDA code for this machine's GPU unless LKV_CUDA_ARCHS names architectures: compute capability
-# 8.9 -> 89, 9.0 -> 90a, 10.0 -> 100a, 12.0 -> 120a (the library's default is 90a).
-if [[ -z "${LKV_CUDA_ARCHS:-}" ]] && command -v nvidia-smi >/dev/null 2>&1; then
-  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .' || true)
-  case "$cap" in
-    89) LKV_CUDA_ARCHS=89 ;;
-    90 | 100 | 120) LKV_CUDA_ARCHS=${cap}a ;;
-  esac
-fi
-ARCHS=()
-if [[ -n "${LKV_CUDA_ARCHS:-}" ]]; then ARCHS=(-DLKV_CUDA_ARCHS="$LKV_CUDA_ARCHS"); fi
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCHS[@]}" >/dev/null
+source scripts/cuda_archs.sh  # the CUDA code for this machine's GPU unless LKV_CUDA_ARCHS names architectures
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLKV_CUDA_ARCHS="$LKV_CUDA_ARCHS" >/dev/null
 cmake --build "$BUILD" -j"${JOBS:-$(nproc)}" --target latentkv_cli
 exec "$BUILD/tools/latentkv" step "$@"

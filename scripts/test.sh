@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Builds latentkv and runs every test: the CPU tests always, the GPU tests where a GPU is (they
-# report "skipped" elsewhere). With nvcc present it also compiles every CUDA source for each target
-# architecture (sm_89, sm_90a, sm_100a, sm_120a).
+# Builds latentkv and runs every test: the CPU tests always, and with nvcc present the GPU tests too
+# (they run where a GPU is and report "skipped" elsewhere). With nvcc present it also compiles every
+# CUDA source for each target architecture (sm_89, sm_90a, sm_100a, sm_120a).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 BUILD=${BUILD:-build}
 JOBS=${JOBS:-$(nproc)}
-ARCHS=()  # LKV_CUDA_ARCHS in the environment: the architectures the library holds code for (default 90a)
-if [[ -n "${LKV_CUDA_ARCHS:-}" ]]; then ARCHS=(-DLKV_CUDA_ARCHS="$LKV_CUDA_ARCHS"); fi
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCHS[@]}"
+source scripts/cuda_archs.sh  # the CUDA code for this machine's GPU unless LKV_CUDA_ARCHS names architectures
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLKV_CUDA_ARCHS="$LKV_CUDA_ARCHS"
 cmake --build "$BUILD" -j"$JOBS"
 if ninja -C "$BUILD" -t query latentkv_cuda_arch_check >/dev/null 2>&1; then  # configured with CUDA
   echo "== compiling the CUDA sources for every target architecture"
