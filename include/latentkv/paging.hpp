@@ -13,7 +13,8 @@ namespace latentkv {
 
 using RequestId = std::int64_t;
 
-// Hands out the pages of a pool of `num_pages` pages of `page_size` tokens to requests. Freed pages
+// Hands out the pages of a pool of `num_pages` pages of `page_size` tokens to requests (a pool whose
+// slots fit int32, as every op takes them). Freed pages
 // are reused first (LIFO). With a non-zero seed the pool's pages are handed out in a shuffled order,
 // as in a long-running server; tests use it so that block tables are never in order.
 class PageAllocator {
@@ -43,7 +44,8 @@ class PageAllocator {
   std::int64_t num_pages() const { return num_pages_; }
   int page_size() const { return page_size_; }
   std::int64_t free_pages() const { return static_cast<std::int64_t>(free_.size()); }
-  std::int64_t pages_for(std::int64_t tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+  // Pages that hold `tokens` (>= 0) tokens; no sum that could overflow.
+  std::int64_t pages_for(std::int64_t tokens) const { return tokens / page_size_ + (tokens % page_size_ > 0 ? 1 : 0); }
 
  private:
   struct Request {

@@ -11,10 +11,14 @@ namespace latentkv {
 
 PageAllocator::PageAllocator(std::int64_t num_pages, int page_size, std::uint64_t shuffle_seed)
     : num_pages_(num_pages), page_size_(page_size) {
-  if (num_pages < 1 || num_pages > INT32_MAX) {
-    throw Error("page_allocator", "num_pages", std::to_string(num_pages), "1 .. 2^31-1");
-  }
   if (page_size < 1) throw Error("page_allocator", "page_size", std::to_string(page_size), ">= 1");
+  // Slots (page_id * page_size + offset) are int32 in every op, as in a cache (cache.hpp).
+  const std::int64_t max_pages = INT32_MAX / page_size;
+  if (num_pages < 1 || num_pages > max_pages) {
+    throw Error("page_allocator", "num_pages", std::to_string(num_pages),
+                "1 .. " + std::to_string(max_pages) + " (num_pages x page_size " + std::to_string(page_size) +
+                    " within the int32 slots)");
+  }
   free_.resize(static_cast<std::size_t>(num_pages));
   // Stack order: page 0 is handed out first unless shuffled.
   std::iota(free_.rbegin(), free_.rend(), 0);

@@ -110,7 +110,11 @@ namespace {
 bool empty_view(const TensorView& v) { return v.rank > 0 && v.numel() == 0; }
 
 // "cpu", or "cuda:N": CUDA views and caches must be on the device the call runs on.
-std::string device_text(Device d) { return d.kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(d.index); }
+std::string device_text(Device d) {
+  if (d.kind == DeviceKind::kCpu) return "cpu";
+  if (d.kind == DeviceKind::kCuda) return "cuda:" + std::to_string(d.index);
+  return "device kind " + std::to_string(static_cast<int>(d.kind)) + " (not cpu or cuda)";
+}
 
 bool same_device(Device have, Device want) {
   return have.kind == want.kind && (want.kind == DeviceKind::kCpu || have.index == want.index);

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string_view>
 #include <vector>
 
 #include "latentkv/ops.hpp"
@@ -15,12 +17,22 @@ namespace latentkv::cpu::internal {
 // The 576 values of one main-cache slot exactly as a kernel reads them: 512 latent, then 64 rope.
 void dequantize_token_f32(const LatentCache& cache, std::int64_t slot, float* out576);
 
-// Dequantizes the listed slots of the main cache, one row each (duplicates give duplicate rows).
-std::vector<float> gather_tokens(const LatentCache& cache, const std::vector<std::int64_t>& slots);  // [n, 576]
+// Dequantizes the listed slots of the main cache into `keys`, one row each (duplicates give
+// duplicate rows).
+void gather_tokens(const LatentCache& cache, const std::vector<std::int64_t>& slots,
+                   std::vector<float>& keys);  // keys: [n, 576]
 
-// The physical slots of logical positions 0 .. length-1 of request `b`.
-std::vector<std::int64_t> request_slots(const TensorView& block_table, std::int64_t b, std::int64_t length,
-                                        int page_size);
+// The physical slots of logical positions 0 .. length-1 of request `b`, into `slots`.
+void request_slots(const TensorView& block_table, std::int64_t b, std::int64_t length, int page_size,
+                   std::vector<std::int64_t>& slots);
+
+// The reference holds a request's dequantized tokens at once, in scratch that grows with its length.
+// An op takes that scratch for its longest request (`reserve(length)` reserves every vector it
+// needs; `bytes_per_token` says how much that is) before it writes anything, so that a length the
+// host cannot hold scratch for is an Error naming it (op, seq_lens[b]) and every output is as it
+// was. Vectors filled later within the reserved capacity are not reallocated.
+void reserve_for_longest(std::string_view op, const TensorView& seq_lens, double bytes_per_token,
+                         const std::function<void(std::int64_t)>& reserve);
 
 // Positions a new token sees: new token i of a request with n new tokens and `length` tokens in all
 // sees logical positions t < length - n + i + 1 (never fewer than 0).
@@ -36,9 +48,9 @@ void indexer_row(const double* q,  // [heads, 128]
                  int heads, const double* keys, const double* key_scales, std::int64_t visible, float* out);
 
 // One row's top-k: the slots of the k largest of x[0 .. visible), ties to the earlier position,
-// then -1 padding. out: [k].
+// then -1 padding. out: [k]; `positions` is scratch (visible elements).
 void topk_row(const float* x, std::int64_t visible, std::int64_t k, const std::vector<std::int64_t>& slots,
-              std::int32_t* out);
+              std::vector<std::int64_t>& positions, std::int32_t* out);
 
 // Softmax attention of one query token's heads over n keys, in double:
 // s_t = scale * q.k_t, o = sum_t softmax(s)_t v_t (v = the first 512 key values), lse = log sum_t exp(s_t).

@@ -1,5 +1,8 @@
 // Dequantization of the cache bytes, exactly as the kernels read them (SPEC section 3).
+#include <cstdio>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include "cpu/common.hpp"
@@ -14,6 +17,15 @@ void check_slot(std::string_view op, std::int64_t slot, std::int64_t num_slots) 
   if (slot < 0 || slot >= num_slots) {
     throw Error(std::string(op), "slot", std::to_string(slot), "0 .. " + std::to_string(num_slots - 1));
   }
+}
+
+[[noreturn]] void fail_scratch(std::string_view op, std::int64_t request, std::int64_t length, double bytes_per_token) {
+  char size[32];
+  std::snprintf(size, sizeof size, "%.1f GB", static_cast<double>(length) * bytes_per_token / 1e9);
+  throw Error(std::string(op), "seq_lens[" + std::to_string(request) + "]", std::to_string(length),
+              std::string("a length whose scratch the host can allocate (the CPU reference holds a request's "
+                          "dequantized tokens at once: ") +
+                  size + " for this one could not be allocated)");
 }
 
 }  // namespace
@@ -44,21 +56,36 @@ void dequantize_token_f32(const LatentCache& cache, std::int64_t slot, float* ou
   }
 }
 
-std::vector<float> gather_tokens(const LatentCache& cache, const std::vector<std::int64_t>& slots) {
-  std::vector<float> keys(slots.size() * kQkDim);  // [n, 576]
+void gather_tokens(const LatentCache& cache, const std::vector<std::int64_t>& slots, std::vector<float>& keys) {
+  keys.resize(slots.size() * kQkDim);  // [n, 576]
   for (std::size_t t = 0; t < slots.size(); ++t) dequantize_token_f32(cache, slots[t], keys.data() + t * kQkDim);
-  return keys;
 }
 
-std::vector<std::int64_t> request_slots(const TensorView& block_table, std::int64_t b, std::int64_t length,
-                                        int page_size) {
+void request_slots(const TensorView& block_table, std::int64_t b, std::int64_t length, int page_size,
+                   std::vector<std::int64_t>& slots) {
   const std::int64_t max_pages = block_table.size(1);
   const auto* row = block_table.as<const std::int32_t>() + b * max_pages;  // [max_pages] page ids
-  std::vector<std::int64_t> slots(static_cast<std::size_t>(length));
+  slots.resize(static_cast<std::size_t>(length));
   for (std::int64_t t = 0; t < length; ++t) {
     slots[static_cast<std::size_t>(t)] = static_cast<std::int64_t>(row[t / page_size]) * page_size + t % page_size;
   }
-  return slots;
+}
+
+void reserve_for_longest(std::string_view op, const TensorView& seq_lens, double bytes_per_token,
+                         const std::function<void(std::int64_t)>& reserve) {
+  const auto* lens = seq_lens.as<const std::int32_t>();  // [B], validated: 0 .. capacity
+  std::int64_t longest = -1;
+  for (std::int64_t b = 0; b < seq_lens.size(0); ++b) {
+    if (longest < 0 || lens[b] > lens[longest]) longest = b;
+  }
+  if (longest < 0) return;
+  try {
+    reserve(lens[longest]);
+  } catch (const std::bad_alloc&) {
+    fail_scratch(op, longest, lens[longest], bytes_per_token);
+  } catch (const std::length_error&) {
+    fail_scratch(op, longest, lens[longest], bytes_per_token);
+  }
 }
 
 }  // namespace internal

@@ -33,6 +33,16 @@ void indexer_row(const double* q, const float* w, int heads, const double* keys,
 
 namespace {
 
+// Scratch per token of a request: its slot, its 128 key values and its scale.
+constexpr double kKeyScratchBytes = sizeof(std::int64_t) + (kIndexerDim + 1) * sizeof(double);
+
+void reserve_keys(std::int64_t n, std::vector<std::int64_t>& slots, std::vector<double>& keys,
+                  std::vector<double>& scales) {
+  slots.reserve(static_cast<std::size_t>(n));
+  keys.reserve(static_cast<std::size_t>(n) * kIndexerDim);
+  scales.reserve(static_cast<std::size_t>(n));
+}
+
 // The keys at `slots`, dequantized: keys [n, 128] without scale, scales [n].
 void load_keys(const IndexerCache& cache, const std::vector<std::int64_t>& slots, std::vector<double>& keys,
                std::vector<double>& scales) {
@@ -63,12 +73,17 @@ void indexer_logits(const IndexerLogitsParams& p) {
   const auto* weights = p.weights.as<const float>();       // [B, q_len, Hi]
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
   auto* logits = p.logits.as<float>();                     // [B, q_len, max_len]
+  std::vector<double> q_row, keys, key_scales;  // keys [length, 128], key_scales [length]
+  std::vector<std::int64_t> slots;              // [length]
+  internal::reserve_for_longest("indexer_logits", p.seq_lens, kKeyScratchBytes, [&](std::int64_t n) {
+    reserve_keys(n, slots, keys, key_scales);
+  });
   if (p.clear_bytes > 0) std::memset(p.clear, 0, p.clear_bytes);
 
-  std::vector<double> q_row, keys, key_scales;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b];
-    load_keys(p.cache, internal::request_slots(p.block_table, b, length, p.cache.page_size), keys, key_scales);
+    internal::request_slots(p.block_table, b, length, p.cache.page_size, slots);
+    load_keys(p.cache, slots, keys, key_scales);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t row = b * q_len + i;
       load_indexer_query(p.q, row, heads, q_row);
@@ -91,11 +106,18 @@ void indexer_prefill(const IndexerPrefillParams& p) {
   const auto* lens = p.seq_lens.as<const std::int32_t>();     // [B]
   auto* out = p.slots.as<std::int32_t>();                     // [T, k]
 
-  std::vector<double> q_row, keys, key_scales;
-  std::vector<float> row_logits;
+  std::vector<double> q_row, keys, key_scales;  // keys [length, 128], key_scales [length]
+  std::vector<std::int64_t> slots, positions;   // [length] each
+  std::vector<float> row_logits;                // [length]
+  internal::reserve_for_longest(
+      "indexer_prefill", p.seq_lens, kKeyScratchBytes + sizeof(std::int64_t) + sizeof(float), [&](std::int64_t n) {
+        reserve_keys(n, slots, keys, key_scales);
+        positions.reserve(static_cast<std::size_t>(n));
+        row_logits.reserve(static_cast<std::size_t>(n));
+      });
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b], n_new = cu[b + 1] - cu[b];
-    const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.cache.page_size);
+    internal::request_slots(p.block_table, b, length, p.cache.page_size, slots);
     load_keys(p.cache, slots, keys, key_scales);
     row_logits.resize(static_cast<std::size_t>(length));
     for (std::int64_t j = 0; j < n_new; ++j) {
@@ -104,7 +126,7 @@ void indexer_prefill(const IndexerPrefillParams& p) {
       const std::int64_t visible = std::min(length, internal::visible_positions(length, n_new, j));
       internal::indexer_row(q_row.data(), weights + row * heads, heads, keys.data(), key_scales.data(), visible,
                             row_logits.data());
-      internal::topk_row(row_logits.data(), visible, k, slots, out + row * k);
+      internal::topk_row(row_logits.data(), visible, k, slots, positions, out + row * k);
     }
   }
 }

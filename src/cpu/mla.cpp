@@ -82,14 +82,31 @@ void store_outputs(const TensorView& o, const TensorView& lse, std::int64_t row,
 
 namespace {
 
+// Scratch for one request's positions and their dequantized entries.
+struct RequestScratch {
+  std::vector<std::int64_t> slots;  // [length]
+  std::vector<float> keys;          // [length, 576]
+};
+
+// Takes the scratch of the longest request before anything is written (reserve_for_longest).
+RequestScratch scratch_for_longest(std::string_view op, const TensorView& seq_lens) {
+  RequestScratch s;
+  internal::reserve_for_longest(op, seq_lens, sizeof(std::int64_t) + kQkDim * sizeof(float), [&](std::int64_t n) {
+    s.slots.reserve(static_cast<std::size_t>(n));
+    s.keys.reserve(static_cast<std::size_t>(n) * kQkDim);
+  });
+  return s;
+}
+
 // Attention of request b's new tokens (query rows first_row .. first_row + n_new - 1) over its
 // `length` cached tokens, causal among the new ones.
 void attend_request(const TensorView& q, const LatentCache& cache, const TensorView& block_table, std::int64_t b,
                     std::int64_t length, std::int64_t first_row, std::int64_t n_new, int heads, double scale,
-                    const TensorView& o, const TensorView& lse) {
+                    const TensorView& o, const TensorView& lse, RequestScratch& scratch) {
   // Each query row sees a prefix of the request's positions, so dequantize them once.
-  const std::vector<float> keys =  // [length, 576]
-      internal::gather_tokens(cache, internal::request_slots(block_table, b, length, cache.page_size));
+  internal::request_slots(block_table, b, length, cache.page_size, scratch.slots);
+  internal::gather_tokens(cache, scratch.slots, scratch.keys);  // [length, 576]
+  const std::vector<float>& keys = scratch.keys;
   std::vector<double> q_row(static_cast<std::size_t>(heads) * kQkDim);   // [heads, 576]
   std::vector<double> o_row(static_cast<std::size_t>(heads) * kLatentDim);  // [heads, 512]
   std::vector<double> lse_row(static_cast<std::size_t>(heads));             // [heads]
@@ -111,8 +128,10 @@ void mla_decode(const MlaDecodeParams& p) {
   const std::int64_t batch = p.q.size(0), q_len = p.q.size(1);
   const int heads = static_cast<int>(p.q.size(2));
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
+  RequestScratch scratch = scratch_for_longest("mla_decode", p.seq_lens);
   for (std::int64_t b = 0; b < batch; ++b) {
-    attend_request(p.q, p.cache, p.block_table, b, lens[b], b * q_len, q_len, heads, p.softmax_scale, p.o, p.lse);
+    attend_request(p.q, p.cache, p.block_table, b, lens[b], b * q_len, q_len, heads, p.softmax_scale, p.o, p.lse,
+                   scratch);
   }
 }
 
@@ -124,9 +143,10 @@ void mla_prefill(const MlaPrefillParams& p) {
   const int heads = static_cast<int>(p.q.size(1));
   const auto* cu = p.cu_new_tokens.as<const std::int32_t>();  // [B + 1]
   const auto* lens = p.seq_lens.as<const std::int32_t>();     // [B]
+  RequestScratch scratch = scratch_for_longest("mla_prefill", p.seq_lens);
   for (std::int64_t b = 0; b < batch; ++b) {
     attend_request(p.q, p.cache, p.block_table, b, lens[b], cu[b], cu[b + 1] - cu[b], heads, p.softmax_scale, p.o,
-                   p.lse);
+                   p.lse, scratch);
   }
 }
 

@@ -19,13 +19,14 @@ void sparse_attend(const TensorView& q, const LatentCache& cache,
   std::vector<double> o_row(static_cast<std::size_t>(heads) * kLatentDim);  // [heads, 512]
   std::vector<double> lse_row(static_cast<std::size_t>(heads));             // [heads]
   std::vector<std::int64_t> slots;
+  std::vector<float> keys;  // [slots, 576]
   for (std::int64_t r = 0; r < rows; ++r) {
     slots.clear();
     for (std::int64_t k = 0; k < topk; ++k) {
       const std::int32_t slot = indices[r * topk + k];
       if (slot >= 0) slots.push_back(slot);
     }
-    const std::vector<float> keys = internal::gather_tokens(cache, slots);  // [slots, 576]
+    internal::gather_tokens(cache, slots, keys);
     internal::load_query(q, r, heads, q_row.data());
     internal::attend(q_row.data(), heads, keys.data(), static_cast<std::int64_t>(slots.size()), scale, o_row.data(),
                    lse_row.data());

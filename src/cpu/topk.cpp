@@ -13,8 +13,8 @@ namespace latentkv::cpu {
 namespace internal {
 
 void topk_row(const float* x, std::int64_t visible, std::int64_t k, const std::vector<std::int64_t>& slots,
-              std::int32_t* out) {
-  std::vector<std::int64_t> positions(static_cast<std::size_t>(visible));
+              std::vector<std::int64_t>& positions, std::int32_t* out) {
+  positions.resize(static_cast<std::size_t>(visible));
   std::iota(positions.begin(), positions.end(), 0);
   const std::int64_t chosen = std::min(k, visible);
   // Largest logit first; ties go to the earlier position (any choice is allowed). A NaN, which only
@@ -44,13 +44,18 @@ void topk(const TopkParams& p) {
   const auto* lens = p.seq_lens.as<const std::int32_t>();  // [B]
   auto* out = p.slots.as<std::int32_t>();                  // [B, q_len, k]
 
+  std::vector<std::int64_t> slots, positions;  // [length] each
+  internal::reserve_for_longest("topk", p.seq_lens, 2 * sizeof(std::int64_t), [&](std::int64_t n) {
+    slots.reserve(static_cast<std::size_t>(n));
+    positions.reserve(static_cast<std::size_t>(n));
+  });
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t length = lens[b];
-    const std::vector<std::int64_t> slots = internal::request_slots(p.block_table, b, length, p.page_size);
+    internal::request_slots(p.block_table, b, length, p.page_size, slots);
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::int64_t row = b * q_len + i;
       const std::int64_t visible = std::min(length, internal::visible_positions(length, q_len, i));
-      internal::topk_row(logits + row * max_len, visible, p.k, slots, out + row * p.k);
+      internal::topk_row(logits + row * max_len, visible, p.k, slots, positions, out + row * p.k);
     }
   }
 }

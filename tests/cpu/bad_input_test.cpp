@@ -1,10 +1,13 @@
 // Rejected inputs: each throws latentkv::Error naming the op, the argument and the value, and a
 // rejected call writes nothing (caches and output sentinels are byte-identical afterwards).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -661,6 +664,11 @@ TEST(BadInput, ViewsOnAnotherDevice) {
   p.cache.device = Device::cuda(2);
   EXPECT_TRUE(throws_error([&] { detail::validate_shapes(p, Device::cuda(0), Outputs::kReferenceTypes); }, "mla_decode",
                            "cache.device", "cuda:2"));
+  // A kind the enum does not define is named as a number, not taken for CUDA.
+  p.cache.device = Device::cuda(0);
+  p.q.device.kind = static_cast<DeviceKind>(7);
+  EXPECT_TRUE(throws_error([&] { detail::validate_shapes(p, Device::cuda(0), Outputs::kReferenceTypes); }, "mla_decode",
+                           "q", "device kind 7 (not cpu or cuda)"));
 }
 
 // A block table whose capacity (max_pages x page_size) passes 2^31 tokens is refused by its shape,
@@ -671,6 +679,76 @@ TEST(BadInput, BlockTableCapacityBeyondInt32) {
   p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, std::int64_t{1} << 30});  // x 4 tokens
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "block_table", std::to_string(std::int64_t{1} << 30)));
   EXPECT_TRUE(c.outputs_untouched());
+}
+
+// Caps this process's address space a little above what it holds now, for the life of the object:
+// an allocation far beyond that then fails whatever the machine's overcommit policy.
+class AddressSpaceCap {
+ public:
+  AddressSpaceCap() {
+    getrlimit(RLIMIT_AS, &saved_);
+    long pages = 0;
+    if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+      std::fclose(statm);
+    }
+    const auto now = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+    rlimit cap = saved_;
+    cap.rlim_cur = std::min<rlim_t>(saved_.rlim_cur, now + (rlim_t{1} << 31));  // 2 GiB to spare
+    active_ = pages > 0 && setrlimit(RLIMIT_AS, &cap) == 0;
+  }
+  ~AddressSpaceCap() { setrlimit(RLIMIT_AS, &saved_); }
+  bool active() const { return active_; }
+
+ private:
+  rlimit saved_{};
+  bool active_ = false;
+};
+
+// The reference holds a request's dequantized tokens at once (2.3 KB a token in MLA, 1.2 KB in the
+// indexer). A length within the block table's capacity whose scratch the host cannot allocate is
+// named as that length before any output is written, not a std::bad_alloc after the requests before it.
+TEST(BadInput, ReferenceScratchBeyondHostMemoryIsNamed) {
+  PagedFixtureOptions options;
+  options.page_size = 4096;
+  options.lengths = {4, 3};
+  Rng rng = test_rng();
+  PagedFixture f = make_paged_fixture(options, rng);
+  constexpr std::int64_t kColumns = (std::int64_t{1} << 19) - 1;  // x 4096 tokens: capacity 2^31 - 4096
+  std::vector<std::int32_t> table(2 * kColumns, f.block_table[0]);
+  std::vector<std::int32_t> lens = {4, static_cast<std::int32_t>(kColumns * 4096)};
+  HostTensor q = random_bf16(rng, {2, 1, 4, kQkDim});
+  HostTensor o = sentinel_tensor(DType::kBF16, {2, 1, 4, kLatentDim}), lse = sentinel_tensor(DType::kF32, {2, 1, 4});
+  MlaDecodeParams p;
+  p.q = q.view();
+  p.cache = f.cache();
+  p.block_table = TensorView::contiguous(table.data(), DType::kI32, {2, kColumns});
+  p.seq_lens = TensorView::contiguous(lens.data(), DType::kI32, {2});
+  p.o = o.view();
+  p.lse = lse.view();
+  p.softmax_scale = 0.0625f;
+
+  HostTensor q_idx = random_fp8(rng, {2, 4, kIndexerDim});
+  HostTensor w = random_f32(rng, {2, 4}, -1, 1);
+  HostTensor rows = sentinel_tensor(DType::kI32, {2, 8});
+  std::vector<std::int32_t> cu = {0, 1, 2};
+  IndexerPrefillParams xp;
+  xp.q = q_idx.view();
+  xp.weights = w.view();
+  xp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
+  xp.cache = f.indexer();
+  xp.block_table = p.block_table;
+  xp.seq_lens = p.seq_lens;
+  xp.k = 8;
+  xp.slots = rows.view();
+
+  const AddressSpaceCap cap;
+  ASSERT_TRUE(cap.active()) << "could not cap the address space";
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "seq_lens[1]", "2147479552"));
+  EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(xp); }, "indexer_prefill", "seq_lens[1]", "2147479552"));
+  EXPECT_TRUE(is_sentinel(rows));
+  EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("could not be allocated"), std::string::npos);
 }
 
 // A prefill's negative length is named as the length, not as the new-token offsets it also breaks.

@@ -121,8 +121,8 @@ TEST(PageAllocator, HugeGrowthIsRefusedWithoutOverflow) {
   EXPECT_EQ(a.length(r1), 0);
   EXPECT_TRUE(throws_error([&] { a.slot(r1, 1000000); }, "page_allocator.slot", "position", "1000000"));
 
-  // A pool of more than 2^31 slots: a request's length stays below 2^31 (seq_lens are int32).
-  PageAllocator big(3, 1 << 30);
+  // The largest pool, one page of 2^31 - 1 slots: a request's length stays below 2^31 (seq_lens are int32).
+  PageAllocator big(1, std::numeric_limits<std::int32_t>::max());
   const RequestId r = big.add_request();
   big.grow(r, std::numeric_limits<std::int32_t>::max());
   EXPECT_TRUE(throws_error([&] { big.grow(r, 1); }, "page_allocator.grow", "n_tokens", "1"));
@@ -206,6 +206,9 @@ TEST(PageAllocator, NegativeMaxPages) {
 TEST(PageAllocator, RejectsBadConstruction) {
   EXPECT_TRUE(throws_error([] { PageAllocator(0, 4); }, "page_allocator", "num_pages", "0"));
   EXPECT_TRUE(throws_error([] { PageAllocator(4, 0); }, "page_allocator", "page_size", "0"));
+  // Slots past int32 would wrap when handed to an op: 2 pages of 2^30 tokens are one too many.
+  EXPECT_TRUE(throws_error([] { PageAllocator(2, 1 << 30); }, "page_allocator", "num_pages", "2"));
+  EXPECT_EQ(PageAllocator(1, 1 << 30).pages_for(INT64_MAX), INT64_MAX / (1 << 30) + 1);
   PageAllocator a(2, 1);
   EXPECT_TRUE(throws_error([&] { a.grow(77, 1); }, "page_allocator.grow", "request", "77"));
   const RequestId r = a.add_request();
