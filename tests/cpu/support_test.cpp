@@ -77,6 +77,26 @@ TEST(Sentinel, UnwrittenElementsFailComparison) {
   }
 }
 
+// The sentinels are NaN: where NaN is expected (a row that sees a NaN in the cache), an element the
+// op never wrote must still fail, while a NaN the op wrote passes.
+TEST(Sentinel, UnwrittenElementsFailWhereNanIsExpected) {
+  const std::vector<double> nan_expected(4, std::numeric_limits<double>::quiet_NaN());
+  for (DType t : {DType::kBF16, DType::kF32, DType::kF64}) {
+    HostTensor x = sentinel_tensor(t, {4});
+    for (std::int64_t i = 0; i < 4; ++i) {
+      if (i != 1) x.set(i, std::numeric_limits<double>::quiet_NaN());
+    }
+    const Comparison unwritten = compare("x", x, nan_expected, Tolerance::bf16_output());
+    EXPECT_FALSE(unwritten.ok);
+    EXPECT_EQ(unwritten.unwritten, 1);
+    EXPECT_EQ(unwritten.first_unwritten, 1);
+    EXPECT_NE(unwritten.report().find("1 elements still hold the sentinel (first at [1])"), std::string::npos)
+        << unwritten.report();
+    x.set(1, std::numeric_limits<double>::quiet_NaN());
+    EXPECT_TRUE(compare("x", x, nan_expected, Tolerance::bf16_output()).ok);
+  }
+}
+
 TEST(PagedFixture, PoisonsEverySlotNoRequestHolds) {
   for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kBf16}) {
     Rng rng = test_rng(std::string(kv_dtype_name(dtype)));

@@ -123,7 +123,7 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   poison_latent_cache(cache, dtype);
   std::vector<std::uint8_t> indexer(f.indexer_bytes.size());
   poison_indexer_cache(indexer, o.page_size);
-  DeviceBuffer d_cache(cache), d_indexer(indexer), d_fault(sizeof(DeviceFault));
+  DeviceBuffer d_fault(sizeof(DeviceFault));
 
   struct Bad {
     const char* what;
@@ -167,7 +167,8 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
     if (bad.key_nan >= 0) keys[static_cast<std::size_t>(n * 128 + bad.key_nan)] = 0xFFC1;
     const std::string named = bad.named;
     const std::int64_t index = named == "slots" ? n : named == "latent" ? n * 576 + lowest_latent : n * 128 + bad.key_nan;
-    DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
+    // Freshly poisoned caches for each case: the good tokens must be written by this call.
+    DeviceBuffer d_cache(cache), d_indexer(indexer), d_latents(latents), d_keys(keys), d_slots(slots);
     LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
 
     AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, n + 1);
@@ -185,6 +186,7 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   }
 
   // Good tokens alone leave the record empty.
+  DeviceBuffer d_cache(cache), d_indexer(indexer);
   DeviceBuffer d_latents(std::vector<std::uint16_t>(f.latents.begin(), f.latents.begin() + n * 576));
   DeviceBuffer d_keys(std::vector<std::uint16_t>(f.keys.begin(), f.keys.begin() + n * 128)), d_slots(good);
   LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
@@ -196,6 +198,8 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   d_fault.download(&fault, sizeof fault);
   EXPECT_EQ(fault.code, 0);
   EXPECT_NO_THROW(throw_device_fault(fault));
+  EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == f.cache_bytes) << "the main cache is not the good tokens'";
+  EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == f.indexer_bytes) << "the indexer cache is not the good tokens'";
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuAppendFaults, ::testing::Values(KvDtype::kFp8E4M3, KvDtype::kBf16),

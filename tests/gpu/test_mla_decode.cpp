@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <limits>
@@ -89,6 +90,15 @@ struct DeviceDecode {
   void download() {
     o.download(o_host.raw(), o_host.bytes());
     lse.download(lse_host.raw(), lse_host.bytes());
+  }
+
+  // Sentinels in o and lse again (SPEC section 5: before each run), so that an element a later run
+  // does not write fails rather than keeping an earlier run's value.
+  void fill_sentinels() {
+    const HostTensor o_fill = sentinel_tensor(o_host.dtype(), o_host.shape());
+    const HostTensor lse_fill = sentinel_tensor(lse_host.dtype(), lse_host.shape());
+    o.upload(o_fill.raw(), o_fill.bytes());
+    lse.upload(lse_fill.raw(), lse_fill.bytes());
   }
 };
 
@@ -242,13 +252,15 @@ TEST(GpuMlaDecodeNan, NanCodeInAVisibleTokenGivesNanRows) {
   }
 }
 
-// Request 0's o and lse rows of its first `positions` query positions, as [positions, H, 512] and
-// [positions, H]: the rows of a decode output [B, q_len, H, ...] that a test compares on their own.
-std::pair<HostTensor, HostTensor> first_positions(const HostTensor& o, const HostTensor& lse, int positions) {
-  const std::int64_t heads = o.shape()[2];
+// Request `request`'s o and lse rows of its first `positions` query positions, as [positions, H, 512]
+// and [positions, H], byte for byte (sentinels stay sentinels): rows of a decode output
+// [B, q_len, H, ...] that a test compares on their own.
+std::pair<HostTensor, HostTensor> request_rows(const HostTensor& o, const HostTensor& lse, int request, int positions) {
+  const std::int64_t q_len = o.shape()[1], heads = o.shape()[2];
   HostTensor o_rows(o.dtype(), {positions, heads, 512}), lse_rows(lse.dtype(), {positions, heads});
-  for (std::int64_t i = 0; i < o_rows.numel(); ++i) o_rows.set(i, o.get(i));
-  for (std::int64_t i = 0; i < lse_rows.numel(); ++i) lse_rows.set(i, lse.get(i));
+  const std::int64_t first = request * q_len * heads;  // the request's first (position, head) row
+  std::memcpy(o_rows.raw(), o.raw() + first * 512 * static_cast<std::int64_t>(dtype_size(o.dtype())), o_rows.bytes());
+  std::memcpy(lse_rows.raw(), lse.raw() + first * static_cast<std::int64_t>(dtype_size(lse.dtype())), lse_rows.bytes());
   return {std::move(o_rows), std::move(lse_rows)};
 }
 
@@ -259,8 +271,9 @@ std::pair<HostTensor, HostTensor> first_positions(const HostTensor& o, const Hos
 // the token shares its tile and split with visible ones) gets the value; request 1 stays clean.
 // Kernels: 8 heads at q_len 2 the narrow one, 8 at q_len 4 (32 rows) the wide mma.sync one, 64 at
 // q_len 2 wgmma on sm_90 (the wide one under LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
-// Every case compares all rows but the two infinite ones', whose seeing rows are left out: there the
-// reference's sums of infinite terms (code x inf per dim; -inf x q) need not match the kernels'.
+// Every case compares all rows but the two infinite ones', whose seeing rows are left out (request 0's
+// last q_len - 2): there the reference's sums of infinite terms (code x inf per dim; -inf x q) need
+// not match the kernels'.
 TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
   LKV_REQUIRE_GPU();
   struct Poison {
@@ -306,10 +319,14 @@ TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
           EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
           EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
         } else {
-          const auto [got_o, got_lse] = first_positions(d.o_host, d.lse_host, c.hidden_positions);
-          const auto [ref_o, ref_lse] = first_positions(ref.o, ref.lse, c.hidden_positions);
+          const auto [got_o, got_lse] = request_rows(d.o_host, d.lse_host, 0, c.hidden_positions);
+          const auto [ref_o, ref_lse] = request_rows(ref.o, ref.lse, 0, c.hidden_positions);
           EXPECT_TRUE(compare("o of the rows that do not see it", got_o, ref_o, Tolerance::bf16_output()));
           EXPECT_TRUE(compare("lse of the rows that do not see it", got_lse, ref_lse, Tolerance::lse()));
+          const auto [clean_o, clean_lse] = request_rows(d.o_host, d.lse_host, 1, c.q_len);
+          const auto [ref_clean_o, ref_clean_lse] = request_rows(ref.o, ref.lse, 1, c.q_len);
+          EXPECT_TRUE(compare("o of request 1", clean_o, ref_clean_o, Tolerance::bf16_output()));
+          EXPECT_TRUE(compare("lse of request 1", clean_lse, ref_clean_lse, Tolerance::lse()));
         }
       }
     }
@@ -525,6 +542,7 @@ TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
 
   for (const std::vector<std::int32_t>& step : {std::vector<std::int32_t>{300, 1}, {301, 2}, {699, 1499}, {700, 1500}}) {
     d.lens.upload(step.data(), step.size() * sizeof(std::int32_t));
+    d.fill_sentinels();
     LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
     LKV_CUDA_OK(cudaStreamSynchronize(stream));
     d.download();

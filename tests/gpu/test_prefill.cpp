@@ -380,6 +380,7 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
     std::fill_n(indices.data<std::int32_t>() + r * c.topk, c.topk, -1);
     empty.push_back(r);
   }
+  poison_unlisted_slots(f, indices);  // NaN in every slot no row selects
 
   const AttentionOutputs ref = reference_sparse_prefill(f, q, indices, kScale);
   const GpuOutputs got = gpu_sparse_prefill(f, q, indices);

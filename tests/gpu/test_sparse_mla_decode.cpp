@@ -1,5 +1,6 @@
 // GPU sparse MLA decode against the float64 CPU reference: index rows in any order, padded with -1,
-// with a duplicated slot, empty rows, NaN in every slot that is not selected.
+// with a duplicated slot, empty rows, NaN in every slot that is not selected (the slots no request
+// holds, and those a request holds that no index row lists).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -114,6 +115,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   PagedFixture f = make_paged_fixture(opt, rng);
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
+  poison_unlisted_slots(f, indices);
   const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
   const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits);
   EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output())) << r.num_splits << " splits";

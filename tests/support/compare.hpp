@@ -2,7 +2,9 @@
 //
 // Per element: |a - b| <= atol or |a - b| <= rtol * |b| (b the expected value); NaN must meet NaN
 // and an infinity the same infinity, exactly. Over the whole tensor: 1 - cos(a, b) <= bound,
-// computed over the elements where both are finite. The result names the worst element (its
+// computed over the elements where both are finite. A float output (HostTensor) element that still
+// holds its sentinel fails whatever was expected: the sentinels are NaN, so NaN expected must not
+// let an element the op never wrote pass. The result names the worst element (its
 // multi-index, both values, the error and the bound it broke) so that a failure reads by itself:
 //
 //   EXPECT_TRUE(compare("o", o, expected_o, Tolerance::bf16_output()));
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -47,6 +50,8 @@ struct Comparison {
   std::int64_t count = 0;
   std::int64_t failures = 0;          // elements outside the tolerance
   std::int64_t special_failures = 0;  // NaN/inf where the other side differs
+  std::int64_t unwritten = 0;         // elements still holding the sentinel
+  std::int64_t first_unwritten = -1;
   std::int64_t worst_index = -1;      // flat index of the worst element (-1: none failed)
   double worst_actual = 0, worst_expected = 0, worst_error = 0, worst_allowed = 0;
   double one_minus_cos = 0;
@@ -75,6 +80,11 @@ struct Comparison {
                   static_cast<long long>(failures), static_cast<long long>(count),
                   static_cast<long long>(special_failures));
     s += buf;
+    if (unwritten > 0) {
+      std::snprintf(buf, sizeof buf, "; %lld elements still hold the sentinel (first at %s)",
+                    static_cast<long long>(unwritten), coords(first_unwritten).c_str());
+      s += buf;
+    }
     if (worst_index >= 0) {
       std::snprintf(buf, sizeof buf, "; worst at %s: got %.9g, expected %.9g, |error| %.3g > allowed %.3g",
                     coords(worst_index).c_str(), worst_actual, worst_expected, worst_error, worst_allowed);
@@ -161,7 +171,18 @@ inline Comparison compare(std::string_view name, std::span<const double> actual,
 inline Comparison compare(std::string_view name, const HostTensor& actual, std::span<const double> expected,
                           Tolerance tol) {
   const std::vector<double> a = actual.to_doubles();
-  return compare(name, a, expected, actual.shape(), tol);
+  Comparison c = compare(name, a, expected, actual.shape(), tol);
+  const DType dtype = actual.dtype();
+  if (dtype == DType::kBF16 || dtype == DType::kF32 || dtype == DType::kF64) {
+    const std::vector<std::uint8_t> pattern = sentinel_bytes(dtype);
+    const std::size_t size = pattern.size();
+    for (std::int64_t i = 0; i < actual.numel(); ++i) {
+      if (std::memcmp(actual.raw() + static_cast<std::size_t>(i) * size, pattern.data(), size) != 0) continue;
+      if (c.unwritten++ == 0) c.first_unwritten = i;
+    }
+    if (c.unwritten > 0) c.ok = false;
+  }
+  return c;
 }
 
 inline Comparison compare(std::string_view name, const HostTensor& actual, const HostTensor& expected, Tolerance tol) {

@@ -126,19 +126,43 @@ struct PagedFixture {
   }
 };
 
-// Poisons every slot of a main cache (see the file comment).
+// Poisons one main-cache entry `t` (see the file comment).
+inline void poison_latent_token(std::uint8_t* t, KvDtype dtype) {
+  if (dtype == KvDtype::kBf16) {
+    for (int j = 0; j < kQkDim; ++j) std::memcpy(t + 2 * j, &kPoisonBf16, 2);
+  } else {
+    std::memset(t, kPoisonFp8, kLatentDim);
+    for (int s = 0; s < kFp8ScalesPerToken; ++s) std::memcpy(t + kFp8ScaleOffset + 4 * s, &kPoisonF32Bits, 4);
+    for (int j = 0; j < kRopeDim; ++j) std::memcpy(t + kFp8RopeOffset + 2 * j, &kPoisonBf16, 2);
+  }
+}
+
+// Poisons every slot of a main cache.
 inline void poison_latent_cache(std::vector<std::uint8_t>& bytes, KvDtype dtype) {
   const std::size_t token_bytes = kv_token_bytes(dtype);
   for (std::size_t base = 0; base + token_bytes <= bytes.size(); base += token_bytes) {
-    std::uint8_t* t = bytes.data() + base;
-    if (dtype == KvDtype::kBf16) {
-      for (int j = 0; j < kQkDim; ++j) std::memcpy(t + 2 * j, &kPoisonBf16, 2);
-    } else {
-      std::memset(t, kPoisonFp8, kLatentDim);
-      for (int s = 0; s < kFp8ScalesPerToken; ++s) std::memcpy(t + kFp8ScaleOffset + 4 * s, &kPoisonF32Bits, 4);
-      for (int j = 0; j < kRopeDim; ++j) std::memcpy(t + kFp8RopeOffset + 2 * j, &kPoisonBf16, 2);
-    }
+    poison_latent_token(bytes.data() + base, dtype);
   }
+}
+
+// Poisons every main-cache slot of `f` that no entry of `indices` (int32 slots or -1, any shape)
+// lists: a sparse op reads only its rows' slots, and one that read another slot a request holds
+// would otherwise find a plausible value there and might still pass. Returns how many it poisoned.
+inline std::int64_t poison_unlisted_slots(PagedFixture& f, const HostTensor& indices) {
+  const std::size_t token_bytes = kv_token_bytes(f.kv_dtype);
+  const std::size_t num_slots = f.cache_bytes.size() / token_bytes;
+  std::vector<bool> listed(num_slots, false);
+  const auto* idx = indices.data<std::int32_t>();
+  for (std::int64_t i = 0; i < indices.numel(); ++i) {
+    if (idx[i] >= 0 && static_cast<std::size_t>(idx[i]) < num_slots) listed[static_cast<std::size_t>(idx[i])] = true;
+  }
+  std::int64_t poisoned = 0;
+  for (std::size_t s = 0; s < num_slots; ++s) {
+    if (listed[s]) continue;
+    poison_latent_token(f.cache_bytes.data() + s * token_bytes, f.kv_dtype);
+    ++poisoned;
+  }
+  return poisoned;
 }
 
 // Poisons every slot of an indexer cache: fp8 codes 0x7F, scales NaN.
