@@ -130,6 +130,23 @@ TEST(BadInput, AppendMismatchedIndexerCache) {
 }
 
 // A decode over a small fixture with sentinel outputs.
+// indexer_prefill of q [T, Hi, 128] and weights [T, Hi] with offsets `cu` over `cache`, its slots
+// [T, k] written to `slots`.
+IndexerPrefillParams indexer_prefill_params(HostTensor& q, HostTensor& weights, std::vector<std::int32_t>& cu,
+                                            const IndexerCache& cache, const TensorView& block_table,
+                                            const TensorView& seq_lens, HostTensor& slots) {
+  IndexerPrefillParams p;
+  p.q = q.view();
+  p.weights = weights.view();
+  p.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {static_cast<std::int64_t>(cu.size())});
+  p.cache = cache;
+  p.block_table = block_table;
+  p.seq_lens = seq_lens;
+  p.k = slots.shape()[1];
+  p.slots = slots.view();
+  return p;
+}
+
 struct DecodeCase {
   Rng rng;
   PagedFixture f;
@@ -732,15 +749,7 @@ TEST(BadInput, ReferenceScratchBeyondHostMemoryIsNamed) {
   HostTensor w = random_f32(rng, {2, 4}, -1, 1);
   HostTensor rows = sentinel_tensor(DType::kI32, {2, 8});
   std::vector<std::int32_t> cu = {0, 1, 2};
-  IndexerPrefillParams xp;
-  xp.q = q_idx.view();
-  xp.weights = w.view();
-  xp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
-  xp.cache = f.indexer();
-  xp.block_table = p.block_table;
-  xp.seq_lens = p.seq_lens;
-  xp.k = 8;
-  xp.slots = rows.view();
+  const IndexerPrefillParams xp = indexer_prefill_params(q_idx, w, cu, f.indexer(), p.block_table, p.seq_lens, rows);
 
   const AddressSpaceCap cap;
   ASSERT_TRUE(cap.active()) << "could not cap the address space";
@@ -1266,15 +1275,8 @@ TEST(BadInput, EveryOpRefusesOverlappingArguments) {
   const std::vector<std::uint8_t> w_before = w.byte_vector();
   HostTensor rows = sentinel_tensor(DType::kI32, {4, 2});
   std::vector<std::int32_t> cu = {0, 4, 4};
-  IndexerPrefillParams xp;
-  xp.q = q_idx.view();
-  xp.weights = w.view();
-  xp.cu_new_tokens = TensorView::contiguous(cu.data(), DType::kI32, {3});
-  xp.cache = c.f.indexer();
-  xp.block_table = c.f.block_table_view();
-  xp.seq_lens = c.f.seq_lens_view();
-  xp.k = 2;
-  xp.slots = rows.view();
+  IndexerPrefillParams xp =
+      indexer_prefill_params(q_idx, w, cu, c.f.indexer(), c.f.block_table_view(), c.f.seq_lens_view(), rows);
   xp.slots.data = w.raw() + 8;
   EXPECT_TRUE(refused_overlap([&] { cpu::indexer_prefill(xp); }, "indexer_prefill", "slots", "weights"));
   EXPECT_EQ(w.byte_vector(), w_before);
