@@ -14,9 +14,9 @@ namespace latentkv {
 using RequestId = std::int64_t;
 
 // Hands out the pages of a pool of `num_pages` pages of `page_size` tokens to requests (a pool whose
-// slots fit int32, as every op takes them). Freed pages
-// are reused first (LIFO). With a non-zero seed the pool's pages are handed out in a shuffled order,
-// as in a long-running server; tests use it so that block tables are never in order.
+// slots fit int32, as every op takes them). Freed pages are reused first (LIFO). With a non-zero
+// seed the pool's pages are handed out in a shuffled order, as in a long-running server; tests use
+// it so that block tables are never in order.
 class PageAllocator {
  public:
   PageAllocator(std::int64_t num_pages, int page_size = kDefaultPageSize, std::uint64_t shuffle_seed = 0);
