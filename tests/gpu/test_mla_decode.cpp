@@ -272,8 +272,8 @@ std::pair<HostTensor, HostTensor> request_rows(const HostTensor& o, const HostTe
 // Kernels: 8 heads at q_len 2 the narrow one, 8 at q_len 4 (32 rows) the wide mma.sync one, 64 at
 // q_len 2 wgmma on sm_90 (the wide one under LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
 // Every case compares all rows but the two infinite ones', whose seeing rows are left out (request 0's
-// last q_len - 2): there the reference's sums of infinite terms (code x inf per dim; -inf x q) need
-// not match the kernels'.
+// positions from hidden_positions on; request 1 is compared whole): there the reference's sums of
+// infinite terms (code x inf per dim; -inf x q) need not match the kernels'.
 TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
   LKV_REQUIRE_GPU();
   struct Poison {
