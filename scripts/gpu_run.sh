@@ -51,7 +51,9 @@ for step in "${steps[@]}"; do
         >"$L/gpu_tests_mma.log" 2>&1 \
         || { status=1; log "GPU tests (mma.sync) FAILED"; grep -E "^\[  FAILED|Failure|Expected|worst" "$L/gpu_tests_mma.log" | head -30; }
       tail -3 "$L/gpu_tests_mma.log" | tee -a "$OUT/summary.txt"
-      ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$L/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
+      # The CPU tests, and the installed package's example (examples/decode_step.cpp), which runs its
+      # decode step on the GPU here and checks it against the CPU reference.
+      ctest --test-dir "$BUILD" -L 'cpu|package' -j"$JOBS" --output-on-failure >"$L/cpu_tests.log" 2>&1 || { status=1; log "CPU or package tests FAILED"; }
       tail -3 "$L/cpu_tests.log" | tee -a "$OUT/summary.txt"
       ;;
     sanitize)

@@ -19,6 +19,7 @@
 
 #include "latentkv/backend.hpp"
 #include "latentkv/cache.hpp"
+#include "latentkv/dsa.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/model.hpp"
 
@@ -170,6 +171,11 @@ struct ResolvedConfig {
   int dense_max_visible_tokens = 0;
 
   const OpResolution& slot(Slot s) const { return slots[static_cast<int>(s)]; }
+  // The resolution of a supporting op (Op::kAppend, kIndexerLogits, kTopk, kIndexerPrefill); throws
+  // Error naming the op for any other (the attention ops are slots: slot()).
+  const OpResolution& supporting_op(Op op) const;
+  // What dsa_decode and dsa_prefill run: the indexer and top-k ops resolved here and the sparse slots.
+  DsaBackends dsa_backends() const;
   // The slot that serves a query row seeing `visible_tokens` tokens: dense only where that is exact.
   Slot route(bool prefill, std::int64_t visible_tokens) const;
   // The rule above in words, for printing.

@@ -878,6 +878,24 @@ Slot ResolvedConfig::route(bool prefill, std::int64_t visible_tokens) const {
   return prefill ? Slot::kSparsePrefill : Slot::kSparseDecode;
 }
 
+const OpResolution& ResolvedConfig::supporting_op(Op op) const {
+  for (const OpResolution& r : supporting) {
+    if (r.role == op_name(op)) return r;
+  }
+  throw Error("ResolvedConfig::supporting_op", "op", std::string(op_name(op)),
+              "append, indexer_logits, topk or indexer_prefill (the attention ops are slots: slot())");
+}
+
+DsaBackends ResolvedConfig::dsa_backends() const {
+  DsaBackends b;
+  b.indexer_logits = supporting_op(Op::kIndexerLogits).backend;
+  b.topk = supporting_op(Op::kTopk).backend;
+  b.sparse_decode = slot(Slot::kSparseDecode).backend;
+  b.indexer_prefill = supporting_op(Op::kIndexerPrefill).backend;
+  b.sparse_prefill = slot(Slot::kSparsePrefill).backend;
+  return b;
+}
+
 std::string ResolvedConfig::dense_rule() const {
   const ModelPreset& m = shard.model;
   const std::string k = std::to_string(dense_max_visible_tokens);

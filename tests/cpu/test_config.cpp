@@ -183,6 +183,31 @@ TEST(Config, AutoOnCpuPicksReferenceForEverySlotAndSupportingOp) {
   for (const OpResolution& op : r.supporting) EXPECT_EQ(op.backend->name(), "reference");
 }
 
+TEST(Config, DsaBackendsAreTheSupportingOpsAndSparseSlots) {
+  const std::vector<const Backend*> backends = {&reference(), &kBf16Only};
+  const ResolvedConfig r =
+      resolve_config(with_flags({{"kv_dtype", "bf16"}, {"sparse_decode", "reference"}}), cpu(), backends);
+  EXPECT_EQ(&r.supporting_op(Op::kAppend), &r.supporting[0]);
+  EXPECT_EQ(&r.supporting_op(Op::kIndexerPrefill), &r.supporting[3]);
+  const DsaBackends d = r.dsa_backends();
+  EXPECT_EQ(d.indexer_logits->name(), "reference");  // bf16only has no indexer logits or top-k
+  EXPECT_EQ(d.topk->name(), "reference");
+  EXPECT_EQ(d.sparse_decode->name(), "reference");  // named by the flag
+  EXPECT_EQ(d.indexer_prefill->name(), "reference");  // over the fp8 indexer cache, which bf16only refuses
+  EXPECT_EQ(d.sparse_prefill->name(), "bf16only");   // auto: preference 10 over the reference's 0
+  EXPECT_EQ(d.sparse_decode, r.slot(Slot::kSparseDecode).backend);
+  for (Op op : {Op::kMlaDecode, Op::kSparseMlaDecode}) {
+    try {
+      (void)r.supporting_op(op);
+      ADD_FAILURE() << op_name(op) << " is a slot's op, not a supporting one";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "op");
+      EXPECT_EQ(e.value(), op_name(op));
+      EXPECT_THAT(e.what(), HasSubstr("append, indexer_logits, topk or indexer_prefill"));
+    }
+  }
+}
+
 TEST(Config, SlotOpsAndNames) {
   EXPECT_EQ(slot_op(Slot::kDensePrefill), Op::kMlaPrefill);
   EXPECT_EQ(slot_op(Slot::kDenseDecode), Op::kMlaDecode);

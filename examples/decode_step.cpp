@@ -1,0 +1,342 @@
+// examples/decode_step.cpp - one DSA attention layer decoding, driven as an engine drives latentkv,
+// through the installed library's public API alone:
+//   1. resolve the configuration (LATENTKV_* variables, a LATENTKV_CONFIG file, defaults) into a
+//      backend per op, refused up front with a readable error when it cannot run here;
+//   2. page a pool, and append the prompts' latents and indexer keys (quantized on the way);
+//   3. plan the layer's indexer -> top-k -> sparse decode once, for fixed shapes, and size its workspace;
+//   4. decode a few tokens: each step appends every request's newest token and runs the layer.
+// On a GPU the step (append + dsa_decode) runs once as plain calls, is then captured in a CUDA graph,
+// and the later steps replay it while the lengths, slots and block table change in device memory;
+// the last step is checked against the CPU reference over the GPU's own top-k selection. Without a
+// GPU the same calls run on the CPU reference.
+//
+//   cmake -S examples -B build-example -DCMAKE_PREFIX_PATH=<where latentkv is installed>
+//   cmake --build build-example && build-example/decode_step
+//   LATENTKV_TP=4 build-example/decode_step        # 16 heads per GPU instead of 8
+#include <latentkv/backend.hpp>
+#include <latentkv/config.hpp>
+#include <latentkv/dsa.hpp>
+#include <latentkv/paging.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef LKV_WITH_CUDA  // defined by the latentkv package when the library holds the CUDA backends
+#include <cuda_runtime.h>
+#define CUDA_OK(call)                                                                                    \
+  do {                                                                                                   \
+    const cudaError_t err_ = (call);                                                                     \
+    if (err_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(err_)); \
+  } while (0)
+#endif
+
+namespace {
+
+using namespace latentkv;
+
+constexpr int kSteps = 3;                                   // tokens decoded per request
+const std::vector<std::int64_t> kPromptLengths = {2500, 1200};  // one past index_topk, one within it
+
+// Memory where the ops run: the GPU's when there is one, the host's otherwise.
+struct Memory {
+  bool gpu = false;
+  void* stream = nullptr;  // cudaStream_t on the GPU
+
+  void* allocate(std::size_t bytes) const {
+#ifdef LKV_WITH_CUDA
+    if (gpu) {
+      void* p = nullptr;
+      CUDA_OK(cudaMalloc(&p, bytes));
+      CUDA_OK(cudaMemset(p, 0, bytes));
+      return p;
+    }
+#endif
+    return std::calloc(bytes, 1);
+  }
+  void release(void* p) const {
+#ifdef LKV_WITH_CUDA
+    if (gpu) {
+      cudaFree(p);
+      return;
+    }
+#endif
+    std::free(p);
+  }
+  // Queued on the stream on the GPU (an engine's own kernels would write these in place).
+  void upload(void* dst, const void* src, std::size_t bytes) const {
+#ifdef LKV_WITH_CUDA
+    if (gpu) {
+      CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
+      return;
+    }
+#endif
+    std::memcpy(dst, src, bytes);
+  }
+  // Waits for the stream first on the GPU.
+  void download(void* dst, const void* src, std::size_t bytes) const {
+#ifdef LKV_WITH_CUDA
+    if (gpu) {
+      CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
+      CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+      return;
+    }
+#endif
+    std::memcpy(dst, src, bytes);
+  }
+};
+
+// A buffer of `count` elements of T where the ops run, with a host copy to fill and read back.
+template <typename T>
+struct Buffer {
+  const Memory* memory;
+  std::vector<T> host;
+  void* data;
+  Buffer(const Memory& m, std::size_t count) : memory(&m), host(count), data(m.allocate(count * sizeof(T))) {}
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { memory->release(data); }
+  void upload() { memory->upload(data, host.data(), host.size() * sizeof(T)); }
+  void download() { memory->download(host.data(), data, host.size() * sizeof(T)); }
+};
+
+void fill_normal(std::mt19937_64& rng, std::vector<std::uint16_t>& bf16, float stddev = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, stddev);
+  for (auto& x : bf16) x = bf16_encode(normal(rng));
+}
+
+int run_example() {
+  // 1. The configuration, resolved for this machine's device (the GPU when there is one).
+  const AttentionConfig config = load_config({{}, process_environment()});
+  const ResolvedConfig rc = resolve_config(config);
+  const ModelPreset& model = rc.shard.model;
+  const int heads = rc.shard.heads_per_gpu, indexer_heads = model.indexer_heads, page_size = config.page_size.value;
+  const KvDtype kv_dtype = config.kv_dtype.value;
+  const Backend& append_backend = *rc.supporting_op(Op::kAppend).backend;
+  const DsaBackends backends = rc.dsa_backends();  // indexer, top-k and the sparse_decode slot's backend
+  std::printf("%s at tp %d on %s: %d heads, %s cache, page size %d; backends: append %s, indexer %s, top-k %s, "
+              "sparse decode %s\n",
+              model.name.c_str(), rc.shard.tp, describe_device(rc.device).c_str(), heads,
+              std::string(kv_dtype_name(kv_dtype)).c_str(), page_size, std::string(append_backend.name()).c_str(),
+              std::string(backends.indexer_logits->name()).c_str(), std::string(backends.topk->name()).c_str(),
+              std::string(backends.sparse_decode->name()).c_str());
+
+  Memory memory;
+  memory.gpu = rc.device.kind == DeviceKind::kCuda;
+  const Device device = memory.gpu ? Device::cuda(rc.device.index) : Device::cpu();
+#ifdef LKV_WITH_CUDA
+  cudaStream_t stream = nullptr;
+  if (memory.gpu) CUDA_OK(cudaStreamCreate(&stream));
+  memory.stream = stream;
+#endif
+  const ExecContext context{memory.stream};
+  const auto view = [&](void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return TensorView::contiguous(data, dtype, shape, device);
+  };
+
+  // 2. A shuffled pool with room for every request's last token, its caches, and the prompts.
+  const auto batch = static_cast<std::int64_t>(kPromptLengths.size());
+  const std::int64_t longest = *std::max_element(kPromptLengths.begin(), kPromptLengths.end()) + kSteps;
+  const auto pages_for = [&](std::int64_t tokens) { return (tokens + page_size - 1) / page_size; };
+  std::int64_t num_pages = 4;  // a few to spare
+  for (std::int64_t len : kPromptLengths) num_pages += pages_for(len + kSteps);
+  PageAllocator pool(num_pages, page_size, /*shuffle_seed=*/7);
+  const int max_pages = static_cast<int>(pages_for(longest));
+  Buffer<std::uint8_t> cache_bytes(memory, static_cast<std::size_t>(num_pages * page_size) * kv_token_bytes(kv_dtype));
+  Buffer<std::uint8_t> indexer_bytes(memory, static_cast<std::size_t>(num_pages * page_size) * kIndexerTokenBytes);
+  const LatentCache cache{static_cast<std::uint8_t*>(cache_bytes.data), kv_dtype, num_pages, page_size, device};
+  const IndexerCache indexer{static_cast<std::uint8_t*>(indexer_bytes.data), num_pages, page_size, device};
+  // n tokens' latents [n, 576] bf16 and indexer keys [n, 128] bf16 into both caches at slots [n] i32.
+  const auto append_of = [&](void* latents, void* keys, void* slots, std::int64_t n) {
+    AppendParams p;
+    p.cache = cache;
+    p.indexer = indexer;
+    p.latent = view(latents, DType::kBF16, {n, kQkDim});
+    p.indexer_keys = view(keys, DType::kBF16, {n, kIndexerDim});
+    p.slots = view(slots, DType::kI32, {n});
+    return p;
+  };
+
+  std::mt19937_64 rng(1);
+  std::vector<RequestId> requests;
+  std::int64_t prompt_tokens = 0;
+  for (std::int64_t len : kPromptLengths) {
+    requests.push_back(pool.add_request());
+    pool.grow(requests.back(), len);
+    prompt_tokens += len;
+  }
+  {
+    Buffer<std::uint16_t> latents(memory, static_cast<std::size_t>(prompt_tokens) * kQkDim);
+    Buffer<std::uint16_t> keys(memory, static_cast<std::size_t>(prompt_tokens) * kIndexerDim);
+    Buffer<std::int32_t> slots(memory, static_cast<std::size_t>(prompt_tokens));
+    fill_normal(rng, latents.host);
+    fill_normal(rng, keys.host);
+    std::size_t i = 0;
+    for (std::size_t b = 0; b < requests.size(); ++b) {
+      for (std::int64_t t = 0; t < kPromptLengths[b]; ++t) slots.host[i++] = static_cast<std::int32_t>(pool.slot(requests[b], t));
+    }
+    latents.upload();
+    keys.upload();
+    slots.upload();
+    run(append_backend, append_of(latents.data, keys.data, slots.data, prompt_tokens), context, rc.device);
+    latents.download();  // waits for the append before the buffers go
+  }
+
+  // 3. One step's inputs and outputs, and the layer's plan and workspace (fixed shapes: planned once).
+  Buffer<std::uint16_t> new_latents(memory, static_cast<std::size_t>(batch) * kQkDim);
+  Buffer<std::uint16_t> new_keys(memory, static_cast<std::size_t>(batch) * kIndexerDim);
+  Buffer<std::int32_t> new_slots(memory, static_cast<std::size_t>(batch));
+  Buffer<std::uint16_t> q(memory, static_cast<std::size_t>(batch * heads) * kQkDim);  // [B, 1, H, 576] bf16
+  Buffer<std::uint8_t> q_idx(memory, static_cast<std::size_t>(batch * indexer_heads) * kIndexerDim);  // [B, 1, Hi, 128] fp8
+  Buffer<float> weights(memory, static_cast<std::size_t>(batch * indexer_heads));  // [B, 1, Hi]
+  Buffer<std::int32_t> block_table(memory, static_cast<std::size_t>(batch * max_pages));  // [B, max_pages]
+  Buffer<std::int32_t> seq_lens(memory, static_cast<std::size_t>(batch));                // [B]
+  Buffer<std::uint16_t> o(memory, static_cast<std::size_t>(batch * heads) * kLatentDim);  // [B, 1, H, 512] bf16
+  Buffer<float> lse(memory, static_cast<std::size_t>(batch * heads));                     // [B, 1, H]
+  Buffer<DeviceFault> fault(memory, 1);
+
+  AppendParams append = append_of(new_latents.data, new_keys.data, new_slots.data, batch);
+  DsaDecodeParams layer;
+  layer.q = view(q.data, DType::kBF16, {batch, 1, heads, kQkDim});
+  layer.q_idx = view(q_idx.data, DType::kFP8E4M3, {batch, 1, indexer_heads, kIndexerDim});
+  layer.weights = view(weights.data, DType::kF32, {batch, 1, indexer_heads});
+  layer.cache = cache;
+  layer.indexer = indexer;
+  layer.block_table = view(block_table.data, DType::kI32, {batch, max_pages});
+  layer.seq_lens = view(seq_lens.data, DType::kI32, {batch});
+  layer.o = view(o.data, DType::kBF16, {batch, 1, heads, kLatentDim});
+  layer.lse = view(lse.data, DType::kF32, {batch, 1, heads});
+  layer.softmax_scale = static_cast<float>(model.softmax_scale);
+  layer.topk = model.index_topk;
+  if (memory.gpu) append.fault = layer.fault = static_cast<DeviceFault*>(fault.data);  // the reference throws instead
+  const DsaPlan plan = plan_dsa_decode(backends, layer, rc.device);
+  Buffer<std::uint8_t> workspace(memory, plan.workspace_bytes);  // allocated zeroed, and kept so by the calls
+  layer.workspace = workspace.data;
+  layer.workspace_bytes = plan.workspace_bytes;
+  layer.workspace_cleared = true;
+  std::printf("dsa_decode plan: %zu workspace bytes (logits, top-k slots, scratch); sparse decode splits: %d\n",
+              plan.workspace_bytes, plan.sparse.num_splits);
+
+  const auto run_step = [&] {
+    run(append_backend, append, context, rc.device);
+    dsa_decode(backends, layer, plan, context, rc.device);
+  };
+#ifdef LKV_WITH_CUDA
+  // On the GPU the first step runs as plain calls (their first launches set the kernels up, which
+  // is not for a capture), then the step is captured once: later steps replay it, and each replay
+  // reads what the buffers hold by then.
+  cudaGraphExec_t graph_exec = nullptr;
+  const auto capture_step = [&] {
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    run_step();
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
+    CUDA_OK(cudaGraphDestroy(graph));
+  };
+#endif
+
+  // 4. Decode: each step every request's newest token is appended, then the layer attends over it all.
+  // (A row that sees at most index_topk tokens, like request 1's, could go to the dense_decode slot
+  // instead, rc.route(): the top-k keeps all its tokens, so the result is the same.)
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int step = 1; step <= kSteps; ++step) {
+    for (std::size_t b = 0; b < requests.size(); ++b) {
+      pool.grow(requests[b], 1);  // may take a new page: the block table below changes with it
+      new_slots.host[b] = static_cast<std::int32_t>(pool.slot(requests[b], pool.length(requests[b]) - 1));
+    }
+    block_table.host = pool.block_table_matrix(requests, max_pages);
+    seq_lens.host = pool.lengths(requests);
+    fill_normal(rng, new_latents.host);
+    fill_normal(rng, new_keys.host);
+    fill_normal(rng, q.host);
+    for (auto& c : q_idx.host) c = fp8_e4m3_encode(normal(rng));
+    for (auto& w : weights.host) w = normal(rng) / std::sqrt(static_cast<float>(indexer_heads * kIndexerDim));
+    for (auto* b : {&new_latents, &new_keys, &q}) b->upload();
+    for (auto* b : {&new_slots, &block_table, &seq_lens}) b->upload();
+    q_idx.upload();
+    weights.upload();
+    bool replayed = false;
+#ifdef LKV_WITH_CUDA
+    if (graph_exec) {
+      CUDA_OK(cudaGraphLaunch(graph_exec, stream));
+      replayed = true;
+    }
+#endif
+    if (!replayed) run_step();
+    o.download();  // on the GPU, after the step
+    lse.download();
+    if (memory.gpu) {
+      fault.download();
+      throw_device_fault(fault.host[0]);  // a bad value the kernels found, as the reference would name it
+    }
+    double mean_abs = 0;
+    for (std::uint16_t x : o.host) mean_abs += std::fabs(bf16_decode(x));
+    std::printf("step %d (%s): lengths %d and %d; lse of request 0, head 0: %.5f; mean |o| %.5f\n", step,
+                replayed ? "graph replay" : "calls",
+                seq_lens.host[0], seq_lens.host[1], lse.host[0], mean_abs / static_cast<double>(o.host.size()));
+#ifdef LKV_WITH_CUDA
+    if (memory.gpu && !graph_exec) capture_step();
+#endif
+  }
+
+  int status = 0;
+  if (memory.gpu) {
+    // The last step again on the CPU reference, over the slots the GPU's top-k chose (in the workspace):
+    // o within SPEC's per-element bound for bf16 outputs, lse within 1e-5.
+    const DsaSteps steps = dsa_steps(layer, plan);
+    std::vector<std::int32_t> chosen(static_cast<std::size_t>(batch) * model.index_topk);  // [B, 1, topk]
+    memory.download(chosen.data(), steps.sparse.indices.data, chosen.size() * sizeof(std::int32_t));
+    cache_bytes.download();
+    std::vector<double> o_ref(o.host.size()), lse_ref(lse.host.size());
+    SparseMlaDecodeParams check;
+    check.q = TensorView::contiguous(q.host.data(), DType::kBF16, {batch, 1, heads, kQkDim});
+    check.cache = LatentCache{cache_bytes.host.data(), kv_dtype, num_pages, page_size, Device::cpu()};
+    check.indices = TensorView::contiguous(chosen.data(), DType::kI32, {batch, 1, model.index_topk});
+    check.o = TensorView::contiguous(o_ref.data(), DType::kF64, {batch, 1, heads, kLatentDim});  // the reference
+    check.lse = TensorView::contiguous(lse_ref.data(), DType::kF64, {batch, 1, heads});          // writes f64 too
+    check.softmax_scale = layer.softmax_scale;
+    run(*find_backend("reference"), check, {}, DeviceInfo{});
+    std::int64_t bad = 0;
+    double worst_o = 0, worst_lse = 0;
+    for (std::size_t i = 0; i < o_ref.size(); ++i) {
+      const double got = bf16_decode(o.host[i]), want = o_ref[i], err = std::fabs(got - want);
+      worst_o = std::max(worst_o, err);
+      bad += !(err <= std::max(1e-3, 2.0 / 128.0 * std::fabs(want)));
+    }
+    for (std::size_t i = 0; i < lse_ref.size(); ++i) {
+      const double err = std::fabs(lse.host[i] - lse_ref[i]);
+      worst_lse = std::max(worst_lse, err);
+      bad += !(err <= 1e-5);
+    }
+    std::printf("check of the last step against the CPU reference over the same slots: largest |o error| %.3g, "
+                "|lse error| %.3g: %s\n",
+                worst_o, worst_lse, bad == 0 ? "ok" : "FAILED");
+    status = bad == 0 ? 0 : 1;
+  }
+#ifdef LKV_WITH_CUDA
+  if (graph_exec) cudaGraphExecDestroy(graph_exec);
+  if (stream) cudaStreamDestroy(stream);
+#endif
+  return status;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    return run_example();
+  } catch (const latentkv::ConfigError& e) {  // the configuration cannot run here: what to change, and why
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
