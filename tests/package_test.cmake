@@ -1,6 +1,7 @@
 # The installed package as a user meets it: installs the build in BUILD_DIR under WORK_DIR/prefix,
 # configures and builds examples/ (EXAMPLES_DIR) against it with find_package(latentkv), and runs
-# the example: on the GPU where there is one, else on the CPU reference.
+# the example: on the GPU where there is one (nvidia-smi lists one and the library has its CUDA
+# backends: then it must run there), else on the CPU reference.
 #   cmake -DBUILD_DIR=... -DEXAMPLES_DIR=... -DWORK_DIR=... [-DGENERATOR=...] [-DCXX_COMPILER=...]
 #         [-DCUDA_TOOLKIT_ROOT=...] -P package_test.cmake
 foreach(var BUILD_DIR EXAMPLES_DIR WORK_DIR)
@@ -30,5 +31,18 @@ if(CUDA_TOOLKIT_ROOT)  # find_package(latentkv) finds the CUDA toolkit the libra
   list(APPEND configure -DCUDAToolkit_ROOT=${CUDA_TOOLKIT_ROOT})
 endif()
 step("configure examples/ against the installed package" ${configure})
-step("build examples/" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
-step("run examples/decode_step" ${WORK_DIR}/build/decode_step)
+step("build examples/" ${CMAKE_COMMAND} --build ${WORK_DIR}/build --config Release)
+set(example ${WORK_DIR}/build/decode_step)
+if(NOT EXISTS ${example})  # a multi-config generator's
+  set(example ${WORK_DIR}/build/Release/decode_step)
+endif()
+# A library with the CUDA backends on a machine with a GPU runs the example there, or fails: it does
+# not pass quietly on the CPU reference (a driver too old for the runtime would otherwise do that).
+set(example_args "")
+if(CUDA_TOOLKIT_ROOT)
+  execute_process(COMMAND nvidia-smi -L RESULT_VARIABLE smi_result OUTPUT_VARIABLE smi_gpus ERROR_QUIET)
+  if(smi_result EQUAL 0 AND smi_gpus MATCHES "GPU [0-9]")
+    set(example_args --require-gpu)
+  endif()
+endif()
+step("run examples/decode_step" ${example} ${example_args})
