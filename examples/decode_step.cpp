@@ -198,7 +198,9 @@ int run_example(bool require_gpu) {
     fill_normal(rng, keys.host);
     std::size_t i = 0;
     for (std::size_t b = 0; b < requests.size(); ++b) {
-      for (std::int64_t t = 0; t < kPromptLengths[b]; ++t) slots.host[i++] = static_cast<std::int32_t>(pool.slot(requests[b], t));
+      for (std::int64_t t = 0; t < kPromptLengths[b]; ++t) {
+        slots.host[i++] = static_cast<std::int32_t>(pool.slot(requests[b], t));
+      }
     }
     latents.upload();
     keys.upload();
@@ -213,7 +215,8 @@ int run_example(bool require_gpu) {
   Buffer<std::uint16_t> new_keys(memory, static_cast<std::size_t>(batch) * kIndexerDim);
   Buffer<std::int32_t> new_slots(memory, static_cast<std::size_t>(batch));
   Buffer<std::uint16_t> q(memory, static_cast<std::size_t>(batch * heads) * kQkDim);  // [B, 1, H, 576] bf16
-  Buffer<std::uint8_t> q_idx(memory, static_cast<std::size_t>(batch * indexer_heads) * kIndexerDim);  // [B, 1, Hi, 128] fp8
+  // [B, 1, Hi, 128] fp8
+  Buffer<std::uint8_t> q_idx(memory, static_cast<std::size_t>(batch * indexer_heads) * kIndexerDim);
   Buffer<float> weights(memory, static_cast<std::size_t>(batch * indexer_heads));  // [B, 1, Hi]
   Buffer<std::int32_t> block_table(memory, static_cast<std::size_t>(batch * max_pages));  // [B, max_pages]
   Buffer<std::int32_t> seq_lens(memory, static_cast<std::size_t>(batch));                // [B]
