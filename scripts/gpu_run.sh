@@ -53,11 +53,11 @@ for step in "${steps[@]}"; do
       tail -3 "$L/gpu_tests_mma.log" | tee -a "$OUT/summary.txt"
       ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$L/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
       tail -3 "$L/cpu_tests.log" | tee -a "$OUT/summary.txt"
-      # The installed package's example (examples/decode_step.cpp): its decode step on the GPU here,
-      # checked against the CPU reference (-V keeps what it prints).
-      log "the package test: examples/decode_step built against the installed library"
+      # The installed package's example (examples/dsa_layer.cpp): one layer's prefill and decode on the
+      # GPU here, checked (-V keeps what it prints).
+      log "the package test: examples/dsa_layer built against the installed library"
       ctest --test-dir "$BUILD" -L package -V >"$L/package_test.log" 2>&1 || { status=1; log "package test FAILED"; }
-      grep -E " at tp [0-9]+ on |step [0-9]+ \(|check of the last step|^[0-9]+: error|FAILED" "$L/package_test.log" | tee -a "$OUT/summary.txt"
+      grep -E " at tp [0-9]+ on |prefill|step [0-9]+ \(|check of the last step|^[0-9]+: error|FAILED" "$L/package_test.log" | tee -a "$OUT/summary.txt"
       ;;
     sanitize)
       log "compute-sanitizer memcheck + racecheck on the GPU tests"

@@ -32,9 +32,9 @@ if(CUDA_TOOLKIT_ROOT)  # find_package(latentkv) finds the CUDA toolkit the libra
 endif()
 step("configure examples/ against the installed package" ${configure})
 step("build examples/" ${CMAKE_COMMAND} --build ${WORK_DIR}/build --config Release)
-set(example ${WORK_DIR}/build/decode_step)
+set(example ${WORK_DIR}/build/dsa_layer)
 if(NOT EXISTS ${example})  # a multi-config generator's
-  set(example ${WORK_DIR}/build/Release/decode_step)
+  set(example ${WORK_DIR}/build/Release/dsa_layer)
 endif()
 # A library with the CUDA backends on a machine with a GPU runs the example there, or fails: it does
 # not pass quietly on the CPU reference (a driver too old for the runtime would otherwise do that).
@@ -45,4 +45,4 @@ if(CUDA_TOOLKIT_ROOT)
     set(example_args --require-gpu)
   endif()
 endif()
-step("run examples/decode_step" ${example} ${example_args})
+step("run examples/dsa_layer" ${example} ${example_args})

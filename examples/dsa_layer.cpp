@@ -1,19 +1,23 @@
-// examples/decode_step.cpp - one DSA attention layer decoding, driven as an engine drives latentkv,
-// through the installed library's public API alone:
+// examples/dsa_layer.cpp - one DSA attention layer through its requests' lives, driven as an engine
+// drives latentkv, through the installed library's public API alone:
 //   1. resolve the configuration (LATENTKV_* variables, a LATENTKV_CONFIG file, defaults) into a
 //      backend per op, refused up front with a readable error when it cannot run here;
-//   2. page a pool, and append the prompts' latents and indexer keys (quantized on the way);
-//   3. plan the layer's indexer -> top-k -> sparse decode once, for fixed shapes, and size its workspace;
-//   4. decode a few tokens: each step appends every request's newest token and runs the layer.
-// On a GPU the step (append + dsa_decode) runs once as plain calls, is then captured in a CUDA graph,
-// and the later steps replay it while the lengths, slots and block table change in device memory;
-// the last step is checked against the CPU reference over the GPU's own top-k selection. Without a
-// GPU the same calls run on the CPU reference.
+//   2. page a pool, and append the prompts' earlier chunks (latents and indexer keys, quantized on
+//      the way);
+//   3. prefill each prompt's last chunk: append it, then indexer -> top-k -> sparse MLA for every
+//      new token as one dsa_prefill call; the rows that see at most index_topk tokens are also run
+//      through the dense_prefill slot, as the configuration's DSA rule allows, and must agree;
+//   4. plan the decode (indexer -> top-k -> sparse decode) once, for fixed shapes, and decode a few
+//      tokens: each step appends every request's newest token and runs the layer.
+// On a GPU the decode step (append + dsa_decode) runs once as plain calls, is then captured in a CUDA
+// graph, and the later steps replay it while the lengths, slots and block table change in device
+// memory; the last step is checked against the CPU reference over the GPU's own top-k selection.
+// Without a GPU the same calls run on the CPU reference.
 //
 //   cmake -S examples -B build-example -DCMAKE_PREFIX_PATH=<where latentkv is installed>
-//   cmake --build build-example && build-example/decode_step
-//   LATENTKV_TP=4 build-example/decode_step        # 16 heads per GPU instead of 8
-//   build-example/decode_step --require-gpu         # fail rather than run on the CPU reference
+//   cmake --build build-example && build-example/dsa_layer
+//   LATENTKV_TP=4 build-example/dsa_layer        # 16 heads per GPU instead of 8
+//   build-example/dsa_layer --require-gpu         # fail rather than run on the CPU reference
 #include <latentkv/backend.hpp>
 #include <latentkv/config.hpp>
 #include <latentkv/dsa.hpp>
@@ -45,8 +49,9 @@ namespace {
 
 using namespace latentkv;
 
-constexpr int kSteps = 3;                                   // tokens decoded per request
 const std::vector<std::int64_t> kPromptLengths = {2500, 1200};  // one past index_topk, one within it
+constexpr int kChunk = 16;  // new tokens per request in the prefill shown (a prompt's last chunk)
+constexpr int kSteps = 3;   // tokens decoded per request
 
 // Memory where the ops run: the GPU's when there is one, the host's otherwise.
 struct Memory {
@@ -110,9 +115,29 @@ struct Buffer {
   void download() { memory->download(host.data(), data, host.size() * sizeof(T)); }
 };
 
-void fill_normal(std::mt19937_64& rng, std::vector<std::uint16_t>& bf16, float stddev = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, stddev);
+void fill_normal(std::mt19937_64& rng, std::vector<std::uint16_t>& bf16) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& x : bf16) x = bf16_encode(normal(rng));
+}
+
+// Indexer queries (fp8) and head weights (q scale and constants folded in), at random.
+void fill_indexer_queries(std::mt19937_64& rng, std::vector<std::uint8_t>& q_idx, std::vector<float>& weights,
+                          int indexer_heads) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& c : q_idx) c = fp8_e4m3_encode(normal(rng));
+  for (auto& w : weights) w = normal(rng) / std::sqrt(static_cast<float>(indexer_heads * kIndexerDim));
+}
+
+// Largest |a - b| over bf16 pairs; `bad` counts pairs outside SPEC's bf16 output bound times `slack`.
+double largest_bf16_difference(const std::uint16_t* a, const std::uint16_t* b, std::size_t n, double slack,
+                               std::int64_t& bad) {
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = bf16_decode(a[i]), y = bf16_decode(b[i]), d = std::fabs(x - y);
+    worst = std::max(worst, d);
+    bad += !(d <= slack * std::max(1e-3, 2.0 / 128.0 * std::fabs(y)));
+  }
+  return worst;
 }
 
 int run_example(bool require_gpu) {
@@ -182,35 +207,148 @@ int run_example(bool require_gpu) {
     return p;
   };
 
-  std::mt19937_64 rng(1);
+  // The requests' pages and lengths, as the ops read them: [B, max_pages] and [B] i32.
+  Buffer<std::int32_t> block_table(memory, static_cast<std::size_t>(batch * max_pages));
+  Buffer<std::int32_t> seq_lens(memory, static_cast<std::size_t>(batch));
   std::vector<RequestId> requests;
-  std::int64_t prompt_tokens = 0;
-  for (std::int64_t len : kPromptLengths) {
-    requests.push_back(pool.add_request());
-    pool.grow(requests.back(), len);
-    prompt_tokens += len;
-  }
-  {
-    Buffer<std::uint16_t> latents(memory, static_cast<std::size_t>(prompt_tokens) * kQkDim);
-    Buffer<std::uint16_t> keys(memory, static_cast<std::size_t>(prompt_tokens) * kIndexerDim);
-    Buffer<std::int32_t> slots(memory, static_cast<std::size_t>(prompt_tokens));
+  for (std::size_t b = 0; b < kPromptLengths.size(); ++b) requests.push_back(pool.add_request());
+  const auto upload_pages = [&] {
+    block_table.host = pool.block_table_matrix(requests, max_pages);
+    seq_lens.host = pool.lengths(requests);
+    block_table.upload();
+    seq_lens.upload();
+  };
+  // Appends `count[b]` new tokens (random latents and keys) to each request b, in one call.
+  std::mt19937_64 rng(1);
+  const auto append_new_tokens = [&](const std::vector<std::int64_t>& count) {
+    std::int64_t n = 0;
+    for (std::int64_t c : count) n += c;
+    Buffer<std::uint16_t> latents(memory, static_cast<std::size_t>(n) * kQkDim);
+    Buffer<std::uint16_t> keys(memory, static_cast<std::size_t>(n) * kIndexerDim);
+    Buffer<std::int32_t> slots(memory, static_cast<std::size_t>(n));
     fill_normal(rng, latents.host);
     fill_normal(rng, keys.host);
     std::size_t i = 0;
     for (std::size_t b = 0; b < requests.size(); ++b) {
-      for (std::int64_t t = 0; t < kPromptLengths[b]; ++t) {
+      const std::int64_t first = pool.length(requests[b]);
+      pool.grow(requests[b], count[b]);
+      for (std::int64_t t = first; t < first + count[b]; ++t) {
         slots.host[i++] = static_cast<std::int32_t>(pool.slot(requests[b], t));
       }
     }
     latents.upload();
     keys.upload();
     slots.upload();
-    run(append_backend, append_of(latents.data, keys.data, slots.data, prompt_tokens), context, rc.device);
+    run(append_backend, append_of(latents.data, keys.data, slots.data, n), context, rc.device);
     latents.download();  // waits for the append before the buffers go
     throw_recorded_fault();
+  };
+  // The prompts' earlier chunks, whose attention an engine ran before (not shown).
+  std::vector<std::int64_t> earlier;
+  for (std::int64_t len : kPromptLengths) earlier.push_back(len - kChunk);
+  append_new_tokens(earlier);
+
+  // 3. Prefill the last chunk: its tokens appended, then one dsa_prefill over all its rows
+  // (T = B x kChunk new tokens, request b's rows [cu[b], cu[b + 1])).
+  append_new_tokens(std::vector<std::int64_t>(kPromptLengths.size(), kChunk));
+  upload_pages();
+  const std::int64_t new_tokens = batch * kChunk;
+  Buffer<std::uint16_t> chunk_q(memory, static_cast<std::size_t>(new_tokens * heads) * kQkDim);  // [T, H, 576] bf16
+  Buffer<std::uint8_t> chunk_q_idx(memory, static_cast<std::size_t>(new_tokens * indexer_heads) * kIndexerDim);
+  Buffer<float> chunk_weights(memory, static_cast<std::size_t>(new_tokens * indexer_heads));  // [T, Hi]
+  Buffer<std::int32_t> cu_new_tokens(memory, static_cast<std::size_t>(batch + 1));             // [B + 1]
+  Buffer<std::uint16_t> chunk_o(memory, static_cast<std::size_t>(new_tokens * heads) * kLatentDim);  // [T, H, 512]
+  Buffer<float> chunk_lse(memory, static_cast<std::size_t>(new_tokens * heads));                     // [T, H]
+  fill_normal(rng, chunk_q.host);
+  fill_indexer_queries(rng, chunk_q_idx.host, chunk_weights.host, indexer_heads);
+  for (std::size_t b = 0; b < cu_new_tokens.host.size(); ++b) {
+    cu_new_tokens.host[b] = static_cast<std::int32_t>(b * kChunk);
+  }
+  chunk_q.upload();
+  chunk_q_idx.upload();
+  chunk_weights.upload();
+  cu_new_tokens.upload();
+  DsaPrefillParams prefill;
+  prefill.q = view(chunk_q.data, DType::kBF16, {new_tokens, heads, kQkDim});
+  prefill.q_idx = view(chunk_q_idx.data, DType::kFP8E4M3, {new_tokens, indexer_heads, kIndexerDim});
+  prefill.weights = view(chunk_weights.data, DType::kF32, {new_tokens, indexer_heads});
+  prefill.cu_new_tokens = view(cu_new_tokens.data, DType::kI32, {batch + 1});
+  prefill.cache = cache;
+  prefill.indexer = indexer;
+  prefill.block_table = view(block_table.data, DType::kI32, {batch, max_pages});
+  prefill.seq_lens = view(seq_lens.data, DType::kI32, {batch});
+  prefill.o = view(chunk_o.data, DType::kBF16, {new_tokens, heads, kLatentDim});
+  prefill.lse = view(chunk_lse.data, DType::kF32, {new_tokens, heads});
+  prefill.softmax_scale = static_cast<float>(model.softmax_scale);
+  prefill.topk = model.index_topk;
+  prefill.fault = fault_record;
+  const DsaPrefillPlan prefill_plan = plan_dsa_prefill(backends, prefill, rc.device);
+  Buffer<std::uint8_t> prefill_workspace(memory, prefill_plan.workspace_bytes);
+  prefill.workspace = prefill_workspace.data;
+  prefill.workspace_bytes = prefill_plan.workspace_bytes;
+  dsa_prefill(backends, prefill, prefill_plan, context, rc.device);
+  chunk_o.download();
+  chunk_lse.download();
+  throw_recorded_fault();
+  for (std::size_t b = 0; b < requests.size(); ++b) {
+    const std::int64_t last_row = (static_cast<std::int64_t>(b) + 1) * kChunk - 1;
+    std::printf("prefill of request %zu's last %d tokens: its rows see %lld .. %lld tokens (the model's rule: %s); "
+                "lse of its last row, head 0: %.5f\n",
+                b, kChunk, static_cast<long long>(kPromptLengths[b] - kChunk + 1),
+                static_cast<long long>(kPromptLengths[b]),
+                std::string(slot_name(rc.route(/*prefill=*/true, kPromptLengths[b]))).c_str(),
+                chunk_lse.host[static_cast<std::size_t>(last_row * heads)]);
   }
 
-  // 3. One step's inputs and outputs, and the layer's plan and workspace (fixed shapes: planned once).
+  // The DSA rule: rows that see at most index_topk tokens keep every token in their top-k, so the
+  // dense_prefill slot serves them exactly. Request 1's chunk through that slot's backend must give
+  // its dsa_prefill rows again (two computations, each within SPEC's bound: twice the bound apart).
+  {
+    const std::size_t request = 1;  // rc.route(true, 1200) is Slot::kDensePrefill
+    const Backend& dense_backend = *rc.slot(Slot::kDensePrefill).backend;
+    Buffer<std::int32_t> one_request(memory, 2);  // cu_new_tokens of a one-request call
+    one_request.host = {0, kChunk};
+    one_request.upload();
+    Buffer<std::uint16_t> dense_o(memory, static_cast<std::size_t>(kChunk * heads) * kLatentDim);
+    Buffer<float> dense_lse(memory, static_cast<std::size_t>(kChunk * heads));
+    const std::size_t first_row = request * kChunk * static_cast<std::size_t>(heads);
+    MlaPrefillParams dense;
+    auto* const request_q = static_cast<std::uint16_t*>(chunk_q.data) + first_row * kQkDim;
+    dense.q = view(request_q, DType::kBF16, {kChunk, heads, kQkDim});
+    dense.cu_new_tokens = view(one_request.data, DType::kI32, {2});
+    dense.cache = cache;
+    auto* const request_pages = static_cast<std::int32_t*>(block_table.data) + request * max_pages;
+    dense.block_table = view(request_pages, DType::kI32, {1, max_pages});
+    dense.seq_lens = view(static_cast<std::int32_t*>(seq_lens.data) + request, DType::kI32, {1});
+    dense.o = view(dense_o.data, DType::kBF16, {kChunk, heads, kLatentDim});
+    dense.lse = view(dense_lse.data, DType::kF32, {kChunk, heads});
+    dense.softmax_scale = prefill.softmax_scale;
+    dense.fault = fault_record;
+    const Plan dense_plan = dense_backend.plan(dense, rc.device);
+    Buffer<std::uint8_t> dense_workspace(memory, dense_plan.workspace_bytes);
+    dense.num_splits = dense_plan.num_splits;
+    dense.workspace = dense_workspace.data;
+    dense.workspace_bytes = dense_plan.workspace_bytes;
+    run(dense_backend, dense, context, rc.device);
+    dense_o.download();
+    dense_lse.download();
+    throw_recorded_fault();
+    std::int64_t bad = 0;
+    const double o_gap = largest_bf16_difference(dense_o.host.data(), chunk_o.host.data() + first_row * kLatentDim,
+                                                 dense_o.host.size(), 2.0, bad);
+    double lse_gap = 0;
+    for (std::size_t i = 0; i < dense_lse.host.size(); ++i) {
+      lse_gap = std::max(lse_gap, std::fabs(static_cast<double>(dense_lse.host[i]) - chunk_lse.host[first_row + i]));
+    }
+    bad += !(lse_gap <= 2e-5);
+    std::printf("request %zu's chunk again through dense_prefill (backend %s): largest |o difference| %.3g, "
+                "|lse difference| %.3g from its dsa_prefill rows: %s\n",
+                request, std::string(dense_backend.name()).c_str(), o_gap, lse_gap, bad == 0 ? "ok" : "FAILED");
+    if (bad != 0) return 1;
+  }
+
+  // 4. Decode: one step's inputs and outputs, and the layer's plan and workspace (fixed shapes:
+  // planned once).
   Buffer<std::uint16_t> new_latents(memory, static_cast<std::size_t>(batch) * kQkDim);
   Buffer<std::uint16_t> new_keys(memory, static_cast<std::size_t>(batch) * kIndexerDim);
   Buffer<std::int32_t> new_slots(memory, static_cast<std::size_t>(batch));
@@ -218,8 +356,6 @@ int run_example(bool require_gpu) {
   // [B, 1, Hi, 128] fp8
   Buffer<std::uint8_t> q_idx(memory, static_cast<std::size_t>(batch * indexer_heads) * kIndexerDim);
   Buffer<float> weights(memory, static_cast<std::size_t>(batch * indexer_heads));  // [B, 1, Hi]
-  Buffer<std::int32_t> block_table(memory, static_cast<std::size_t>(batch * max_pages));  // [B, max_pages]
-  Buffer<std::int32_t> seq_lens(memory, static_cast<std::size_t>(batch));                // [B]
   Buffer<std::uint16_t> o(memory, static_cast<std::size_t>(batch * heads) * kLatentDim);  // [B, 1, H, 512] bf16
   Buffer<float> lse(memory, static_cast<std::size_t>(batch * heads));                     // [B, 1, H]
 
@@ -275,24 +411,21 @@ int run_example(bool require_gpu) {
   };
 #endif
 
-  // 4. Decode: each step every request's newest token is appended, then the layer attends over it all.
-  // (A row that sees at most index_topk tokens, like request 1's, could go to the dense_decode slot
-  // instead, rc.route(): the top-k keeps all its tokens, so the result is the same.)
-  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Each step every request's newest token is appended, then the layer attends over it all. (A row
+  // that sees at most index_topk tokens, like request 1's, could go to the dense_decode slot instead,
+  // as in the prefill above.)
   for (int step = 1; step <= kSteps; ++step) {
     for (std::size_t b = 0; b < requests.size(); ++b) {
       pool.grow(requests[b], 1);  // may take a new page: the block table below changes with it
       new_slots.host[b] = static_cast<std::int32_t>(pool.slot(requests[b], pool.length(requests[b]) - 1));
     }
-    block_table.host = pool.block_table_matrix(requests, max_pages);
-    seq_lens.host = pool.lengths(requests);
+    upload_pages();
     fill_normal(rng, new_latents.host);
     fill_normal(rng, new_keys.host);
     fill_normal(rng, q.host);
-    for (auto& c : q_idx.host) c = fp8_e4m3_encode(normal(rng));
-    for (auto& w : weights.host) w = normal(rng) / std::sqrt(static_cast<float>(indexer_heads * kIndexerDim));
+    fill_indexer_queries(rng, q_idx.host, weights.host, indexer_heads);
     for (auto* b : {&new_latents, &new_keys, &q}) b->upload();
-    for (auto* b : {&new_slots, &block_table, &seq_lens}) b->upload();
+    new_slots.upload();
     q_idx.upload();
     weights.upload();
     bool replayed = false;
