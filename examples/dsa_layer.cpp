@@ -153,12 +153,14 @@ int run_example(bool require_gpu) {
   const int heads = rc.shard.heads_per_gpu, indexer_heads = model.indexer_heads, page_size = config.page_size.value;
   const KvDtype kv_dtype = config.kv_dtype.value;
   const Backend& append_backend = *rc.supporting_op(Op::kAppend).backend;
-  const DsaBackends backends = rc.dsa_backends();  // indexer, top-k and the sparse_decode slot's backend
+  const DsaBackends backends = rc.dsa_backends();  // what dsa_prefill and dsa_decode run, step by step
   std::printf("%s at tp %d on %s: %d heads, %s cache, page size %d; backends: append %s, indexer %s, top-k %s, "
-              "sparse decode %s\n",
+              "indexer prefill %s, sparse prefill %s, sparse decode %s\n",
               model.name.c_str(), rc.shard.tp, describe_device(rc.device).c_str(), heads,
               std::string(kv_dtype_name(kv_dtype)).c_str(), page_size, std::string(append_backend.name()).c_str(),
               std::string(backends.indexer_logits->name()).c_str(), std::string(backends.topk->name()).c_str(),
+              std::string(backends.indexer_prefill->name()).c_str(),
+              std::string(backends.sparse_prefill->name()).c_str(),
               std::string(backends.sparse_decode->name()).c_str());
 
   Memory memory;
