@@ -29,6 +29,8 @@ struct BenchOptions {
   int check_requests = 2;  // requests checked against the float64 reference per backend
   std::uint64_t seed = 1;
   std::string json;
+
+  bool operator==(const BenchOptions&) const = default;
 };
 
 struct BenchRow {

@@ -76,7 +76,7 @@ CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& w
 
 std::string join(const std::vector<std::string>& items, const std::string& separator) {
   std::string s;
-  for (const std::string& x : items) s += (s.empty() ? "" : separator) + x;
+  for (std::size_t i = 0; i < items.size(); ++i) s += (i == 0 ? "" : separator) + items[i];
   return s;
 }
 

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.hpp"
 #include "commands.hpp"
 #include "config_cmd.hpp"
 #include "latentkv/backend.hpp"
@@ -36,15 +37,6 @@ struct ConfigCommandState {
   bool json = false;
   std::string device = "detected";  // or "cpu": resolve for the CPU whatever the machine has
 };
-
-std::string join(const std::vector<std::string>& items, std::string_view separator = ", ") {
-  std::string out;
-  for (const std::string& item : items) {
-    if (!out.empty()) out += separator;
-    out += item;
-  }
-  return out;
-}
 
 std::string pad(std::string text, std::size_t width) {
   if (text.size() < width) text.append(width - text.size(), ' ');
@@ -103,7 +95,7 @@ std::string dimension_text(std::string_view label, const std::vector<int>& probe
 
 std::string kernels_text(const std::vector<std::string>& kernels) {
   std::vector<std::string> shown(kernels.begin(), kernels.begin() + std::min(kernels.size(), kMaxKernelsShown));
-  std::string text = join(shown);
+  std::string text = join(shown, ", ");
   if (kernels.size() > kMaxKernelsShown) text += " +" + std::to_string(kernels.size() - kMaxKernelsShown) + " more";
   return text;
 }
@@ -132,7 +124,7 @@ void print_matrix(std::ostream& out, const std::vector<const Backend*>& backends
   out << "capability matrix, probed through each backend's select() (what dispatch runs) over\n"
       << "  kv_dtype {fp8_e4m3,bf16} x heads {" << ints_text(grid.heads) << "} x page {" << ints_text(grid.page_sizes)
       << "}\n  x q_len {" << ints_text(grid.q_lens) << "} x topk {" << ints_text(grid.topks) << "} x device {"
-      << join(devices) << "};\n  each op shows the fields it has; \"all\" means every probed value\n";
+      << join(devices, ", ") << "};\n  each op shows the fields it has; \"all\" means every probed value\n";
   // Every backend probed first, so that the device column is as wide as its widest entry.
   std::vector<std::vector<CapabilityRow>> rows_of;
   std::size_t device_column = 0;

@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdarg>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+
+#include "text.hpp"
 
 namespace latentkv::tools {
 namespace {
@@ -37,16 +38,6 @@ Counts counts_of(const StepShape& s) {
     c.selected += s.batch * std::min<double>(v, s.topk);
   }
   return c;
-}
-
-void add(std::string& out, const char* format, ...) __attribute__((format(printf, 2, 3)));
-void add(std::string& out, const char* format, ...) {
-  char buf[1024];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(buf, sizeof buf, format, args);
-  va_end(args);
-  out += buf;
 }
 
 // "70.5 GB", "1.31 MB", "880 kB", "512 B"
@@ -224,56 +215,57 @@ std::string format_report(const StepReport& r) {
   const std::string unit = r.cpu_reference ? "ms" : "us";
   const auto t = [&](double us) { return time_text(r.cpu_reference ? us / 1000 : us); };
   std::string out;
-  add(out, "latentkv step: %s at tp %d (%d heads, %d indexer heads, index_topk %d), %d of %d layers\n",
+  appendf(out, "latentkv step: %s at tp %d (%d heads, %d indexer heads, index_topk %d), %d of %d layers\n",
       sh.model.c_str(), sh.tp, sh.heads, sh.indexer_heads, sh.topk, sh.layers, sh.model_layers);
-  add(out,
+  appendf(out,
       "  batch %d x q_len %d, context %lld, pool %lld tokens per layer (page %d), seed %llu, %d warm-up + %d timed\n",
       sh.batch, sh.q_len, static_cast<long long>(sh.context), static_cast<long long>(sh.pool_tokens), sh.page_size,
       static_cast<unsigned long long>(r.seed), r.warmup, r.iters);
-  add(out, "device: %s\n", r.device.c_str());
+  appendf(out, "device: %s\n", r.device.c_str());
   if (floors) {
-    add(out,
+    appendf(out,
         "floors (this run): copy %.0f GB/s (bytes read + written; read-only stream %.0f GB/s), bf16 matrix %.0f "
         "TFLOP/s (%s)\n",
         r.copy_gbps, r.read_gbps, r.matrix_tflops, r.matrix_how.c_str());
     if (r.launch_us > 0) {
-      add(out, "  one chained launch %.2f us (a kernel waiting for the one before it, in a graph of such kernels)\n",
-          r.launch_us);
+      appendf(out,
+              "  one chained launch %.2f us (a kernel waiting for the one before it, in a graph of such kernels)\n",
+              r.launch_us);
     }
   } else {
-    add(out, "floors: none measured (host wall-clock times of the float64 reference: no speed claim)\n");
+    appendf(out, "floors: none measured (host wall-clock times of the float64 reference: no speed claim)\n");
   }
   if (sh.dense_is_exact()) {
-    add(out,
+    appendf(out,
         "model's rule: every row sees <= %lld tokens <= index_topk %d, so dense decode is exact and serves the step\n",
         static_cast<long long>(sh.context), sh.topk);
   } else {
-    add(out,
+    appendf(out,
         "model's rule: rows see up to %lld tokens > index_topk %d: indexer -> top-k -> sparse decode "
         "(dense here is a comparison, not the model's attention)\n",
         static_cast<long long>(sh.context), sh.topk);
   }
-  for (const std::string& note : r.notes) add(out, "note: %s\n", note.c_str());
+  for (const std::string& note : r.notes) appendf(out, "note: %s\n", note.c_str());
 
-  add(out, "\n%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", "strategy", "path", "decode",
+  appendf(out, "\n%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", "strategy", "path", "decode",
       ("step " + unit).c_str(), ("p10..p90 " + unit).c_str(), "tok/s/stream", ("floor " + unit).c_str(), "gap",
       "vs cast", "check");
   for (const StrategyResult& s : r.strategies) {
     const char* path = s.dense ? (sh.dense_is_exact() ? "dense" : "dense*") : "sparse";
     if (!s.timed) {
-      add(out, "%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(), "-", "-",
-          "-", "-", "-", "-", s.status.c_str());
+      appendf(out, "%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
+          "-", "-", "-", "-", "-", "-", s.status.c_str());
       continue;
     }
     const std::string spread = t(s.step_p10_us) + ".." + t(s.step_p90_us);
-    add(out, "%-18s %-6s %-11s %10s %19s %12.1f %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
+    appendf(out, "%-18s %-6s %-11s %10s %19s %12.1f %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
         t(s.step_us).c_str(), spread.c_str(), s.tokens_per_s_stream, s.floor_us > 0 ? t(s.floor_us).c_str() : "-",
         times(s.gap).c_str(), times(s.speedup_vs_cast_full).c_str(), s.status.c_str());
   }
   if (!sh.dense_is_exact()) {
     for (const StrategyResult& s : r.strategies) {
       if (s.dense) {
-        add(out, "dense*: every visible token, where the model attends to index_topk of them (for comparison)\n");
+        appendf(out, "dense*: every visible token, where the model attends to index_topk of them (for comparison)\n");
         break;
       }
     }
@@ -281,17 +273,18 @@ std::string format_report(const StepReport& r) {
 
   for (const StrategyResult& s : r.strategies) {
     if (!s.timed) continue;
-    add(out,
+    appendf(out,
         "\n%s (%s, decode backend %s): step %s %s, %d layer%s of %s %s; %.1f tokens/s for one stream, %.1f for the "
         "batch\n",
         s.name.c_str(), s.dense ? "dense" : "sparse", s.backend.c_str(), t(s.step_us).c_str(), unit.c_str(), sh.layers,
         sh.layers == 1 ? "" : "s", t(s.step_us / std::max(sh.layers, 1)).c_str(), unit.c_str(), s.tokens_per_s_stream,
         s.tokens_per_s_batch);
-    add(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", "op", (unit + "/step").c_str(), "share",
+    appendf(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", "op", (unit + "/step").c_str(), "share",
         "moved", "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "launches", "kernel");
     for (const OpResult& op : s.ops) {
-      add(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", std::string(step_op_name(op.op)).c_str(),
-          t(op.us).c_str(), 100.0 * op.share, human_bytes(op.work.bytes).c_str(), rate(op.gbps).c_str(),
+      appendf(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s %8s  %s\n",
+          std::string(step_op_name(op.op)).c_str(), t(op.us).c_str(), 100.0 * op.share,
+          human_bytes(op.work.bytes).c_str(), rate(op.gbps).c_str(),
           percent(op.pct_of_copy, r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
           percent(op.pct_of_matrix, r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
           op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), launch_count(op.launches).c_str(),
@@ -300,18 +293,18 @@ std::string format_report(const StepReport& r) {
     const double rest = s.step_us - s.ops_us;
     char signed_rest[40];
     std::snprintf(signed_rest, sizeof signed_rest, "%s%s", rest >= 0 ? "+" : "-", t(std::fabs(rest)).c_str());
-    add(out, "  %-16s %10s %6.1f%%   (the whole step minus its ops timed one by one)\n", "between ops", signed_rest,
+    appendf(out, "  %-16s %10s %6.1f%%   (the whole step minus its ops timed one by one)\n", "between ops", signed_rest,
         s.step_us > 0 ? 100.0 * rest / s.step_us : 0.0);
   }
   if (floors) {
-    add(out,
+    appendf(out,
         "\nfloor = max(bytes an FP8-native op must move / copy bandwidth, FLOPs / bf16 matrix rate, layers x one "
         "chained launch); gap = time / floor.\n"
         "'moved' counts what the strategy's op moves (the cast baselines move more than the floor's bytes); "
         "'launches' are the op's kernels and memsets per layer.\n");
   }
-  if (sh.q_len > 1) add(out, "tokens/s counts every one of the q_len = %d new tokens as accepted.\n", sh.q_len);
-  add(out, "repro: %s\n", r.command.c_str());
+  if (sh.q_len > 1) appendf(out, "tokens/s counts every one of the q_len = %d new tokens as accepted.\n", sh.q_len);
+  appendf(out, "repro: %s\n", r.command.c_str());
   return out;
 }
 

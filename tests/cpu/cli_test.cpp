@@ -417,4 +417,18 @@ TEST_F(Cli, DemoSaysWhatTheTopkPaddedAndOneReadPerDecode) {
   EXPECT_THAT(short_rows.out, HasSubstr("(2000 slots, 2096 padded with -1)"));
 }
 
+TEST_F(Cli, InfoListsTheDeviceThePresetsTheCacheFormatsAndEveryBackend) {
+  const Result info = run({"info"});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_EQ(info.err, "");
+  const bool gpu = latentkv::detect_device().kind == latentkv::DeviceKind::kCuda;
+  EXPECT_THAT(info.out, HasSubstr(gpu ? "device: " : "device: cpu"));
+  EXPECT_THAT(info.out, HasSubstr("  glm5           78 layers,  64 heads, d_qk 576, d_v 512"));
+  EXPECT_THAT(info.out, HasSubstr("  deepseek-v3.2  61 layers, 128 heads"));
+  EXPECT_THAT(info.out, HasSubstr("fp8_e4m3 656 B/token, bf16 1152 B/token, indexer 132 B/token"));
+  for (const latentkv::Backend* b : latentkv::registered_backends()) {
+    EXPECT_THAT(info.out, HasSubstr("  " + std::string(b->name()) + " ")) << b->name();
+  }
+}
+
 }  // namespace

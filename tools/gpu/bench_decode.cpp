@@ -7,11 +7,13 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "bench.hpp"
+#include "bench_work.hpp"
 #include "check.hpp"
 #include "cpu/reference.hpp"
 #include "gpu/bench_context.hpp"
@@ -109,8 +111,9 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       attended += sparse ? std::min<double>(visible, opt.topk) : visible;
     }
   }
-  // Entries each call must read: a dense request's tokens once (its q_len rows share them), each
-  // sparse row's selected ones.
+  // Entries each call reads: a dense request's tokens once (its q_len rows share them); for the
+  // rotation, at most each sparse row's selected ones (the bytes credited below count those of a
+  // request once).
   const std::int64_t cached = std::accumulate(lengths.begin(), lengths.end(), std::int64_t{0});
   const std::int64_t bytes_per_call = (sparse ? static_cast<std::int64_t>(attended) : cached) * token_bytes;
   // A set of requests per rotation for dense calls, which read all of them; sparse ones read only
@@ -122,8 +125,11 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
       make_request_sets(pool, static_cast<int>(std::clamp<std::int64_t>(fits, 1, variants)), lengths, opt.seed);
   report.rotation_sets = variants;
   // Sparse variants over the same requests share the tokens both select: few when each selects at
-  // most an eighth of them.
-  report.rotation_cold = rotation.cold && (sets.sets == variants || 8 * opt.topk <= opt.context);
+  // most an eighth of them, and those requests' entries together hold at least twice the L2 (else
+  // they all stay in it).
+  const double shared_bytes = static_cast<double>(std::min(sets.sets, variants)) * cached * token_bytes;
+  report.rotation_cold = rotation.cold && (sets.sets == variants || (8 * opt.topk <= opt.context &&
+                                                                      shared_bytes >= 2.0 * ctx.l2_bytes));
 
   // Queries, outputs (and index rows), one set per rotation.
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 576;
@@ -175,10 +181,14 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     return p;
   };
 
-  // Work the op must do: the entries above once, the queries and outputs; 2 H (576 + 512) FLOP per
-  // (query row, token) pair.
+  // Work the op must do: each entry a request's rows read once (a dense request's tokens, the
+  // distinct ones a sparse request's rows select: set 0's), the queries, index rows and outputs;
+  // 2 H (576 + 512) FLOP per (query row, token) pair.
+  const double entries = sparse ? static_cast<double>(distinct_selected_entries(
+                                      std::span(host_indices).first(index_elems), opt.q_len, opt.topk))
+                                : static_cast<double>(cached);
   const double flops = 2.0 * heads * (576 + 512) * attended;
-  const double bytes = static_cast<double>(bytes_per_call) + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +
+  const double bytes = entries * token_bytes + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +
                        4.0 * static_cast<double>(index_elems);
 
   const int checked = std::min(opt.check_requests, opt.batch);

@@ -174,9 +174,10 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     visible += static_cast<double>(visible_of(opt.context, opt.q_len, i));
     attended += std::min<double>(static_cast<double>(visible_of(opt.context, opt.q_len, i)), opt.topk);
   }
-  // Bytes the layer must move: every visible indexer key once per request, the logits written and read
-  // back, the selected fp8 tokens, queries and outputs.
-  const double cache_bytes = (static_cast<double>(opt.context) * kIndexerTokenBytes + attended * kFp8TokenBytes) * opt.batch;
+  // Cache bytes the layer must read: every indexer key of a request once, and its selected fp8
+  // entries once (chosen on the GPU: at most every row's selection, up to every cached token).
+  const double selected = std::min(attended, static_cast<double>(opt.context));
+  const double cache_bytes = (static_cast<double>(opt.context) * kIndexerTokenBytes + selected * kFp8TokenBytes) * opt.batch;
   const Rotation rotation =
       plan_rotation(static_cast<std::int64_t>(cache_bytes), ctx.l2_bytes, opt.warmup + opt.iters,
                     request_sets_that_fit(pool.num_pages * pool.page_size, opt.batch * opt.context, opt.batch, opt.page_size));
@@ -220,8 +221,9 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
     p.max_len = static_cast<int>(opt.context);
     return p;
   };
-  const double logits_bytes = 8.0 * visible * opt.batch;  // written by the indexer, read by top-k
-  const double bytes = cache_bytes + logits_bytes + 2.0 * (q_elems + o_elems) + qi_elems + 4.0 * (w_elems + lse_elems);
+  // The layer's bytes: the cache above, its inputs and outputs; the logits and slots its steps pass
+  // on stay in the workspace, as a layer done in one kernel would keep them on chip.
+  const double bytes = cache_bytes + 2.0 * (q_elems + o_elems) + qi_elems + 4.0 * (w_elems + lse_elems);
   const double flops = (2.0 * hi * 128 * visible + 2.0 * heads * (576 + 512) * attended) * opt.batch;
 
   const Backend* cuda = find_backend("cuda");
@@ -335,16 +337,21 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
       }
       cuda_ok(cudaStreamSynchronize(stream), "the parts' inputs");
       const DsaSteps steps0 = dsa_steps(on_workspace(0, workspaces[0]), plan);
+      // Each part's bytes as its own bench counts them: what it reads and writes, the logits and
+      // slots included.
       const double logit_bytes = 4.0 * visible * opt.batch;
+      const double slot_bytes = 4.0 * static_cast<double>(rows) * opt.topk;
       struct Step {
         const char* name;
         OpArgs args;
         double bytes, flops;
       } parts[] = {
-          {"  indexer_logits", steps0.indexer, static_cast<double>(opt.context) * kIndexerTokenBytes * opt.batch + logit_bytes,
+          {"  indexer_logits", steps0.indexer,
+           static_cast<double>(opt.context) * kIndexerTokenBytes * opt.batch + qi_elems + 4.0 * w_elems + logit_bytes,
            2.0 * hi * 128 * visible * opt.batch},
-          {"  topk", steps0.topk, logit_bytes + 4.0 * static_cast<double>(rows) * opt.topk, 0.0},
-          {"  sparse_decode", steps0.sparse, attended * kFp8TokenBytes * opt.batch + 2.0 * (q_elems + o_elems),
+          {"  topk", steps0.topk, logit_bytes + slot_bytes, 0.0},
+          {"  sparse_decode", steps0.sparse,
+           selected * kFp8TokenBytes * opt.batch + 2.0 * (q_elems + o_elems) + 4.0 * lse_elems + slot_bytes,
            2.0 * heads * (576 + 512) * attended * opt.batch},
       };
       for (int s = 0; s < 3; ++s) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench.hpp"
+#include "bench_work.hpp"
 #include "check.hpp"
 #include "cpu/reference.hpp"
 #include "gpu/bench_context.hpp"
@@ -111,11 +112,14 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
     p.softmax_scale = scale;
     args = p;
   }
-  // The bytes an FP8-native prefill must read: each request's cached tokens once (dense) or each
-  // token's selected entries (sparse: they differ per token), q, o and lse.
+  // The bytes an FP8-native prefill must read and write: each cache entry a request's new tokens
+  // attend to, once (dense: all its tokens; sparse: the distinct ones its index rows select, which
+  // the new tokens largely share), q (and the index rows), o and lse.
   const double token_bytes = static_cast<double>(kv_token_bytes(dtype));
-  const double cache_bytes = sparse ? attended * token_bytes : static_cast<double>(opt.context) * opt.batch * token_bytes;
-  const double bytes = cache_bytes + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems;
+  const double entries = sparse ? static_cast<double>(distinct_selected_entries(host_indices, n, opt.topk))
+                                : static_cast<double>(opt.context) * opt.batch;
+  const double bytes = entries * token_bytes + 2.0 * q_elems + 4.0 * static_cast<double>(host_indices.size()) +
+                       2.0 * o_elems + 4.0 * lse_elems;
   const double flops = 2.0 * heads * (576 + 512) * attended;
 
   // The reference for the last two new tokens of request 0, from a host copy of the pool.
@@ -248,9 +252,13 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
   }
   pairs *= opt.batch;
   attended *= opt.batch;
-  // Each request's indexer keys once, each new token's selected entries, q, q_idx, w, o and lse.
+  // Each request's indexer keys once; of its main cache entries, those the new tokens select, each
+  // once: the selection is made on the GPU, so this counts the most that can be, every selection
+  // (attended / B) up to every cached token; q, q_idx, w, o and lse. The logits and the slots stay
+  // in the workspace.
+  const double selected_entries = std::min(attended / opt.batch, static_cast<double>(opt.context)) * opt.batch;
   const double bytes = static_cast<double>(opt.batch) * opt.context * kIndexerTokenBytes +
-                       attended * static_cast<double>(kv_token_bytes(dtype)) + 2.0 * q_elems +
+                       selected_entries * static_cast<double>(kv_token_bytes(dtype)) + 2.0 * q_elems +
                        static_cast<double>(host_qi.size()) + 4.0 * host_w.size() + 2.0 * o_elems + 4.0 * lse_elems;
   const double flops = 2.0 * hi * 128.0 * pairs + 2.0 * heads * (576 + 512) * attended;
 

@@ -106,7 +106,8 @@ RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vecto
 
 Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits) {
   const std::int64_t bytes = std::max<std::int64_t>(bytes_per_call, 1);
-  const std::int64_t wanted = std::min<std::int64_t>((2 * l2_bytes + bytes - 1) / bytes, std::max(calls, 1));
+  const std::int64_t wanted =
+      std::clamp<std::int64_t>((2 * l2_bytes + bytes - 1) / bytes, 1, std::max(calls, 1));  // 1 with no L2
   Rotation r;
   r.sets = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, wanted));
   r.cold = r.sets >= wanted;

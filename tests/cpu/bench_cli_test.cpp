@@ -1,0 +1,220 @@
+// `latentkv bench`'s command line and what it prints, without a GPU (tools/bench_cli.hpp): the repro
+// line parses back to the options it was made from, the table shows figures only for timed rows and
+// "-" for what was not measured, and the JSON carries the same with nulls. Also the count of cache
+// entries a sparse row credits its op with (tools/bench_work.hpp).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench_cli.hpp"
+#include "bench_work.hpp"
+
+namespace {
+
+using latentkv::tools::BenchOptions;
+using latentkv::tools::BenchReport;
+using latentkv::tools::BenchRow;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// The options `latentkv bench <args>` parses into; parse errors propagate as CLI11's exceptions.
+BenchOptions parse_bench(const std::string& args) {
+  CLI::App app{"bench"};
+  BenchOptions parsed;
+  latentkv::tools::add_bench_options(app, parsed);
+  app.parse(args, false);
+  return parsed;
+}
+
+// Options for `op` with every field that op reads set away from its default.
+BenchOptions options_for(const std::string& op) {
+  BenchOptions o;
+  o.op = op;
+  o.model = "deepseek-v3.2";
+  o.tp = 4;
+  o.batch = 3;
+  o.context = 9000;
+  o.pool = 123457;
+  o.page_size = 32;
+  o.backends = {"cuda", "cast_full"};
+  o.warmup = 2;
+  o.iters = 7;
+  o.launch = "paced";
+  o.check_requests = 1;
+  o.seed = std::numeric_limits<std::uint64_t>::max();
+  if (op.ends_with("prefill")) o.new_tokens = 300;
+  else o.q_len = 3;
+  if (op != "mla_decode" && op != "indexer_logits" && op != "mla_prefill") o.topk = 512;
+  return o;
+}
+
+const std::vector<std::string> kOps = {"mla_decode",  "sparse_mla_decode",  "indexer_logits",
+                                       "topk",        "dsa_decode",         "mla_prefill",
+                                       "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"};
+
+TEST(BenchCli, ReproLineParsesBackToTheOptionsItWasMadeFrom) {
+  std::vector<BenchOptions> cases;
+  for (const std::string& op : kOps) cases.push_back(options_for(op));
+  BenchOptions heads = options_for("mla_decode");
+  heads.heads = 16;
+  heads.splits = 12;
+  heads.context_min = 1000;
+  heads.kv_dtype = "bf16";
+  cases.push_back(heads);
+  BenchOptions sparse_splits = options_for("sparse_mla_decode");
+  sparse_splits.splits = 5;
+  cases.push_back(sparse_splits);
+  cases.push_back(BenchOptions{});  // the defaults
+  BenchOptions with_json = options_for("topk");
+  with_json.json = "/tmp/bench.json";
+  cases.push_back(with_json);
+
+  for (const BenchOptions& o : cases) {
+    const std::string line = latentkv::tools::repro_line(o);
+    const std::string prefix = "latentkv bench ";
+    ASSERT_EQ(line.rfind(prefix, 0), 0u) << line;
+    BenchOptions parsed;
+    ASSERT_NO_THROW(parsed = parse_bench(line.substr(prefix.size()))) << line;
+    BenchOptions want = o;
+    want.json.clear();  // where a run writes its JSON is not part of the measurement
+    EXPECT_EQ(parsed, want) << line;
+    const bool check_requests_typed = line.find(" --check-requests ") != std::string::npos;
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed, check_requests_typed)) << line;
+  }
+}
+
+TEST(BenchCli, ReproLineNamesOnlyTheOptionsTheOpReads) {
+  const auto has = [](const std::string& line, const std::string& flag) {
+    return (line + " ").find(" " + flag + " ") != std::string::npos;
+  };
+  for (const std::string& op : kOps) {
+    const std::string line = latentkv::tools::repro_line(options_for(op));
+    const bool prefill = op.ends_with("prefill");
+    const bool ranks = op != "mla_decode" && op != "indexer_logits" && op != "mla_prefill";
+    EXPECT_EQ(has(line, "--new-tokens"), prefill) << line;
+    EXPECT_EQ(has(line, "--q-len"), !prefill) << line;
+    EXPECT_EQ(has(line, "--topk"), ranks) << line;
+    EXPECT_FALSE(has(line, "--heads") || has(line, "--splits") || has(line, "--context-min") || has(line, "--json"))
+        << line;
+  }
+  const std::string defaults = latentkv::tools::repro_line(BenchOptions{});
+  EXPECT_FALSE(has(defaults, "--check-requests")) << defaults;
+  EXPECT_THAT(defaults, HasSubstr(" --backends cuda,gather_cast,cast_full "));
+}
+
+// A run of three backends: one timed and passed, one timed without a cast_full beside it to compare
+// with, one whose output failed its check (never timed).
+BenchReport sample_report(double flops) {
+  BenchReport r;
+  r.device = "NVIDIA H200, sm_90, 132 multiprocessors";
+  r.read_gbps = 4540;
+  r.copy_gbps = 4300;
+  r.gather_gbps = 4050;
+  r.empty_launch_us = 3.6;
+  r.empty_graph_us = 2.8;
+  r.rotation_sets = 3;
+  r.rotation_cold = false;
+  BenchRow cuda{.backend = "cuda", .kernel = "mla_decode_narrow", .status = "pass", .num_splits = 4};
+  cuda.bytes = 430e6;
+  cuda.flops = flops;
+  latentkv::tools::set_timing(cuda, 100.0, 99.0, 101.5, r.read_gbps, r.copy_gbps);
+  cuda.speedup = 14.7;
+  BenchRow gather{.backend = "gather_cast", .kernel = "gather+cast", .status = "pass", .num_splits = 1};
+  gather.bytes = 430e6;
+  gather.flops = flops;
+  latentkv::tools::set_timing(gather, 540.0, 530.0, 550.0, r.read_gbps, r.copy_gbps);
+  BenchRow failed{.backend = "cast_full", .kernel = "cast", .status = "FAIL: o[0,0,3] = 1.5, want 1.25"};
+  failed.bytes = 430e6;
+  r.rows = {cuda, gather, failed};
+  return r;
+}
+
+std::string line_of(const std::string& text, const std::string& start) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(start, 0) == 0) return line;
+  }
+  return "(no line starting '" + start + "')";
+}
+
+TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
+  const BenchOptions o = options_for("mla_decode");
+  BenchReport r = sample_report(2.0e9);
+  r.matrix_tflops = 800;
+  r.matrix_how = "cuBLAS bf16";
+  const std::string table = latentkv::tools::format_report(o, r);
+
+  const std::string cuda = line_of(table, "cuda ");
+  EXPECT_THAT(cuda, HasSubstr(" 100.0 "));
+  EXPECT_THAT(cuda, HasSubstr(" 99.0..101.5 "));
+  EXPECT_THAT(cuda, HasSubstr(" 4300 "));   // 430 MB in 100 us
+  EXPECT_THAT(cuda, HasSubstr(" 100.0% "));  // of the device copy
+  EXPECT_THAT(cuda, HasSubstr(" 20.0 "));   // TFLOP/s
+  EXPECT_THAT(cuda, HasSubstr(" 14.7x "));
+  EXPECT_THAT(cuda, HasSubstr("pass; mla_decode_narrow, 4 splits"));
+  const std::string gather = line_of(table, "gather_cast ");
+  EXPECT_THAT(gather, HasSubstr(" -  pass; gather+cast"));  // no cast_full timed to compare with
+  const std::string failed = line_of(table, "cast_full ");
+  EXPECT_THAT(failed, HasSubstr("FAIL: o[0,0,3] = 1.5, want 1.25"));
+  EXPECT_THAT(failed, Not(HasSubstr("4300")));
+  EXPECT_THAT(failed, Not(HasSubstr("%")));
+
+  EXPECT_THAT(table, HasSubstr("device copy 4300 GB/s"));
+  EXPECT_THAT(table, HasSubstr("warning: the pool holds 3 rotation sets"));
+  EXPECT_THAT(table, HasSubstr("cuda: 20.0 TFLOP/s is 2.5% of the matrix rate above"));
+  EXPECT_THAT(table, Not(HasSubstr("cast_full: ")));
+  EXPECT_THAT(table, HasSubstr("(the calls below are paced by the host)"));
+  EXPECT_THAT(table, HasSubstr("shape: mla_decode, deepseek-v3.2 tp 4, batch 3, context 9000, q_len 3, page 32"));
+  EXPECT_THAT(table, HasSubstr("\nrepro: " + latentkv::tools::repro_line(o) + "\n"));
+
+  // An op with no FLOPs counted (the top-k) shows none, and says nothing of the matrix rate.
+  const std::string topk = latentkv::tools::format_report(options_for("topk"), sample_report(0));
+  EXPECT_THAT(line_of(topk, "cuda "), HasSubstr("       -     14.7x  pass"));
+  EXPECT_THAT(topk, Not(HasSubstr("of the matrix rate")));
+  EXPECT_THAT(topk, HasSubstr(", topk 512, "));
+}
+
+TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
+  const BenchOptions o = options_for("topk");
+  const nlohmann::json j = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(0)));
+  EXPECT_EQ(j.at("command"), latentkv::tools::repro_line(o));
+  EXPECT_EQ(j.at("copy_gbps"), 4300);
+  EXPECT_EQ(j.at("rotation_cold"), false);
+  EXPECT_EQ(j.at("shape").at("topk"), 512);
+  EXPECT_FALSE(j.contains("matrix_tflops"));
+  const nlohmann::json& rows = j.at("rows");
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].at("median_us"), 100.0);
+  EXPECT_DOUBLE_EQ(rows[0].at("pct_of_copy").get<double>(), 100.0);
+  EXPECT_EQ(rows[0].at("speedup_vs_cast_full"), 14.7);
+  EXPECT_TRUE(rows[0].at("tflops").is_null());  // no FLOPs counted
+  EXPECT_TRUE(rows[1].at("speedup_vs_cast_full").is_null());
+  EXPECT_EQ(rows[2].at("timed"), false);
+  EXPECT_EQ(rows[2].at("status"), "FAIL: o[0,0,3] = 1.5, want 1.25");
+  for (const char* key : {"median_us", "gbps", "pct_of_copy", "tflops", "speedup_vs_cast_full"}) {
+    EXPECT_FALSE(rows[2].contains(key)) << key;
+  }
+  const nlohmann::json flops = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(2.0e9)));
+  EXPECT_DOUBLE_EQ(flops.at("rows")[0].at("tflops").get<double>(), 20.0);
+}
+
+TEST(BenchWork, SelectedEntriesCountOncePerRequestWithoutPadding) {
+  // Two requests of two rows of top-k 4: request 0's rows share slots 7 and 9; request 1 selects
+  // slot 7 too (another request's entry: counted again) and pads with -1.
+  const std::vector<std::int32_t> rows = {7, 9, 3, -1, /**/ 9, 7, 12, 5, /**/ 7, -1, -1, -1, /**/ 8, 7, -1, -1};
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 2, 4), 5 + 2);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 1, 4), 3 + 4 + 1 + 2);  // one row per request
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 4, 4), 6);  // 7, 9, 3, 12, 5, 8
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries({}, 2, 4), 0);
+  const std::vector<std::int32_t> padding(8, -1);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(padding, 2, 4), 0);
+}
+
+}  // namespace

@@ -1,0 +1,249 @@
+// `latentkv bench`'s command line and what it prints (bench_cli.hpp); the timing itself is in
+// tools/gpu/bench_*.cpp.
+#include "bench_cli.hpp"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli_checks.hpp"
+#include "latentkv/backend.hpp"
+#include "latentkv/error.hpp"
+#include "text.hpp"
+
+namespace latentkv::tools {
+namespace {
+
+using nlohmann::json;
+
+// The backends a build with CUDA registers (src/cuda/sources.cmake, LKV_BACKENDS): names --backends
+// may give on a build or machine that lacks them, which then says that a GPU is missing.
+const std::vector<std::string> kCudaBackends = {"cuda", "gather_cast", "cast_full"};
+
+// Throws latentkv::Error naming the first --backends entry that names no backend.
+void check_backend_names(const std::vector<std::string>& names) {
+  std::vector<std::string> known = kCudaBackends;
+  for (const Backend* b : registered_backends()) {
+    if (std::find(known.begin(), known.end(), b->name()) == known.end()) known.emplace_back(b->name());
+  }
+  if (names.empty()) throw Error("bench", "--backends", "''", "one or more of " + join(known, ", "));
+  for (const std::string& name : names) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      throw Error("bench", "--backends", "'" + name + "'", "one of " + join(known, ", ") + " (comma separated)");
+    }
+  }
+}
+
+// What an op's shape asks of the lengths, checked before the GPU is looked for.
+void check_lengths(const BenchOptions& o) {
+  const std::string context = std::to_string(o.context);
+  if (o.op.ends_with("prefill")) {
+    if (o.new_tokens > o.context) {
+      throw Error("bench", "--new-tokens", std::to_string(o.new_tokens), "at most --context (" + context + ")");
+    }
+    return;
+  }
+  if (o.context < o.q_len) {
+    throw Error("bench", "--context", context, ">= --q-len (" + std::to_string(o.q_len) + ")");
+  }
+  if (o.context_min > 0 && o.context_min < o.q_len) {
+    throw Error("bench", "--context-min", std::to_string(o.context_min),
+                ">= --q-len (" + std::to_string(o.q_len) + ")");
+  }
+}
+
+}  // namespace
+
+CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
+  cmd.add_option("--op", o.op, "Operation to time")
+      ->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode", "mla_prefill",
+                             "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}));
+  cmd.add_option("--model", o.model, "Model preset (glm5, deepseek-v3.2)");
+  cmd.add_option("--tp", o.tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
+  cmd.add_option("--heads", o.heads, "Query heads per GPU (overrides model / tp)")->check(integer_in(1, 128));
+  cmd.add_option("--batch", o.batch, "Requests")->check(integer_in(1, 4096));
+  cmd.add_option("--context", o.context, "Tokens per request")->check(integer_in(1, kIntMax));
+  cmd.add_option("--context-min", o.context_min,
+                  "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
+      ->check(integer_in(1, kIntMax));
+  cmd.add_option("--pool", o.pool,
+                  "Tokens in the cache pool; the timed calls rotate over as many sets of requests as it holds, "
+                  "and the bench warns when that is too few to keep their inputs out of the L2")
+      ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
+  cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4)")->check(integer_in(1, 4));
+  cmd.add_option("--new-tokens", o.new_tokens, "New tokens per request (prefill ops)")
+      ->check(integer_in(1, kIntMax));
+  cmd.add_option("--page-size", o.page_size, "Tokens per page")->check(integer_in(1, kIntMax));
+  cmd.add_option("--topk", o.topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")
+      ->check(integer_in(1, 2048));
+  cmd.add_option("--splits", o.splits,
+                  "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
+      ->check(integer_in(1, 1024));
+  cmd.add_option("--kv-dtype", o.kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
+  cmd.add_option("--backends", o.backends, "Backends to time, comma separated")->delimiter(',');
+  cmd.add_option("--warmup", o.warmup, "Untimed calls first")->check(integer_in(0, 100000));
+  cmd.add_option("--iters", o.iters, "Timed calls")->check(integer_in(1, 100000));
+  cmd.add_option("--launch", o.launch,
+                  "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
+                  "GPU time); paced: the host launches each as it goes (its launch latency included)")
+      ->check(CLI::IsMember({"queued", "paced"}));
+  CLI::Option* check_requests =
+      cmd.add_option("--check-requests", o.check_requests,
+                      "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
+                      "0: none)")
+          ->check(integer_in(0, kIntMax));
+  cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->check(seed_in_range());
+  cmd.add_option("--json", o.json, "Also write the rows as JSON to this file");
+  return check_requests;
+}
+
+void check_bench_options(const BenchOptions& o, bool check_requests_given) {
+  check_backend_names(o.backends);
+  if (o.splits > 0 && o.op != "mla_decode" && o.op != "sparse_mla_decode") {
+    throw Error("bench", "--op", o.op, "mla_decode or sparse_mla_decode with --splits");
+  }
+  if (o.context_min > 0 && o.op != "mla_decode") {
+    throw Error("bench", "--op", o.op, "mla_decode with --context-min");
+  }
+  if (o.context_min > o.context) {
+    throw Error("bench", "--context-min", std::to_string(o.context_min),
+                "at most --context (" + std::to_string(o.context) + ")");
+  }
+  check_lengths(o);
+  if (check_requests_given && o.check_requests > o.batch) {
+    throw Error("bench", "--check-requests", std::to_string(o.check_requests),
+                "at most the batch, " + std::to_string(o.batch) + " (--batch)");
+  }
+  shard_from_flags("bench", o.model, o.tp);
+}
+
+std::string repro_line(const BenchOptions& o) {
+  std::ostringstream os;
+  os << "latentkv bench --op " << o.op << " --model " << o.model << " --tp " << o.tp;
+  if (o.heads > 0) os << " --heads " << o.heads;
+  os << " --batch " << o.batch << " --context " << o.context;
+  if (o.context_min > 0) os << " --context-min " << o.context_min;
+  os << " --pool " << o.pool;
+  if (o.op.ends_with("prefill")) os << " --new-tokens " << o.new_tokens;
+  else os << " --q-len " << o.q_len;
+  os << " --page-size " << o.page_size;
+  if (o.splits > 0) os << " --splits " << o.splits;
+  if (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill") os << " --topk " << o.topk;
+  os << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends) << " --iters " << o.iters << " --warmup "
+     << o.warmup << " --launch " << o.launch << " --seed " << o.seed;
+  if (o.check_requests != BenchOptions{}.check_requests) os << " --check-requests " << o.check_requests;
+  return os.str();
+}
+
+std::string format_report(const BenchOptions& o, const BenchReport& r) {
+  std::string out;
+  appendf(out, "device: %s\n", r.device.c_str());
+  appendf(out,
+          "ceilings (this run): read-only stream %.0f GB/s, device copy %.0f GB/s (read + write), 656-byte entries "
+          "at random slots %.0f GB/s\n",
+          r.read_gbps, r.copy_gbps, r.gather_gbps);
+  const bool graphs = r.timing == "CUDA graph replays";
+  appendf(out, "least call (this run): %.1f us, an empty one-CTA kernel as %s, queued behind a held GPU%s\n",
+          graphs ? r.empty_graph_us : r.empty_launch_us, graphs ? "a one-kernel graph" : "one launch",
+          o.launch == "paced" ? " (the calls below are paced by the host)" : ", as the calls below");
+  const bool prefill = o.op.ends_with("prefill");
+  const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
+  const std::string queries =
+      prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
+  const std::string context =
+      o.context_min > 0
+          ? std::to_string(o.context_min) + ".." + std::to_string(o.context) + " (each request's drawn uniformly)"
+          : std::to_string(o.context);
+  const std::string topk = sparse ? ", topk " + std::to_string(o.topk) : "";
+  appendf(out,
+          "shape: %s, %s tp %d, batch %d, context %s, %s%s, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
+          o.op.c_str(), o.model.c_str(), o.tp, o.batch, context.c_str(), queries.c_str(), topk.c_str(), o.page_size,
+          o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
+  if (!r.rotation_cold) {
+    appendf(out,
+            "warning: the pool holds %d rotation sets, too few for every timed call to find its inputs outside the "
+            "L2; a larger --pool gives more\n",
+            r.rotation_sets);
+  }
+  if (r.matrix_tflops > 0) {
+    appendf(out, "matrix rate (this run): %.0f TFLOP/s, %s\n", r.matrix_tflops, r.matrix_how.c_str());
+  }
+  appendf(out, "timing: %s, %s\n", r.timing.c_str(),
+          o.launch == "paced" ? "launched by the host as it goes"
+                              : "queued behind a held GPU, then run back to back (no host launch latency)");
+  appendf(out, "\n%-12s %10s %17s %9s %7s %7s %9s %9s  %-s\n", "backend", "median us", "p10..p90 us", "GB/s",
+          "% copy", "% read", "TFLOP/s", "vs cast", "check / kernel");
+  for (const BenchRow& row : r.rows) {
+    if (!row.timed) {
+      appendf(out, "%-12s %10s %17s %9s %7s %7s %9s %9s  %s\n", row.backend.c_str(), "-", "-", "-", "-", "-", "-",
+              "-", row.status.c_str());
+      continue;
+    }
+    std::string spread, tflops = "-", speed = "-";
+    appendf(spread, "%.1f..%.1f", row.p10_us, row.p90_us);
+    if (row.flops > 0) appendf(tflops = "", "%.1f", row.tflops);
+    if (row.speedup > 0) appendf(speed = "", "%.1fx", row.speedup);
+    appendf(out, "%-12s %10.1f %17s %9.0f %6.1f%% %6.1f%% %9s %9s  %s; %s, %d splits\n", row.backend.c_str(),
+            row.median_us, spread.c_str(), row.gbps, row.pct_of_copy, row.pct_of_read, tflops.c_str(), speed.c_str(),
+            row.status.c_str(), row.kernel.c_str(), row.num_splits);
+  }
+  for (const BenchRow& row : r.rows) {
+    if (row.timed && r.matrix_tflops > 0 && row.flops > 0) {
+      appendf(out, "%s: %.1f TFLOP/s is %.1f%% of the matrix rate above\n", row.backend.c_str(), row.tflops,
+              100.0 * row.tflops / r.matrix_tflops);
+    }
+  }
+  appendf(out,
+          "\nGB/s counts the bytes the op must read and write: each cache entry it attends to once per request "
+          "(a sparse op's selected ones), its inputs (q, index rows) and outputs (o, lse, logits, slots), not what "
+          "a layer's steps pass each other; %% copy is against the device copy above, %% read against the "
+          "read-only stream.\n");
+  appendf(out, "repro: %s\n", repro_line(o).c_str());
+  return out;
+}
+
+std::string report_json(const BenchOptions& o, const BenchReport& r) {
+  json j;
+  j["command"] = repro_line(o);
+  j["device"] = r.device;
+  j["read_gbps"] = r.read_gbps;
+  j["copy_gbps"] = r.copy_gbps;
+  j["gather_gbps"] = r.gather_gbps;
+  j["empty_launch_us"] = r.empty_launch_us;
+  j["empty_graph_us"] = r.empty_graph_us;
+  j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
+                {"batch", o.batch},   {"context", o.context},   {"context_min", o.context_min}, {"q_len", o.q_len},
+                {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
+                {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
+  j["rotation_sets"] = r.rotation_sets;
+  j["rotation_cold"] = r.rotation_cold;
+  j["timing"] = r.timing;
+  j["launch"] = o.launch;
+  if (r.matrix_tflops > 0) {
+    j["matrix_tflops"] = r.matrix_tflops;
+    j["matrix_how"] = r.matrix_how;
+  }
+  for (const BenchRow& row : r.rows) {
+    json x = {{"backend", row.backend}, {"kernel", row.kernel}, {"status", row.status},
+                        {"timed", row.timed},     {"num_splits", row.num_splits}, {"bytes", row.bytes},
+                        {"flops", row.flops}};
+    if (row.timed) {
+      // null where the table has "-": no FLOPs counted for the op, no cast_full row timed beside it
+      const auto known = [](double value, bool measured) { return measured ? json(value) : json(nullptr); };
+      x["median_us"] = row.median_us;
+      x["p10_us"] = row.p10_us;
+      x["p90_us"] = row.p90_us;
+      x["gbps"] = row.gbps;
+      x["pct_of_copy"] = row.pct_of_copy;
+      x["pct_of_read"] = row.pct_of_read;
+      x["tflops"] = known(row.tflops, row.flops > 0);
+      x["speedup_vs_cast_full"] = known(row.speedup, row.speedup > 0);
+    }
+    j["rows"].push_back(x);
+  }
+  return j.dump(2) + "\n";
+}
+
+}  // namespace latentkv::tools

@@ -1,0 +1,36 @@
+// tools/bench_cli.hpp - the command line of `latentkv bench` and what it prints: its options, the
+// checks made of them before a GPU is looked for, the side-by-side table, the JSON and the repro
+// line. Plain C++ (no CUDA), shared by the program and its unit tests (tests/cpu/bench_cli_test.cpp).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+#include "bench.hpp"
+
+namespace latentkv::tools {
+
+// Adds bench's options to `cmd`, each writing into `options` (which must outlive the parse), with
+// their bounds. Returns --check-requests, whose count() says whether it was given.
+CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& options);
+
+// What the command line can get wrong, checked before anything runs: throws latentkv::Error naming
+// the option, the value and what was expected. `check_requests_given`: --check-requests was typed
+// (its default adapts to the batch; a typed value must fit it).
+void check_bench_options(const BenchOptions& options, bool check_requests_given);
+
+// A `latentkv bench ...` line that runs the same measurement again: every option the op reads,
+// none it ignores, and no --json.
+std::string repro_line(const BenchOptions& options);
+
+// The report as printed: the device, the ceilings and least call of the run, the shape, one row per
+// backend (dashes and the reason for an untimed one), the share of the matrix rate where measured,
+// and the repro line.
+std::string format_report(const BenchOptions& options, const BenchReport& report);
+
+// The same report as JSON (pretty-printed, newline-terminated): the repro line as "command", the
+// ceilings, the shape, and per row its bytes and FLOPs, and its timing only when it was timed.
+std::string report_json(const BenchOptions& options, const BenchReport& report);
+
+}  // namespace latentkv::tools
