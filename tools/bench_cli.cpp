@@ -161,7 +161,11 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
           "shape: %s, %s tp %d, batch %d, context %s, %s%s, page %d, %s cache, pool %lld tokens, %d rotation sets\n",
           o.op.c_str(), o.model.c_str(), o.tp, o.batch, context.c_str(), queries.c_str(), topk.c_str(), o.page_size,
           o.kv_dtype.c_str(), static_cast<long long>(o.pool), r.rotation_sets);
-  if (!r.rotation_cold) {
+  if (!r.rotation_cold && prefill) {
+    appendf(out,
+            "note: every call reads the same requests (the prefill ops are timed on one set), and what a call moves "
+            "is less than twice the L2: some of its inputs come from the L2\n");
+  } else if (!r.rotation_cold) {
     appendf(out,
             "warning: the pool holds %d rotation sets, too few for every timed call to find its inputs outside the "
             "L2; a larger --pool gives more\n",

@@ -179,6 +179,16 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   EXPECT_THAT(line_of(topk, "cuda "), HasSubstr("       -     14.7x  pass"));
   EXPECT_THAT(topk, Not(HasSubstr("of the matrix rate")));
   EXPECT_THAT(topk, HasSubstr(", topk 512, "));
+
+  // The prefills are timed on one set of requests: no advice to enlarge the pool.
+  const std::string prefill = latentkv::tools::format_report(options_for("mla_prefill"), sample_report(2.0e9));
+  EXPECT_THAT(prefill, HasSubstr("note: every call reads the same requests"));
+  EXPECT_THAT(prefill, Not(HasSubstr("--pool gives more")));
+  EXPECT_THAT(prefill, HasSubstr(", new tokens 300, page 32"));
+  BenchReport cold = sample_report(2.0e9);
+  cold.rotation_cold = true;
+  EXPECT_THAT(latentkv::tools::format_report(options_for("mla_prefill"), cold), Not(HasSubstr("note: every call")));
+  EXPECT_THAT(latentkv::tools::format_report(o, cold), Not(HasSubstr("warning: ")));
 }
 
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {

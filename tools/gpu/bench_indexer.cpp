@@ -110,7 +110,7 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
   BenchContext ctx;
   cudaStream_t stream = ctx.stream;
   BenchReport& report = ctx.report;
-  report.rotation_sets = 1;  // compute-bound: one set of requests
+  report.rotation_sets = 1;  // compute-bound: one set of requests, read by every call (below)
   constexpr int kMatrixN = 8192;
   const MatrixRate matrix = measure_fp8_matrix_rate(kMatrixN, stream);
   report.matrix_tflops = matrix.tflops;
@@ -148,6 +148,7 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
   // Each request's keys read once, q, w and the slots written; the logits stay in the workspace.
   const double bytes = static_cast<double>(opt.batch) * opt.context * kIndexerTokenBytes + host_q.size() +
                        4.0 * host_w.size() + 4.0 * static_cast<double>(t_total) * opt.topk;
+  report.rotation_cold = bytes >= 2.0 * static_cast<double>(ctx.l2_bytes);  // else some of it stays in the L2
   const double flops = 2.0 * heads * 128.0 * pairs;
 
   // The reference's logits of the last two new tokens of request 0, each over what it sees.

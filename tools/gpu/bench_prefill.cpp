@@ -57,7 +57,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
   BenchContext ctx;
   cudaStream_t stream = ctx.stream;
   BenchReport& report = ctx.report;
-  report.rotation_sets = 1;  // compute-bound: one set of requests
+  report.rotation_sets = 1;  // compute-bound: one set of requests, read by every call (below)
 
   const DevicePool pool(opt.pool, opt.page_size, dtype, false, opt.seed, stream);
   const RequestSets sets = make_request_sets(pool, 1, opt.batch, opt.context, opt.seed);
@@ -120,6 +120,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
                                 : static_cast<double>(opt.context) * opt.batch;
   const double bytes = entries * token_bytes + 2.0 * q_elems + 4.0 * static_cast<double>(host_indices.size()) +
                        2.0 * o_elems + 4.0 * lse_elems;
+  report.rotation_cold = bytes >= 2.0 * static_cast<double>(ctx.l2_bytes);  // else some of it stays in the L2
   const double flops = 2.0 * heads * (576 + 512) * attended;
 
   // The reference for the last two new tokens of request 0, from a host copy of the pool.
@@ -208,7 +209,7 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
   cudaStream_t stream = ctx.stream;
   const DeviceInfo& device = ctx.device;
   BenchReport& report = ctx.report;
-  report.rotation_sets = 1;  // compute-bound: one set of requests
+  report.rotation_sets = 1;  // compute-bound: one set of requests, read by every call (below)
 
   const DevicePool pool(opt.pool, opt.page_size, dtype, true, opt.seed, stream);
   const RequestSets sets = make_request_sets(pool, 1, opt.batch, opt.context, opt.seed);
@@ -260,6 +261,7 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
   const double bytes = static_cast<double>(opt.batch) * opt.context * kIndexerTokenBytes +
                        selected_entries * static_cast<double>(kv_token_bytes(dtype)) + 2.0 * q_elems +
                        static_cast<double>(host_qi.size()) + 4.0 * host_w.size() + 2.0 * o_elems + 4.0 * lse_elems;
+  report.rotation_cold = bytes >= 2.0 * static_cast<double>(ctx.l2_bytes);  // else some of it stays in the L2
   const double flops = 2.0 * hi * 128.0 * pairs + 2.0 * heads * (576 + 512) * attended;
 
   // Host copies for the reference: both caches, request 0's table, the checked tokens' queries.
