@@ -58,43 +58,53 @@ void check_lengths(const BenchOptions& o) {
 
 CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--op", o.op, "Operation to time")
+      ->capture_default_str()
       ->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode", "mla_prefill",
                              "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}));
-  cmd.add_option("--model", o.model, "Model preset (glm5, deepseek-v3.2)");
-  cmd.add_option("--tp", o.tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
-  cmd.add_option("--heads", o.heads, "Query heads per GPU (overrides model / tp)")->check(integer_in(1, 128));
-  cmd.add_option("--batch", o.batch, "Requests")->check(integer_in(1, 4096));
-  cmd.add_option("--context", o.context, "Tokens per request")->check(integer_in(1, kIntMax));
+  cmd.add_option("--model", o.model, "Model preset (glm5, deepseek-v3.2)")->capture_default_str();
+  cmd.add_option("--tp", o.tp, "Tensor parallelism (divides the heads)")
+      ->capture_default_str()
+      ->check(integer_in(1, kIntMax));
+  cmd.add_option("--heads", o.heads, "Query heads per GPU (default: the model's over --tp)")
+      ->check(integer_in(1, 128));
+  cmd.add_option("--batch", o.batch, "Requests")->capture_default_str()->check(integer_in(1, 4096));
+  cmd.add_option("--context", o.context, "Tokens per request")->capture_default_str()->check(integer_in(1, kIntMax));
   cmd.add_option("--context-min", o.context_min,
-                  "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
+                 "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
       ->check(integer_in(1, kIntMax));
   cmd.add_option("--pool", o.pool,
-                  "Tokens in the cache pool; the timed calls rotate over as many sets of requests as it holds, "
-                  "and the bench warns when that is too few to keep their inputs out of the L2")
+                 "Tokens in the cache pool; the timed calls rotate over as many sets of requests as it holds, "
+                 "and the bench warns when that is too few to keep their inputs out of the L2")
+      ->capture_default_str()
       ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
-  cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4)")->check(integer_in(1, 4));
+  cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4)")->capture_default_str()->check(integer_in(1, 4));
   cmd.add_option("--new-tokens", o.new_tokens, "New tokens per request (prefill ops)")
+      ->capture_default_str()
       ->check(integer_in(1, kIntMax));
-  cmd.add_option("--page-size", o.page_size, "Tokens per page")->check(integer_in(1, kIntMax));
+  cmd.add_option("--page-size", o.page_size, "Tokens per page")->capture_default_str()->check(integer_in(1, kIntMax));
   cmd.add_option("--topk", o.topk, "Selected tokens per query (sparse ops, topk, dsa_decode)")
+      ->capture_default_str()
       ->check(integer_in(1, 2048));
   cmd.add_option("--splits", o.splits,
-                  "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
+                 "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
       ->check(integer_in(1, 1024));
-  cmd.add_option("--kv-dtype", o.kv_dtype, "Cache dtype")->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
-  cmd.add_option("--backends", o.backends, "Backends to time, comma separated")->delimiter(',');
-  cmd.add_option("--warmup", o.warmup, "Untimed calls first")->check(integer_in(0, 100000));
-  cmd.add_option("--iters", o.iters, "Timed calls")->check(integer_in(1, 100000));
+  cmd.add_option("--kv-dtype", o.kv_dtype, "Cache dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
+  cmd.add_option("--backends", o.backends, "Backends to time, comma separated")->capture_default_str()->delimiter(',');
+  cmd.add_option("--warmup", o.warmup, "Untimed calls first")->capture_default_str()->check(integer_in(0, 100000));
+  cmd.add_option("--iters", o.iters, "Timed calls")->capture_default_str()->check(integer_in(1, 100000));
   cmd.add_option("--launch", o.launch,
-                  "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
-                  "GPU time); paced: the host launches each as it goes (its launch latency included)")
+                 "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
+                 "GPU time); paced: the host launches each as it goes (its launch latency included)")
+      ->capture_default_str()
       ->check(CLI::IsMember({"queued", "paced"}));
   CLI::Option* check_requests =
       cmd.add_option("--check-requests", o.check_requests,
-                      "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
-                      "0: none)")
+                     "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
+                     "0: none)")
           ->check(integer_in(0, kIntMax));
-  cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->check(seed_in_range());
+  cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->capture_default_str()->check(seed_in_range());
   cmd.add_option("--json", o.json, "Also write the rows as JSON to this file");
   return check_requests;
 }

@@ -192,6 +192,7 @@ void run_demo(const DemoOptions& o) {
 void add_demo_command(CLI::App& app) {
   auto opt = std::make_shared<DemoOptions>();
   CLI::App* cmd = app.add_subcommand("demo", "One layer's DSA decode on the CPU reference, step by step");
+  cmd->option_defaults()->always_capture_default();  // the help shows each option's default
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
   cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 64));

@@ -475,8 +475,9 @@ void add_step_command(CLI::App& app) {
   auto opt = std::make_shared<StepOptions>();
   CLI::App* cmd = app.add_subcommand(
       "step", "One decode step of a whole model's attention, strategies side by side, with the gap to the floors");
-  cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
-  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
+  cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)")->capture_default_str();
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")
+      ->capture_default_str()->check(integer_in(1, kIntMax));
   cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(integer_in(1, 4096));
   cmd->add_option("--context", opt->context, "Tokens per request, new ones included (default 32768; 3000 on the CPU)")
       ->check(integer_in(1, kIntMax));
@@ -484,8 +485,10 @@ void add_step_command(CLI::App& app) {
                   "Cache slots per layer, at least the batch's pages, rounded up to whole pages (default 495000, or "
                   "what the batch needs with 1/8 to spare; on the CPU twice the batch's pages)")
       ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
-  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")->check(integer_in(1, kMaxDecodeQLen));
-  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
+  cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")
+      ->capture_default_str()->check(integer_in(1, kMaxDecodeQLen));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")
+      ->capture_default_str()->check(integer_in(1, kIntMax));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
       ->check(integer_in(1, kIntMax));
   cmd->add_option("--strategies", opt->strategies,
