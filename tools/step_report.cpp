@@ -170,6 +170,20 @@ OpWork op_work(StepOp op, std::string_view decode_backend, const StepShape& s) {
   return w;
 }
 
+double step_floor_bytes(const StepShape& shape) {
+  double bytes = 0;
+  for (const StepOp op : step_ops(shape.dense_is_exact())) bytes += op_work(op, "cuda", shape).floor_bytes;
+  return bytes * shape.layers;
+}
+
+std::string l2_residency_note(const StepShape& shape, double l2_bytes) {
+  const double moved = step_floor_bytes(shape);
+  if (l2_bytes <= 0 || moved >= 2 * l2_bytes) return "";
+  return "one step moves " + human_bytes(moved) + ", less than twice the L2 (" + human_bytes(l2_bytes) +
+         "): the timed replays find part of their inputs there, and the figures read high; more --layers, "
+         "--batch or --context move more";
+}
+
 double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops, double launches_us) {
   double us = std::max(launches_us, 0.0);
   if (copy_gbps > 0) us = std::max(us, work.floor_bytes / (copy_gbps * 1e3));

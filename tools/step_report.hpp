@@ -107,6 +107,13 @@ struct StepReport {
 // least); a ceiling of 0 is left out, and with all left out there is no floor (0).
 double floor_us(const OpWork& work, double copy_gbps, double matrix_tflops, double launches_us = 0);
 
+// What one step's FP8-native ops must move in all its layers (the model's path: dense where it is
+// exact, else sparse), and a note for the report when that is less than twice `l2_bytes` (the
+// replays after the first then find part of their inputs in the L2, and the figures read high);
+// "" when it is not, or the L2's size is unknown (0).
+double step_floor_bytes(const StepShape& shape);
+std::string l2_residency_note(const StepShape& shape, double l2_bytes);
+
 // Fills every derived field from the shape, the ceilings and the measured times.
 void analyze_step(StepReport& report);
 

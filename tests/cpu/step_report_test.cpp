@@ -112,6 +112,25 @@ TEST(StepWork, IndexerTopkAndAppend) {
   EXPECT_DOUBLE_EQ(op_work(StepOp::kAppend, "cuda", s).bytes, 4 * (1152 + 256 + 4 + 656 + 132.0));
 }
 
+TEST(StepWork, AStepSmallerThanTwiceTheL2IsSaidToReadPartlyFromIt) {
+  StepShape s = glm5_b1_32k();
+  const double per_layer = op_work(StepOp::kAppend, "cuda", s).floor_bytes +
+                           op_work(StepOp::kIndexerLogits, "cuda", s).floor_bytes +
+                           op_work(StepOp::kTopk, "cuda", s).floor_bytes +
+                           op_work(StepOp::kSparseDecode, "cuda", s).floor_bytes;
+  EXPECT_DOUBLE_EQ(step_floor_bytes(s), 78 * per_layer);
+  const double l2 = 60e6;
+  EXPECT_EQ(l2_residency_note(s, l2), "");  // 78 layers: about 450 MB
+  s.layers = 1;                             // about 6 MB
+  const std::string note = l2_residency_note(s, l2);
+  EXPECT_NE(note.find("one step moves 5.97 MB, less than twice the L2 (60 MB)"), std::string::npos) << note;
+  EXPECT_EQ(l2_residency_note(s, 0), "");  // the L2's size unknown
+  s.context = 1000;                         // the model's rule: dense decode, every token read
+  s.layers = 2;
+  EXPECT_DOUBLE_EQ(step_floor_bytes(s), 2 * (op_work(StepOp::kAppend, "cuda", s).floor_bytes +
+                                             op_work(StepOp::kDenseDecode, "cuda", s).floor_bytes));
+}
+
 TEST(StepWork, FloorIsTheSlowerOfBandwidthAndCompute) {
   const OpWork memory{4e6, 4e6, 1e6};                  // 4 MB, 1 MFLOP
   const OpWork compute{1e3, 1e3, 1e12};                // 1 TFLOP

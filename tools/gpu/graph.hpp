@@ -12,8 +12,8 @@ namespace latentkv::tools::gpu {
 
 class Graph {
  public:
-  // Captures everything `record` enqueues on `stream` (which must be idle), then instantiates it.
-  // Nothing runs yet. If `record` throws, the capture is ended and discarded and the error passes on.
+  // Captures everything `record` enqueues on `stream` (which must be idle), then instantiates it and
+  // uploads it on `stream`. Nothing runs yet. If `record` throws, the capture is ended and discarded and the error passes on.
   Graph(cudaStream_t stream, const std::function<void()>& record) {
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin graph capture");
     try {
@@ -25,10 +25,17 @@ class Graph {
       cudaGetLastError();  // the capture was invalidated; clear the sticky error for later calls
       throw;
     }
-    cuda_ok(cudaStreamEndCapture(stream, &graph_), "end graph capture (an op synchronized or allocated inside it?)");
+    cuda_ok(cudaStreamEndCapture(stream, &graph_),
+            "end graph capture (an op synchronized or allocated inside it?)");
     if (const cudaError_t e = cudaGraphInstantiate(&exec_, graph_, 0); e != cudaSuccess) {
       cudaGraphDestroy(graph_);  // the destructor does not run for a constructor that throws
       cuda_ok(e, "instantiate graph");
+    }
+    // Uploaded now, so that its first launch (which would upload it) is not a timed one.
+    if (const cudaError_t e = cudaGraphUpload(exec_, stream); e != cudaSuccess) {
+      cudaGraphExecDestroy(exec_);
+      cudaGraphDestroy(graph_);
+      cuda_ok(e, "upload graph");
     }
   }
   Graph(const Graph&) = delete;

@@ -106,7 +106,8 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   t.queued = queued;
   if (us.empty()) return t;
   auto at = [&](double q) { return us[static_cast<std::size_t>(q * static_cast<double>(us.size() - 1) + 0.5)]; };
-  t.median_us = at(0.5);
+  const std::size_t half = us.size() / 2;
+  t.median_us = us.size() % 2 == 1 ? us[half] : 0.5 * (us[half - 1] + us[half]);
   t.p10_us = at(0.1);
   t.p90_us = at(0.9);
   t.min_us = us.front();
@@ -165,7 +166,11 @@ Timing time_graphs(const std::function<void(int)>& call, int variants, int warmu
     cudaGraphDestroy(graph);
     cuda_ok(status, "graph instantiate");
     execs.push_back(exec);
+    // Uploaded now: a graph's first launch otherwise uploads it in stream order, and the variants
+    // past the warm-up would first launch inside a timed call.
+    cuda_ok(cudaGraphUpload(exec, stream), "graph upload");
   }
+  cuda_ok(cudaStreamSynchronize(stream), "graph upload");
   return time_calls(
       [&](int i) { cuda_ok(cudaGraphLaunch(execs[static_cast<std::size_t>(i % variants)], stream), "graph launch"); },
       warmup, iters, stream, launch);

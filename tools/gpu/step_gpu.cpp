@@ -572,6 +572,14 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
   for (std::size_t i = 0; i < result.ops.size(); ++i) {
     setup.progress.update(what + "timing each op alone", static_cast<int>(i + 1), static_cast<int>(result.ops.size()));
     const StepOp op = result.ops[i].op;
+    // Alone, the top-k runs another path (it clears its own row state): its slots are checked
+    // after its timed replays, from sentinels.
+    const bool check_alone = op == StepOp::kTopk && setup.job.check_requests > 0;
+    const int last = s.layers - 1;
+    if (check_alone) {
+      const TensorView& slots = ops.steps(last).topk.slots;
+      cuda_ok(cudaMemsetAsync(slots.data, kSlotsSentinel, slots.numel() * 4, stream), "sentinel slots");
+    }
     int launches = 0;
     const Timing t = time_graphs(
         [&](int) {
@@ -583,6 +591,20 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
     result.ops[i].p10_us = t.p10_us;
     result.ops[i].p90_us = t.p90_us;
     if (!t.queued) paced += (paced.empty() ? "" : ", ") + std::string(step_op_name(op));
+    if (check_alone) {
+      const DsaSteps& st = ops.steps(last);
+      const std::int64_t max_len = std::int64_t{setup.tables.max_pages} * s.page_size;
+      const std::size_t rows = static_cast<std::size_t>(setup.checked.checked) * s.q_len;
+      const std::vector<float> logits =
+          download<float>(st.indexer.logits.data, rows * static_cast<std::size_t>(max_len));
+      const std::vector<std::int32_t> slots = download<std::int32_t>(st.topk.slots.data, rows * s.topk);
+      const std::string why = topk_problem(logits, slots, s, setup.tables, setup.checked.checked, max_len);
+      if (!why.empty()) {
+        result.timed = false;
+        result.status = "FAIL: the top-k timed alone, layer " + std::to_string(last) + " " + why;
+        return;
+      }
+    }
   }
   result.status += "; " + std::to_string(ops.num_splits()) + " decode splits";
   if (!paced.empty()) result.status += "; partly paced by the host (the hold timed out): " + paced;
@@ -616,6 +638,9 @@ StepReport run_step_gpu(const StepRun& job) {
   report.warmup = job.warmup;
   report.iters = job.iters;
   report.seed = job.seed;
+  if (const std::string note = l2_residency_note(s, static_cast<double>(ctx.l2_bytes)); !note.empty()) {
+    report.notes.push_back(note);
+  }
 
   // Backends, kernels and workspaces from shapes alone, then the memory check, before any cache.
   const StepTables tables = make_step_tables(s, job.seed);
@@ -693,6 +718,10 @@ StepReport run_step_gpu(const StepRun& job) {
     } catch (const std::exception& e) {  // an op rejected its arguments, or CUDA failed: the others still run
       result.timed = false;
       result.status = std::string("FAIL: ") + e.what();
+      // A failed runtime call leaves its error for the next cudaGetLastError(), which the next
+      // strategy's launch checks would report as their own: cleared here. (An error the context
+      // keeps fails every later call anyway, under its own name.)
+      cudaGetLastError();
     }
     strategies[k].reset();  // its workspace and graphs: the next strategy gets the memory
     report.strategies.push_back(std::move(result));
