@@ -30,13 +30,13 @@ void add_bench_command(CLI::App& app) {
                     "`latentkv step --device cpu` and `latentkv demo` run the CPU reference");
       }
     });
-    const BenchReport report = opt->op == "indexer_logits"      ? run_indexer_bench(*opt)
-                               : opt->op == "indexer_prefill"   ? run_indexer_prefill_bench(*opt)
-                               : opt->op == "dsa_prefill"       ? run_dsa_prefill_bench(*opt)
-                               : opt->op == "topk"              ? run_topk_bench(*opt)
-                               : opt->op == "dsa_decode"        ? run_dsa_bench(*opt)
-                               : opt->op.ends_with("prefill")   ? run_prefill_bench(*opt)
-                                                                : run_decode_bench(*opt);
+    const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)
+                               : opt->op == "indexer_prefill" ? run_indexer_prefill_bench(*opt)
+                               : opt->op == "dsa_prefill"     ? run_dsa_prefill_bench(*opt)
+                               : opt->op == "topk"            ? run_topk_bench(*opt)
+                               : opt->op == "dsa_decode"      ? run_dsa_bench(*opt)
+                               : opt->op.ends_with("prefill") ? run_prefill_bench(*opt)
+                                                              : run_decode_bench(*opt);
     std::fputs(format_report(*opt, report).c_str(), stdout);
     if (!opt->json.empty()) write_output_file("bench", "--json", opt->json, report_json(*opt, report));
     for (const BenchRow& row : report.rows) {

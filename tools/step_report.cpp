@@ -26,17 +26,23 @@ struct Counts {
   double cached = 0;    // every request's tokens once: batch x context
   double visible = 0;   // tokens seen, summed over rows
   double selected = 0;  // tokens attended by the sparse decode, summed over rows: min(visible, topk)
+  // Entries the sparse decode must read: each request's selected ones once. The top-k picks them on
+  // the GPU, so this is the most there can be: its rows' selections, up to its tokens.
+  double selected_entries = 0;
 };
 
 Counts counts_of(const StepShape& s) {
   Counts c;
   c.rows = static_cast<double>(s.batch) * s.q_len;
   c.cached = static_cast<double>(s.batch) * static_cast<double>(s.context);
+  double request_selected = 0;
   for (int i = 0; i < s.q_len; ++i) {
     const double v = static_cast<double>(std::max<std::int64_t>(s.visible(i), 0));
     c.visible += s.batch * v;
-    c.selected += s.batch * std::min<double>(v, s.topk);
+    request_selected += std::min<double>(v, s.topk);
   }
+  c.selected = s.batch * request_selected;
+  c.selected_entries = s.batch * std::min(request_selected, static_cast<double>(std::max<std::int64_t>(s.context, 0)));
   return c;
 }
 
@@ -147,7 +153,7 @@ OpWork op_work(StepOp op, std::string_view decode_backend, const StepShape& s) {
       w.bytes = 4.0 * c.visible + index_rows;
       break;
     case StepOp::kSparseDecode:
-      w.floor_bytes = kFp8Token * c.selected + q_o_lse + index_rows;
+      w.floor_bytes = kFp8Token * c.selected_entries + q_o_lse + index_rows;
       w.flops = 2.0 * heads * (kQkDim + kVDim) * c.selected;
       if (decode_backend == "cast_full") {  // the whole pool cast to bf16, then the bf16 decode
         w.bytes = pool * (kFp8Token + kBf16Token) + kBf16Token * c.selected + q_o_lse + index_rows;

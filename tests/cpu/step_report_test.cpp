@@ -59,6 +59,18 @@ TEST(StepWork, SparseDecodeMovesTheSelectedTokensOnce) {
   EXPECT_DOUBLE_EQ(w.bytes, 2048 * 656.0 + q_o_lse(s) + 2048 * 4.0);
   EXPECT_DOUBLE_EQ(w.floor_bytes, w.bytes);
   EXPECT_DOUBLE_EQ(w.flops, 2.0 * 8 * (576 + 512) * 2048);
+  // Four rows of a 3000-token request select 4 x 2048 slots among its 3000 entries: each entry is
+  // read once, at most, and every selection is attended.
+  StepShape four = glm5_b1_32k();
+  four.batch = 2;
+  four.context = 3000;
+  four.q_len = 4;
+  const OpWork rows = op_work(StepOp::kSparseDecode, "cuda", four);
+  EXPECT_DOUBLE_EQ(rows.floor_bytes, 2 * (3000 * 656.0 + 4 * q_o_lse(four) + 4 * 2048 * 4.0));
+  EXPECT_DOUBLE_EQ(rows.flops, 2 * 4 * 2.0 * 8 * (576 + 512) * 2048);
+  // gather_cast moves each row's selection.
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kSparseDecode, "gather_cast", four).bytes,
+                   2 * (4 * 2048 * (656.0 + 2 * 1152) + 4 * q_o_lse(four) + 4 * 2048 * 4.0));
 }
 
 TEST(StepWork, TheCastBaselinesMoveMoreButShareTheFloor) {

@@ -13,7 +13,8 @@ namespace latentkv::tools::gpu {
 class Graph {
  public:
   // Captures everything `record` enqueues on `stream` (which must be idle), then instantiates it and
-  // uploads it on `stream`. Nothing runs yet. If `record` throws, the capture is ended and discarded and the error passes on.
+  // uploads it on `stream`. Nothing runs yet. If `record` throws, the capture is ended and discarded
+  // and the error passes on.
   Graph(cudaStream_t stream, const std::function<void()>& record) {
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin graph capture");
     try {

@@ -579,6 +579,7 @@ void run_strategy(StrategyResult& result, StrategyOps& ops, const StepSetup& set
     if (check_alone) {
       const TensorView& slots = ops.steps(last).topk.slots;
       cuda_ok(cudaMemsetAsync(slots.data, kSlotsSentinel, slots.numel() * 4, stream), "sentinel slots");
+      cuda_ok(cudaStreamSynchronize(stream), "sentinel slots");  // the stream idle before the capture
     }
     int launches = 0;
     const Timing t = time_graphs(
