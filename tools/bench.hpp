@@ -60,8 +60,11 @@ struct BenchReport {
   std::string device;
   double read_gbps = 0, copy_gbps = 0, gather_gbps = 0;
   double empty_launch_us = 0, empty_graph_us = 0;  // an empty kernel timed as the calls are (measure.hpp)
-  int rotation_sets = 0;
-  bool rotation_cold = true;  // false: the pool held too few sets for every timed call to miss L2 (pool.hpp)
+  int rotation_sets = 0;  // the sets of inputs the timed calls rotate over
+  int request_sets = 0;   // the sets of requests they draw on, when fewer (sparse decode); 0: one each
+  // false: some timed calls may find their inputs in the L2 (the pool held too few sets, or a
+  // prefill's one set moves less than twice the L2; pool.hpp)
+  bool rotation_cold = true;
   std::string timing = "stream launches";  // or "CUDA graph replays"
   double matrix_tflops = 0;                 // the matrix rate measured in the run, when the op needs it
   std::string matrix_how;

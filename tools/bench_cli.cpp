@@ -175,6 +175,11 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
     appendf(out,
             "note: every call reads the same requests (the prefill ops are timed on one set), and what a call moves "
             "is less than twice the L2: some of its inputs come from the L2\n");
+  } else if (!r.rotation_cold && r.request_sets > 0) {
+    appendf(out,
+            "warning: the pool holds %d set(s) of requests for the %d rotation sets of index rows, too few for every "
+            "timed call to find its inputs outside the L2; a larger --pool gives more\n",
+            r.request_sets, r.rotation_sets);
   } else if (!r.rotation_cold) {
     appendf(out,
             "warning: the pool holds %d rotation sets, too few for every timed call to find its inputs outside the "
@@ -232,6 +237,7 @@ std::string report_json(const BenchOptions& o, const BenchReport& r) {
                 {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
                 {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
+  j["request_sets"] = r.request_sets > 0 ? r.request_sets : r.rotation_sets;
   j["rotation_cold"] = r.rotation_cold;
   j["timing"] = r.timing;
   j["launch"] = o.launch;

@@ -20,8 +20,9 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& options);
 // (its default adapts to the batch; a typed value must fit it).
 void check_bench_options(const BenchOptions& options, bool check_requests_given);
 
-// A `latentkv bench ...` line that runs the same measurement again: every option the op reads,
-// none it ignores, and no --json.
+// A `latentkv bench ...` line that runs the same measurement again: the options the op reads
+// (--q-len or --new-tokens, --topk and --splits only for the ops that take them; --heads,
+// --context-min and --check-requests only when given), and no --json.
 std::string repro_line(const BenchOptions& options);
 
 // The report as printed: the device, the ceilings and least call of the run, the shape, one row per

@@ -14,6 +14,7 @@
 #include "latentkv/error.hpp"
 #include "cli_checks.hpp"
 #include "latentkv/model.hpp"
+#include "spread.hpp"
 #include "step.hpp"
 
 namespace latentkv::tools {
@@ -23,23 +24,6 @@ using Clock = std::chrono::steady_clock;
 
 double micros_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-}
-
-// Median and p10/p90 of samples, picked as the GPU timing picks them.
-struct Spread {
-  double median = 0, p10 = 0, p90 = 0;
-};
-Spread spread_of(std::vector<double> samples) {
-  std::sort(samples.begin(), samples.end());
-  Spread s;
-  if (samples.empty()) return s;
-  auto at = [&](double q) {
-    return samples[static_cast<std::size_t>(q * static_cast<double>(samples.size() - 1) + 0.5)];
-  };
-  s.median = at(0.5);
-  s.p10 = at(0.1);
-  s.p90 = at(0.9);
-  return s;
 }
 
 // One layer's caches and inputs in host memory.

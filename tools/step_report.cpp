@@ -27,7 +27,8 @@ struct Counts {
   double visible = 0;   // tokens seen, summed over rows
   double selected = 0;  // tokens attended by the sparse decode, summed over rows: min(visible, topk)
   // Entries the sparse decode must read: each request's selected ones once. The top-k picks them on
-  // the GPU, so this is the most there can be: its rows' selections, up to its tokens.
+  // the GPU, so this is the least there can be: its largest row's selection (its rows' selections
+  // overlap, the more the closer its new tokens; at q_len 1 the count is exact).
   double selected_entries = 0;
 };
 
@@ -35,14 +36,14 @@ Counts counts_of(const StepShape& s) {
   Counts c;
   c.rows = static_cast<double>(s.batch) * s.q_len;
   c.cached = static_cast<double>(s.batch) * static_cast<double>(s.context);
-  double request_selected = 0;
+  double largest_row = 0;
   for (int i = 0; i < s.q_len; ++i) {
     const double v = static_cast<double>(std::max<std::int64_t>(s.visible(i), 0));
     c.visible += s.batch * v;
-    request_selected += std::min<double>(v, s.topk);
+    c.selected += s.batch * std::min<double>(v, s.topk);
+    largest_row = std::max(largest_row, std::min<double>(v, s.topk));
   }
-  c.selected = s.batch * request_selected;
-  c.selected_entries = s.batch * std::min(request_selected, static_cast<double>(std::max<std::int64_t>(s.context, 0)));
+  c.selected_entries = s.batch * largest_row;
   return c;
 }
 
@@ -185,8 +186,9 @@ double step_floor_bytes(const StepShape& shape) {
 std::string l2_residency_note(const StepShape& shape, double l2_bytes) {
   const double moved = step_floor_bytes(shape);
   if (l2_bytes <= 0 || moved >= 2 * l2_bytes) return "";
-  return "one step moves " + human_bytes(moved) + ", less than twice the L2 (" + human_bytes(l2_bytes) +
-         "): the timed replays find part of their inputs there, and the figures read high; more --layers, "
+  return "an FP8-native step moves " + human_bytes(moved) + ", less than twice the L2 (" +
+         human_bytes(l2_bytes) +
+         "): its timed replays find part of their inputs there, and its figures read high; more --layers, "
          "--batch or --context move more";
 }
 

@@ -1,7 +1,8 @@
 // `latentkv bench`'s command line and what it prints, without a GPU (tools/bench_cli.hpp): the repro
 // line parses back to the options it was made from, the table shows figures only for timed rows and
 // "-" for what was not measured, and the JSON carries the same with nulls. Also the count of cache
-// entries a sparse row credits its op with (tools/bench_work.hpp).
+// entries a sparse row credits its op with (tools/bench_work.hpp), and the median and spread every
+// timing reports (tools/spread.hpp).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 
 #include "bench_cli.hpp"
 #include "bench_work.hpp"
+#include "spread.hpp"
 
 namespace {
 
@@ -189,6 +191,14 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   cold.rotation_cold = true;
   EXPECT_THAT(latentkv::tools::format_report(options_for("mla_prefill"), cold), Not(HasSubstr("note: every call")));
   EXPECT_THAT(latentkv::tools::format_report(o, cold), Not(HasSubstr("warning: ")));
+
+  // Sparse decodes rotate index rows over fewer sets of requests: the warning counts both.
+  BenchReport shared = sample_report(2.0e9);
+  shared.rotation_sets = 75;
+  shared.request_sets = 1;
+  EXPECT_THAT(latentkv::tools::format_report(options_for("sparse_mla_decode"), shared),
+              HasSubstr("warning: the pool holds 1 set(s) of requests for the 75 rotation sets of index rows"));
+  EXPECT_EQ(nlohmann::json::parse(latentkv::tools::report_json(o, shared)).at("request_sets"), 1);
 }
 
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
@@ -213,6 +223,21 @@ TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
   }
   const nlohmann::json flops = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(2.0e9)));
   EXPECT_DOUBLE_EQ(flops.at("rows")[0].at("tflops").get<double>(), 20.0);
+}
+
+TEST(Spread, MedianOfAnEvenCountIsTheMeanOfTheMiddleTwo) {
+  using latentkv::tools::spread_of;
+  EXPECT_EQ(spread_of({}).median, 0);
+  EXPECT_EQ(spread_of({7}).median, 7);
+  EXPECT_EQ(spread_of({4, 2}).median, 3);
+  EXPECT_EQ(spread_of({5, 1, 3}).median, 3);
+  std::vector<double> twenty(20);
+  for (int i = 0; i < 20; ++i) twenty[static_cast<std::size_t>(i)] = 20 - i;  // 20 .. 1
+  const latentkv::tools::Spread s = spread_of(twenty);
+  EXPECT_EQ(s.median, 10.5);
+  EXPECT_EQ(s.p10, 3);   // the nearest rank: sample 0.1 x 19 = 1.9 -> 2 of 0 .. 19
+  EXPECT_EQ(s.p90, 18);  // 17.1 -> 17
+  EXPECT_EQ(s.min, 1);
 }
 
 TEST(BenchWork, SelectedEntriesCountOncePerRequestWithoutPadding) {

@@ -59,14 +59,19 @@ TEST(StepWork, SparseDecodeMovesTheSelectedTokensOnce) {
   EXPECT_DOUBLE_EQ(w.bytes, 2048 * 656.0 + q_o_lse(s) + 2048 * 4.0);
   EXPECT_DOUBLE_EQ(w.floor_bytes, w.bytes);
   EXPECT_DOUBLE_EQ(w.flops, 2.0 * 8 * (576 + 512) * 2048);
-  // Four rows of a 3000-token request select 4 x 2048 slots among its 3000 entries: each entry is
-  // read once, at most, and every selection is attended.
+  // Four rows of a request each select 2048 of its entries: the floor reads at least the largest
+  // row's selection once (the rows overlap; the top-k picks them on the GPU), and every selection
+  // is attended.
   StepShape four = glm5_b1_32k();
   four.batch = 2;
   four.context = 3000;
   four.q_len = 4;
   const OpWork rows = op_work(StepOp::kSparseDecode, "cuda", four);
-  EXPECT_DOUBLE_EQ(rows.floor_bytes, 2 * (3000 * 656.0 + 4 * q_o_lse(four) + 4 * 2048 * 4.0));
+  EXPECT_DOUBLE_EQ(rows.floor_bytes, 2 * (2048 * 656.0 + 4 * q_o_lse(four) + 4 * 2048 * 4.0));
+  four.context = 1000;  // short rows: the last one sees 1000 tokens
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kSparseDecode, "cuda", four).floor_bytes,
+                   2 * (1000 * 656.0 + 4 * q_o_lse(four) + 4 * 2048 * 4.0));
+  four.context = 3000;
   EXPECT_DOUBLE_EQ(rows.flops, 2 * 4 * 2.0 * 8 * (576 + 512) * 2048);
   // gather_cast moves each row's selection.
   EXPECT_DOUBLE_EQ(op_work(StepOp::kSparseDecode, "gather_cast", four).bytes,
@@ -135,7 +140,7 @@ TEST(StepWork, AStepSmallerThanTwiceTheL2IsSaidToReadPartlyFromIt) {
   EXPECT_EQ(l2_residency_note(s, l2), "");  // 78 layers: about 450 MB
   s.layers = 1;                             // about 6 MB
   const std::string note = l2_residency_note(s, l2);
-  EXPECT_NE(note.find("one step moves 5.97 MB, less than twice the L2 (60 MB)"), std::string::npos) << note;
+  EXPECT_NE(note.find("an FP8-native step moves 5.97 MB, less than twice the L2 (60 MB)"), std::string::npos) << note;
   EXPECT_EQ(l2_residency_note(s, 0), "");  // the L2's size unknown
   s.context = 1000;                         // the model's rule: dense decode, every token read
   s.layers = 2;

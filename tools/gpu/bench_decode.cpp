@@ -130,6 +130,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
   const double shared_bytes = static_cast<double>(std::min(sets.sets, variants)) * cached * token_bytes;
   report.rotation_cold = rotation.cold && (sets.sets == variants || (8 * opt.topk <= opt.context &&
                                                                       shared_bytes >= 2.0 * ctx.l2_bytes));
+  if (sets.sets < variants) report.request_sets = sets.sets;
 
   // Queries, outputs (and index rows), one set per rotation.
   const std::size_t q_elems = static_cast<std::size_t>(opt.batch) * opt.q_len * heads * 576;

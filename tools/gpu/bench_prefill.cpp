@@ -254,10 +254,10 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
   pairs *= opt.batch;
   attended *= opt.batch;
   // Each request's indexer keys once; of its main cache entries, those the new tokens select, each
-  // once: the selection is made on the GPU, so this counts the most that can be, every selection
-  // (attended / B) up to every cached token; q, q_idx, w, o and lse. The logits and the slots stay
-  // in the workspace.
-  const double selected_entries = std::min(attended / opt.batch, static_cast<double>(opt.context)) * opt.batch;
+  // once: the selection is made on the GPU, so this counts the least that can be, the largest new
+  // token's selection (min(context, topk)); q, q_idx, w, o and lse. The logits and the slots stay in
+  // the workspace.
+  const double selected_entries = std::min<double>(static_cast<double>(opt.context), opt.topk) * opt.batch;
   const double bytes = static_cast<double>(opt.batch) * opt.context * kIndexerTokenBytes +
                        selected_entries * static_cast<double>(kv_token_bytes(dtype)) + 2.0 * q_elems +
                        static_cast<double>(host_qi.size()) + 4.0 * host_w.size() + 2.0 * o_elems + 4.0 * lse_elems;

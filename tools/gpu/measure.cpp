@@ -4,6 +4,7 @@
 
 #include "gpu/kernels.hpp"
 #include "latentkv/cache.hpp"
+#include "spread.hpp"
 
 namespace latentkv::tools::gpu {
 
@@ -100,17 +101,14 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
     cuda_ok(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
     us.push_back(ms * 1000.0);
   }
-  std::sort(us.begin(), us.end());
   Timing t;
   t.samples = iters;
   t.queued = queued;
-  if (us.empty()) return t;
-  auto at = [&](double q) { return us[static_cast<std::size_t>(q * static_cast<double>(us.size() - 1) + 0.5)]; };
-  const std::size_t half = us.size() / 2;
-  t.median_us = us.size() % 2 == 1 ? us[half] : 0.5 * (us[half - 1] + us[half]);
-  t.p10_us = at(0.1);
-  t.p90_us = at(0.9);
-  t.min_us = us.front();
+  const Spread spread = spread_of(us);
+  t.median_us = spread.median;
+  t.p10_us = spread.p10;
+  t.p90_us = spread.p90;
+  t.min_us = spread.min;
   return t;
 }
 
