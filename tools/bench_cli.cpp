@@ -232,10 +232,11 @@ std::string report_json(const BenchOptions& o, const BenchReport& r) {
   j["gather_gbps"] = r.gather_gbps;
   j["empty_launch_us"] = r.empty_launch_us;
   j["empty_graph_us"] = r.empty_graph_us;
-  j["shape"] = {{"op", o.op},         {"model", o.model},       {"tp", o.tp},
-                {"batch", o.batch},   {"context", o.context},   {"context_min", o.context_min}, {"q_len", o.q_len},
-                {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype}, {"pool", o.pool},
-                {"heads", o.heads}, {"topk", o.topk}, {"new_tokens", o.new_tokens}};
+  j["shape"] = {{"op", o.op},           {"model", o.model},         {"tp", o.tp},
+                {"batch", o.batch},     {"context", o.context},     {"context_min", o.context_min},
+                {"q_len", o.q_len},     {"page_size", o.page_size}, {"kv_dtype", o.kv_dtype},
+                {"pool", o.pool},       {"heads", o.heads},         {"topk", o.topk},
+                {"new_tokens", o.new_tokens}};
   j["rotation_sets"] = r.rotation_sets;
   j["request_sets"] = r.request_sets > 0 ? r.request_sets : r.rotation_sets;
   j["rotation_cold"] = r.rotation_cold;
@@ -246,9 +247,9 @@ std::string report_json(const BenchOptions& o, const BenchReport& r) {
     j["matrix_how"] = r.matrix_how;
   }
   for (const BenchRow& row : r.rows) {
-    json x = {{"backend", row.backend}, {"kernel", row.kernel}, {"status", row.status},
-                        {"timed", row.timed},     {"num_splits", row.num_splits}, {"bytes", row.bytes},
-                        {"flops", row.flops}};
+    json x = {{"backend", row.backend}, {"kernel", row.kernel},         {"status", row.status},
+              {"timed", row.timed},     {"num_splits", row.num_splits}, {"bytes", row.bytes},
+              {"flops", row.flops}};
     if (row.timed) {
       // null where the table has "-": no FLOPs counted for the op, no cast_full row timed beside it
       const auto known = [](double value, bool measured) { return measured ? json(value) : json(nullptr); };
