@@ -6,8 +6,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -250,6 +253,27 @@ TEST(BenchWork, SelectedEntriesCountOncePerRequestWithoutPadding) {
   EXPECT_EQ(latentkv::tools::distinct_selected_entries({}, 2, 4), 0);
   const std::vector<std::int32_t> padding(8, -1);
   EXPECT_EQ(latentkv::tools::distinct_selected_entries(padding, 2, 4), 0);
+}
+
+TEST(BenchWork, SelectedEntriesMatchASetOverRandomRows) {
+  // Rows of three requests of 5 rows of top-k 300 over a pool of 1000 slots (many repeats, slots
+  // around the bitmap's 64-slot words, -1 padding, a last request cut short), against std::set.
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::int32_t> slot(-1, 999);
+  std::vector<std::int32_t> rows(3 * 5 * 300 - 123);
+  for (std::int32_t& r : rows) r = slot(rng);
+  rows[10] = 63;
+  rows[11] = 64;
+  rows[12] = 999;
+  std::int64_t expected = 0;
+  for (std::size_t start = 0; start < rows.size(); start += 5 * 300) {
+    std::set<std::int32_t> distinct;
+    for (std::size_t i = start; i < std::min(rows.size(), start + 5 * 300); ++i) {
+      if (rows[i] >= 0) distinct.insert(rows[i]);
+    }
+    expected += static_cast<std::int64_t>(distinct.size());
+  }
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 5, 300), expected);
 }
 
 }  // namespace
