@@ -255,6 +255,39 @@ TEST(BenchWork, SelectedEntriesCountOncePerRequestWithoutPadding) {
   EXPECT_EQ(latentkv::tools::distinct_selected_entries(padding, 2, 4), 0);
 }
 
+TEST(BenchWork, RotationHoldsTwiceTheL2WithinTheCallsAndThePool) {
+  using latentkv::tools::kAnySets;
+  using latentkv::tools::plan_rotation;
+  constexpr std::int64_t kL2 = 50 << 20;
+  constexpr int kCalls = 55;  // 5 warm-up + 50 timed
+  // A call that reads twice the L2 or more: one set.
+  EXPECT_EQ(plan_rotation(2 * kL2, kL2, kCalls, kAnySets).sets, 1);
+  EXPECT_TRUE(plan_rotation(2 * kL2, kL2, kCalls, kAnySets).cold);
+  // 21.5 MB a call (decode B 1 x 32K): ceil(100 MiB / 21.5 MB) = 5 sets.
+  EXPECT_EQ(plan_rotation(21'500'000, kL2, kCalls, kAnySets).sets, 5);
+  // 512 KB a call (top-k's logits at B 1 x 128K): 200 sets wanted, the calls cap it at 55.
+  const latentkv::tools::Rotation many = plan_rotation(512 << 10, kL2, kCalls, kAnySets);
+  EXPECT_EQ(many.sets, kCalls);
+  EXPECT_TRUE(many.cold);
+  // A pool with room for 3 sets where 5 are wanted: 3, and not cold.
+  const latentkv::tools::Rotation held = plan_rotation(21'500'000, kL2, kCalls, 3);
+  EXPECT_EQ(held.sets, 3);
+  EXPECT_FALSE(held.cold);
+  EXPECT_EQ(plan_rotation(21'500'000, kL2, kCalls, 0).sets, 1);  // at least one, never 0
+  // No L2 reported, no calls, nothing read: one set, cold.
+  EXPECT_EQ(plan_rotation(1000, 0, kCalls, kAnySets).sets, 1);
+  EXPECT_TRUE(plan_rotation(1000, 0, kCalls, 1).cold);
+  EXPECT_EQ(plan_rotation(1000, kL2, 0, kAnySets).sets, 1);
+  EXPECT_EQ(plan_rotation(0, kL2, kCalls, kAnySets).sets, kCalls);
+}
+
+TEST(BenchWork, RequestSetsLeaveAPageOfSlackPerRequest) {
+  // 64 requests of 8K tokens on pages of 64: 64 x (8192 + 64) tokens a set.
+  EXPECT_EQ(latentkv::tools::request_sets_that_fit(1'100'000, 64 * 8192, 64, 64), 2);
+  EXPECT_EQ(latentkv::tools::request_sets_that_fit(64 * (8192 + 64) - 1, 64 * 8192, 64, 64), 0);
+  EXPECT_EQ(latentkv::tools::request_sets_that_fit(495'000, 32'768, 1, 64), 15);  // 495K / 32,832
+}
+
 TEST(BenchWork, SelectedEntriesMatchASetOverRandomRows) {
   // Rows of three requests of 5 rows of top-k 300 over a pool of 1000 slots (many repeats, slots
   // around the bitmap's 64-slot words, -1 padding, a last request cut short), against std::set.

@@ -104,16 +104,6 @@ RequestSets make_request_sets(const DevicePool& pool, int sets, const std::vecto
   return r;
 }
 
-Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits) {
-  const std::int64_t bytes = std::max<std::int64_t>(bytes_per_call, 1);
-  const std::int64_t wanted =
-      std::clamp<std::int64_t>((2 * l2_bytes + bytes - 1) / bytes, 1, std::max(calls, 1));  // 1 with no L2
-  Rotation r;
-  r.sets = static_cast<int>(std::clamp<std::int64_t>(std::min(wanted, fits), 1, wanted));
-  r.cold = r.sets >= wanted;
-  return r;
-}
-
 std::vector<std::int32_t> random_index_rows(const RequestSets& sets, int variants, int q_len, int topk,
                                             std::int64_t context, int page_size, std::uint64_t seed) {
   std::vector<std::int32_t> out;

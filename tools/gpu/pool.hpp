@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_work.hpp"  // plan_rotation, request_sets_that_fit
 #include "gpu/measure.hpp"
 #include "latentkv/cache.hpp"
 #include "latentkv/fp8.hpp"
@@ -70,24 +71,5 @@ std::vector<float> reference_token_logits(const IndexerCache& host_cache, const 
 // the host); "" when they agree within float32 sums of exact fp8 products in another order.
 std::string logits_problem(const DevicePool& pool, const RequestSets& sets, int checked, int q_len, int heads,
                            std::int64_t columns, const std::uint8_t* q, const float* weights, const float* device_logits);
-
-// The sets of inputs a timed loop rotates through, so that no timed call finds its inputs in L2
-// (time_calls empties the L2 after the warm-up): enough that the sets read in one round of the
-// rotation come to twice the L2's size or more (one set when a call alone reads that much), but no
-// more than the loop's calls (warm-up and timed: beyond that no set is used twice), and within
-// `fits`, the sets the pool has room for (the ops that read every token of their requests need
-// requests of their own per set). `cold` is false when `fits` held the sets below that: the bench
-// then says that some calls may read their inputs from L2.
-struct Rotation {
-  int sets = 1;
-  bool cold = true;
-};
-inline constexpr std::int64_t kAnySets = std::int64_t{1} << 40;  // `fits` of inputs the pool does not bound
-Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes, int calls, std::int64_t fits);
-// The sets of `batch` requests of `tokens` tokens in all that a pool of `pool_tokens` tokens has room
-// for, each request's pages apart (a page of slack per request): `fits` above.
-inline std::int64_t request_sets_that_fit(std::int64_t pool_tokens, std::int64_t tokens, int batch, int page_size) {
-  return pool_tokens / (tokens + static_cast<std::int64_t>(batch) * page_size);
-}
 
 }  // namespace latentkv::tools::gpu
