@@ -21,6 +21,7 @@
 #include <latentkv/backend.hpp>
 #include <latentkv/config.hpp>
 #include <latentkv/dsa.hpp>
+#include <latentkv/environment.hpp>
 #include <latentkv/paging.hpp>
 
 #include <algorithm>
@@ -142,7 +143,11 @@ double largest_bf16_difference(const std::uint16_t* a, const std::uint16_t* b, s
 }
 
 int run_example(bool require_gpu) {
-  // 1. The configuration, resolved for this machine's device (the GPU when there is one).
+  // 1. The configuration, resolved for this machine's device (the GPU when there is one); a misspelt
+  // LATENTKV_* variable is said, not ignored.
+  for (const std::string& line : unread_environment_warnings(process_environment_names())) {
+    std::fprintf(stderr, "warning: %s\n", line.c_str());
+  }
   const AttentionConfig config = load_config({{}, process_environment()});
   const ResolvedConfig rc = resolve_config(config);
   if (require_gpu && rc.device.kind != DeviceKind::kCuda) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 
 namespace {
@@ -68,6 +69,11 @@ int parse_error(CLI::App& app, const CLI::ParseError& e) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A misspelt LATENTKV_* variable would otherwise be ignored without a word.
+  for (const std::string& line :
+       latentkv::unread_environment_warnings(latentkv::process_environment_names(), {latentkv::tools::kPythonVariable})) {
+    std::fprintf(stderr, "warning: %s\n", line.c_str());
+  }
   CLI::App app{"latentkv: FP8-native MLA and DeepSeek Sparse Attention over paged caches"};
   app.require_subcommand(1);
   latentkv::tools::add_step_command(app);

@@ -204,7 +204,7 @@ constexpr int kShellNotFound = 127;
 
 // The interpreter LATENTKV_PYTHON names; empty when it is not set (or set to nothing).
 std::string chosen_python() {
-  const char* chosen = std::getenv("LATENTKV_PYTHON");
+  const char* chosen = std::getenv(kPythonVariable);
   return chosen ? chosen : "";
 }
 

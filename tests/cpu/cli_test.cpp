@@ -101,6 +101,15 @@ class Cli : public ::testing::Test {
   fs::path dir_;
 };
 
+TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
+  const Result r = run({"info"}, {}, {"LATENTKV_PAGESIZE=32", "LATENTKV_PYTHON=python3"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("warning: LATENTKV_PAGESIZE is set but latentkv reads no variable of that name; it is "
+                               "ignored (did you mean LATENTKV_PAGE_SIZE?)\n"));
+  EXPECT_THAT(r.err, Not(HasSubstr("LATENTKV_PYTHON is set")));  // the program's own
+  EXPECT_THAT(r.out, Not(HasSubstr("warning")));
+}
+
 TEST_F(Cli, PoolBeyondInt32SlotsNamesThePoolAndTheValueTyped) {
   for (const std::string typed : {"9223372036854775807", "99999999999999999999"}) {
     const Result r = run({"step", "--device", "cpu", "--pool", typed});

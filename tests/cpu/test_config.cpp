@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "latentkv/config.hpp"
+#include "latentkv/environment.hpp"
 
 namespace latentkv {
 namespace {
@@ -323,6 +324,41 @@ TEST(Config, EmptyEnvironmentVariableCountsAsUnset) {
   const AttentionConfig c = with_flags({}, {{"LATENTKV_TP", ""}, {"LATENTKV_CONFIG", ""}});
   EXPECT_EQ(c.tp.value, 8);
   EXPECT_EQ(c.tp.source.kind, SourceKind::kDefault);
+}
+
+TEST(Config, EnvironmentVariablesReadAreTheFileTheKeysAndTheKernelOverrides) {
+  const std::vector<std::string> read = environment_variables();
+  ASSERT_EQ(read.size(), 1 + config_keys().size() + 2);
+  EXPECT_EQ(read.front(), "LATENTKV_CONFIG");
+  EXPECT_EQ(read[1], "LATENTKV_MODEL");
+  EXPECT_THAT(read, ::testing::Contains("LATENTKV_PAGE_SIZE"));
+  EXPECT_THAT(read, ::testing::Contains("LATENTKV_SPARSE_DECODE"));
+  EXPECT_EQ(read[read.size() - 2], "LATENTKV_MLA_KERNEL");
+  EXPECT_EQ(read.back(), "LATENTKV_INDEXER_KERNEL");
+}
+
+TEST(Config, UnreadLatentkvVariablesAreNamedWithTheNearestRead) {
+  const std::vector<std::string> set = {"PATH",          "LATENTKV_TP",           "LATENTKV_PAGESIZE",
+                                        "LATENTKV_APP",  "LATENTKV_MLA_KERNEL",   "LATENTKV_SPARSE_DECODE_BACKEND",
+                                        "LKV_TEST_SEED", "LATENTKV_DECODE_BACKEND", "latentkv_tp"};
+  const std::vector<std::string> warnings = unread_environment_warnings(set, {"LATENTKV_APP"});
+  ASSERT_EQ(warnings.size(), 3u);
+  EXPECT_EQ(warnings[0],
+            "LATENTKV_PAGESIZE is set but latentkv reads no variable of that name; it is ignored (did you mean "
+            "LATENTKV_PAGE_SIZE?)");
+  EXPECT_THAT(warnings[1], HasSubstr("LATENTKV_SPARSE_DECODE_BACKEND is set"));
+  EXPECT_THAT(warnings[1], HasSubstr("(did you mean LATENTKV_SPARSE_DECODE?)"));
+  // Nothing close: every name read is listed, the caller's own too.
+  EXPECT_THAT(warnings[2], HasSubstr("LATENTKV_DECODE_BACKEND is set but latentkv reads no variable of that name"));
+  EXPECT_THAT(warnings[2], HasSubstr("(latentkv reads LATENTKV_CONFIG, LATENTKV_MODEL, LATENTKV_TP,"));
+  EXPECT_THAT(warnings[2], HasSubstr("LATENTKV_INDEXER_KERNEL, LATENTKV_APP)"));
+  EXPECT_TRUE(unread_environment_warnings({"LATENTKV_TP", "HOME"}).empty());
+  // Two edits from TP, but half its length: no guess.
+  const std::vector<std::string> topk = unread_environment_warnings({"LATENTKV_TOPK"});
+  ASSERT_EQ(topk.size(), 1u);
+  EXPECT_THAT(topk[0], Not(HasSubstr("did you mean")));
+  EXPECT_THAT(unread_environment_warnings({"LATENTKV_MLA_KERNL"}).at(0), HasSubstr("did you mean LATENTKV_MLA_KERNEL?"));
+  EXPECT_EQ(unread_environment_warnings({"LATENTKV_APP"}).size(), 1u);  // the caller's own only where it says so
 }
 
 TEST(Config, ConfigFlagOverridesConfigEnvironmentVariable) {

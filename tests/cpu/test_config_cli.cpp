@@ -1,8 +1,8 @@
 // `latentkv config` end to end (argv in, text or JSON out, exit code 2 on a rejected configuration),
 // and fuzz tests of the configuration parsers: thousands of mutated TOML and JSON files, environments
 // and argv vectors must each end in success, latentkv::Error or CLI::ParseError - never a crash and
-// never another exception type. The seed is printed; LATENTKV_FUZZ_SEED replays one and
-// LATENTKV_FUZZ_SCALE runs longer.
+// never another exception type. The seed is printed; LKV_TEST_FUZZ_SEED replays one and
+// LKV_TEST_FUZZ_SCALE runs longer.
 #include <gtest/gtest.h>
 #include <gmock/gmock.h>
 
@@ -60,17 +60,17 @@ CommandResult run_cli(const std::vector<std::string>& args, std::map<std::string
   return result;
 }
 
-// LATENTKV_FUZZ_SCALE multiplies the iteration counts for a longer run (e.g. under sanitizers).
+// LKV_TEST_FUZZ_SCALE multiplies the iteration counts for a longer run (e.g. under sanitizers).
 int fuzz_scale() {
-  const char* s = std::getenv("LATENTKV_FUZZ_SCALE");
+  const char* s = std::getenv("LKV_TEST_FUZZ_SCALE");
   const int scale = s != nullptr ? std::atoi(s) : 1;
   return scale > 0 ? scale : 1;
 }
 
 std::uint64_t fuzz_seed() {
   std::uint64_t seed = 20261129;
-  if (const char* s = std::getenv("LATENTKV_FUZZ_SEED")) seed = std::strtoull(s, nullptr, 10);
-  std::printf("[fuzz] seed %llu (set LATENTKV_FUZZ_SEED to replay)\n", static_cast<unsigned long long>(seed));
+  if (const char* s = std::getenv("LKV_TEST_FUZZ_SEED")) seed = std::strtoull(s, nullptr, 10);
+  std::printf("[fuzz] seed %llu (set LKV_TEST_FUZZ_SEED to replay)\n", static_cast<unsigned long long>(seed));
   return seed;
 }
 

@@ -55,6 +55,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/indexer/launch.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
@@ -872,7 +873,7 @@ void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, u
 }  // namespace
 
 bool indexer_uses_wgmma(int page_size, int sm) {
-  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", "LATENTKV_INDEXER_KERNEL", sm);
+  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
 }
 
 std::string indexer_logits_kernel_name(int page_size, int sm) {

@@ -54,6 +54,7 @@
 #include "cuda/common/wgmma.cuh"
 #include "cuda/mla/decode_common.cuh"
 #include "cuda/mla/decode_config.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda::mla {
@@ -593,7 +594,7 @@ void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid,
 
 }  // namespace
 
-bool wgmma_decode_available(int sm) { return wgmma_kernels_enabled("mla_decode", "LATENTKV_MLA_KERNEL", sm); }
+bool wgmma_decode_available(int sm) { return wgmma_kernels_enabled("mla_decode", kMlaKernelVariable, sm); }
 
 int wgmma_blocks_per_sm() {
   return resident_ctas_per_sm(decode_wgmma_kernel<false, false, false>, kThreads, configure(), "mla_decode");
