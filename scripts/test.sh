@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds latentkv and runs every test: the CPU tests always, and with nvcc present the GPU tests too
 # (they run where a GPU is and report "skipped" elsewhere). With nvcc present it also compiles every
-# CUDA source for each target architecture (sm_89, sm_90a, sm_100a, sm_120a). Then the CPU tests
-# once more, on a CPU build of the host code under AddressSanitizer and UndefinedBehaviorSanitizer
-# (in build-sanitize/; LKV_TEST_SANITIZE=0 leaves that pass out).
+# CUDA source for each target architecture (sm_89, sm_90a, sm_100a, sm_120a). Then, on CPU builds of
+# the host code, the CPU tests once more under AddressSanitizer and UndefinedBehaviorSanitizer
+# (build-sanitize/) and the concurrency tests under ThreadSanitizer (build-tsan/); LKV_TEST_SANITIZE=0
+# leaves those passes out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
@@ -19,8 +20,12 @@ fi
 ctest --test-dir "$BUILD" -j"$JOBS" --output-on-failure
 if [ "${LKV_TEST_SANITIZE:-1}" != 0 ]; then
   echo "== the CPU tests under AddressSanitizer and UndefinedBehaviorSanitizer"
-  SANITIZE_BUILD=${SANITIZE_BUILD:-build-sanitize}
-  cmake -S . -B "$SANITIZE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DLKV_CUDA=OFF -DLKV_SANITIZE=ON
-  cmake --build "$SANITIZE_BUILD" -j"$JOBS"
-  ctest --test-dir "$SANITIZE_BUILD" -L cpu -j"$JOBS" --output-on-failure
+  cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug -DLKV_CUDA=OFF -DLKV_SANITIZE=address
+  cmake --build build-sanitize -j"$JOBS"
+  ctest --test-dir build-sanitize -L cpu -j"$JOBS" --output-on-failure
+  echo "== the concurrency tests under ThreadSanitizer"
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLKV_CUDA=OFF -DLKV_SANITIZE=thread \
+    -DLKV_BUILD_TOOLS=OFF
+  cmake --build build-tsan -j"$JOBS" --target latentkv_tests
+  build-tsan/tests/latentkv_tests --gtest_filter='Concurrency.*'  # a race reported exits 66
 fi

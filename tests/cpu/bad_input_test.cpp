@@ -698,17 +698,18 @@ TEST(BadInput, BlockTableCapacityBeyondInt32) {
   EXPECT_TRUE(c.outputs_untouched());
 }
 
-// Whether this build runs under AddressSanitizer (LKV_SANITIZE), which cannot run under the cap below.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;  // GCC; clang below
+// Whether this build runs under AddressSanitizer (LKV_SANITIZE) or ThreadSanitizer, whose allocators
+// end the process on an allocation that the cap below refuses.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitizerAllocator = true;  // GCC; clang below
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitizerAllocator = true;
 #else
-constexpr bool kAddressSanitizer = false;
+constexpr bool kSanitizerAllocator = false;
 #endif
 #else
-constexpr bool kAddressSanitizer = false;
+constexpr bool kSanitizerAllocator = false;
 #endif
 
 // Caps this process's address space a little above what it holds now, for the life of the object:
@@ -739,7 +740,7 @@ class AddressSpaceCap {
 // indexer). A length within the block table's capacity whose scratch the host cannot allocate is
 // named as that length before any output is written, not a std::bad_alloc after the requests before it.
 TEST(BadInput, ReferenceScratchBeyondHostMemoryIsNamed) {
-  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ends the process on an allocation the capped address space refuses";
+  if (kSanitizerAllocator) GTEST_SKIP() << "a sanitizer's allocator ends the process on an allocation the cap refuses";
   PagedFixtureOptions options;
   options.page_size = 4096;
   options.lengths = {4, 3};
