@@ -49,17 +49,7 @@ struct Call {
   Call(const Inputs& in, PagedFixture& f)
       : o(sentinel_tensor(DType::kBF16, {f.batch(), 1, kHeads, kLatentDim})),
         lse(sentinel_tensor(DType::kF32, {f.batch(), 1, kHeads})) {
-    params.q = input_view(in.q);
-    params.q_idx = input_view(in.q_idx);
-    params.weights = input_view(in.weights);
-    params.cache = f.cache();
-    params.indexer = f.indexer();
-    params.block_table = f.block_table_view();
-    params.seq_lens = f.seq_lens_view();
-    params.o = o.view();
-    params.lse = lse.view();
-    params.softmax_scale = 0.0625f;
-    params.topk = kTopk;
+    params = dsa_decode_args(f, in.q, in.q_idx, in.weights, o, lse, 0.0625f, kTopk);
     plan = plan_dsa_decode(same_backend(reference()), params, kCpu);
     workspace.assign(plan.workspace_bytes, 0xA5);
     params.workspace = workspace.data();

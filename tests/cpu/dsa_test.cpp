@@ -51,18 +51,7 @@ struct HostDsa {
         weights(random_f32(rng, {f.batch(), q_len, indexer_heads}, -1.0, 1.0)),
         o(sentinel_tensor(o_dtype, {f.batch(), q_len, heads, kLatentDim})),
         lse(sentinel_tensor(lse_dtype, {f.batch(), q_len, heads})) {
-    params.q = q.view();
-    params.q_idx = q_idx.view();
-    params.weights = weights.view();
-    params.cache = f.cache();
-    params.indexer = f.indexer();
-    params.block_table = f.block_table_view();
-    params.seq_lens = f.seq_lens_view();
-    params.o = o.view();
-    params.lse = lse.view();
-    params.softmax_scale = kScale;
-    params.topk = topk;
-    params.max_len = max_len;
+    params = dsa_decode_args(f, q, q_idx, weights, o, lse, kScale, topk, max_len);
     plan = plan_dsa_decode(same_backend(reference()), params, kCpu);
     workspace.assign(plan.workspace_bytes, kWorkspaceGarbage);
     params.workspace = workspace.data();

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu/reference.hpp"
+#include "latentkv/dsa.hpp"
 #include "support/host_tensor.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/rng.hpp"
@@ -24,6 +25,27 @@ struct AttentionOutputs {
 
 // A read-only input's view (the ops never write through it).
 inline TensorView input_view(const HostTensor& t) { return const_cast<HostTensor&>(t).view(); }
+
+// dsa_decode's arguments over f (both caches, the block table, the lengths) without a workspace: q
+// [B, q_len, H, 576] bf16, q_idx [B, q_len, Hi, 128] fp8 and weights [B, q_len, Hi] f32, into o and lse.
+inline DsaDecodeParams dsa_decode_args(PagedFixture& f, const HostTensor& q, const HostTensor& q_idx,
+                                       const HostTensor& weights, HostTensor& o, HostTensor& lse, float softmax_scale,
+                                       int topk, int max_len = 0) {
+  DsaDecodeParams p;
+  p.q = input_view(q);
+  p.q_idx = input_view(q_idx);
+  p.weights = input_view(weights);
+  p.cache = f.cache();
+  p.indexer = f.indexer();
+  p.block_table = f.block_table_view();
+  p.seq_lens = f.seq_lens_view();
+  p.o = o.view();
+  p.lse = lse.view();
+  p.softmax_scale = softmax_scale;
+  p.topk = topk;
+  p.max_len = max_len;
+  return p;
+}
 
 // Dense decode of q [B, q_len, H, 576] bf16.
 inline AttentionOutputs reference_mla_decode(PagedFixture& f, const HostTensor& q, float softmax_scale,
