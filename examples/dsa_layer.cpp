@@ -23,6 +23,7 @@
 #include <latentkv/dsa.hpp>
 #include <latentkv/environment.hpp>
 #include <latentkv/paging.hpp>
+#include <latentkv/version.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -510,6 +511,13 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "usage: %s [--require-gpu]\n", argv[0]);
       return 2;
     }
+  }
+  // The library loaded must be the one these headers describe (a shared library found elsewhere on
+  // the loader's path would not be).
+  if (std::strcmp(latentkv::library_version(), LATENTKV_VERSION) != 0) {
+    std::fprintf(stderr, "error: built against latentkv %s's headers, but the library loaded is %s\n", LATENTKV_VERSION,
+                 latentkv::library_version());
+    return 1;
   }
   try {
     return run_example(require_gpu);

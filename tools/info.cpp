@@ -1,4 +1,4 @@
-// `latentkv info`: the device, the model presets and the registered backends.
+// `latentkv info`: the version, the device, the model presets and the registered backends.
 #include <cstdio>
 #include <string>
 
@@ -6,12 +6,14 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/cache.hpp"
 #include "latentkv/model.hpp"
+#include "latentkv/version.hpp"
 
 namespace latentkv::tools {
 
 void add_info_command(CLI::App& app) {
-  CLI::App* cmd = app.add_subcommand("info", "Show the device, the model presets and the registered backends");
+  CLI::App* cmd = app.add_subcommand("info", "Show the version, the device, the model presets and the registered backends");
   cmd->callback([] {
+    std::printf("latentkv %s (%s)\n", library_version(), library_build());
     const DeviceInfo device = detect_device();
     if (device.kind == DeviceKind::kCpu) {
       std::printf("device: cpu (no CUDA device%s)\n",

@@ -8,6 +8,7 @@
 #include "commands.hpp"
 #include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/version.hpp"
 
 namespace {
 
@@ -75,6 +76,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "warning: %s\n", line.c_str());
   }
   CLI::App app{"latentkv: FP8-native MLA and DeepSeek Sparse Attention over paged caches"};
+  app.set_version_flag("--version", std::string("latentkv ") + latentkv::library_version() + " (" +
+                                        latentkv::library_build() + ")");
   app.require_subcommand(1);
   latentkv::tools::add_step_command(app);
   latentkv::tools::add_demo_command(app);

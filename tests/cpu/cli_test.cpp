@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "latentkv/backend.hpp"
+#include "latentkv/version.hpp"
 
 namespace {
 
@@ -108,6 +109,22 @@ TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
                                "ignored (did you mean LATENTKV_PAGE_SIZE?)\n"));
   EXPECT_THAT(r.err, Not(HasSubstr("LATENTKV_PYTHON is set")));  // the program's own
   EXPECT_THAT(r.out, Not(HasSubstr("warning")));
+}
+
+TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
+  const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
+  const Result version = run({"--version"});
+  EXPECT_EQ(version.exit_code, 0) << version.err;
+  EXPECT_EQ(version.out, line);
+  const Result info = run({"info"});
+  EXPECT_EQ(info.out.substr(0, line.size()), line);
+  EXPECT_STREQ(latentkv::library_version(), LATENTKV_VERSION);
+  const std::string build = latentkv::library_build();
+#ifdef LKV_WITH_CUDA
+  EXPECT_THAT(build, ::testing::StartsWith("CUDA backends for sm_"));
+#else
+  EXPECT_EQ(build, "CPU reference only (built without CUDA)");
+#endif
 }
 
 TEST_F(Cli, PoolBeyondInt32SlotsNamesThePoolAndTheValueTyped) {
