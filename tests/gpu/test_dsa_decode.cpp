@@ -10,8 +10,8 @@
 //      reference top-k of the downloaded logits);
 //  (c) o and lse match the reference sparse decode over the GPU's selected slots.
 // Also: with topk >= every length, o and lse equal dense decode; and one call captured in a CUDA
-// graph and replayed as the lengths on the device grow; and long requests (the indexer claims turns)
-// on a workspace taken cleared, call after call.
+// graph and replayed as the lengths on the device grow; long requests (the indexer claims turns)
+// on a workspace taken cleared, call after call; and calls from four host threads at once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "gpu/device.hpp"
@@ -347,6 +348,48 @@ TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
         d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
     EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
         << "the indexer's counters were left nonzero";
+  }
+}
+
+// Calls from several host threads at once (docs/operations.md, "Calls from several threads"): each
+// thread plans and runs its own call (its own buffers and workspace) on a stream of its own, and
+// the first launches of the process's kernels (their once_per_key queries) race. Each thread's call
+// must pass the three stages; the threads' o and lse are not compared with each other bit for bit,
+// since a selection's slots may be listed in another order from call to call.
+TEST(GpuDsaDecodeThreads, CallsFromFourThreadsEachPassTheStages) {
+  LKV_REQUIRE_GPU();
+  constexpr int kThreads = 4;
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {0, 1, 300, 2500, 4100}, rng);
+  std::vector<DsaInputs> inputs;
+  for (int t = 0; t < kThreads; ++t) inputs.push_back(random_inputs(rng, f.batch(), 1, 8, 32));
+  std::vector<DsaResult> results(kThreads);
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const auto i = static_cast<std::size_t>(t);
+      cudaStream_t stream = nullptr;
+      try {
+        DeviceDsa d(f, inputs[i], kMaxTopk, 0);
+        d.fill_sentinels();  // on the legacy default stream, which a blocking stream waits for
+        check_cuda(cudaStreamCreate(&stream));
+        d.run(ExecContext{stream});
+        check_cuda(cudaStreamSynchronize(stream));
+        results[i] = d.download();
+        if (const std::string fault = d.fault(); !fault.empty()) errors[i] = "fault noted: " + fault;
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int t = 0; t < kThreads; ++t) {
+    SCOPED_TRACE("thread " + std::to_string(t));
+    const auto i = static_cast<std::size_t>(t);
+    ASSERT_EQ(errors[i], "");
+    check_stages(f, inputs[i], results[i], kMaxTopk);
   }
 }
 
