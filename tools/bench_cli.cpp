@@ -11,6 +11,7 @@
 #include "cli_checks.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/version.hpp"
 #include "text.hpp"
 
 namespace latentkv::tools {
@@ -226,6 +227,7 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
 std::string report_json(const BenchOptions& o, const BenchReport& r) {
   json j;
   j["command"] = repro_line(o);
+  j["latentkv"] = std::string(library_version()) + " (" + library_build() + ")";
   j["device"] = r.device;
   j["read_gbps"] = r.read_gbps;
   j["copy_gbps"] = r.copy_gbps;

@@ -28,6 +28,7 @@
 #include "latentkv/fp8.hpp"
 #include "latentkv/model.hpp"
 #include "latentkv/paging.hpp"
+#include "latentkv/version.hpp"
 
 namespace latentkv::tools {
 
@@ -384,6 +385,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
   if (o.from_json.empty()) {
     report = cpu ? run_step_cpu(run) : run_step_gpu(run);
     report.command = repro_line(run, cpu);
+    report.latentkv = std::string(library_version()) + " (" + library_build() + ")";
     report.notes.insert(report.notes.begin(), run.notes.begin(), run.notes.end());
     analyze_step(report);
   }

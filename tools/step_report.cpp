@@ -340,6 +340,7 @@ std::string report_json(const StepReport& r) {
   const StepShape& s = r.shape;
   json j;
   j["command"] = r.command;
+  j["latentkv"] = r.latentkv.empty() ? json(nullptr) : json(r.latentkv);
   j["device"] = r.device;
   j["cpu_reference"] = r.cpu_reference;
   j["notes"] = r.notes;
@@ -449,6 +450,7 @@ StepReport parse_report_json(std::string_view text) {
   try {
     const json j = json::parse(text);
     r.command = j.at("command").get<std::string>();
+    if (j.contains("latentkv") && j.at("latentkv").is_string()) r.latentkv = j.at("latentkv").get<std::string>();
     r.device = j.at("device").get<std::string>();
     r.cpu_reference = j.at("cpu_reference").get<bool>();
     r.notes = j.at("notes").get<std::vector<std::string>>();

@@ -86,6 +86,7 @@ struct StrategyResult {
 
 struct StepReport {
   std::string command;  // the line that reproduces the run
+  std::string latentkv;  // the library that ran it: "0.1.0 (CUDA backends for sm_90a)"; "" when unknown
   std::string device;
   bool cpu_reference = false;      // host wall-clock times of the float64 reference
   std::vector<std::string> notes;  // printed above the tables

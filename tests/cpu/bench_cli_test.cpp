@@ -19,6 +19,7 @@
 
 #include "bench_cli.hpp"
 #include "bench_work.hpp"
+#include "latentkv/version.hpp"
 #include "spread.hpp"
 
 namespace {
@@ -207,6 +208,7 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
   const BenchOptions o = options_for("topk");
   const nlohmann::json j = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(0)));
+  EXPECT_EQ(j.at("latentkv"), std::string(LATENTKV_VERSION) + " (" + latentkv::library_build() + ")");
   EXPECT_EQ(j.at("command"), latentkv::tools::repro_line(o));
   EXPECT_EQ(j.at("copy_gbps"), 4300);
   EXPECT_EQ(j.at("rotation_cold"), false);

@@ -306,11 +306,13 @@ TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
 TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
   StepReport r = measured_report();
   r.notes.push_back("pool grown");
+  r.latentkv = "0.1.0 (CUDA backends for sm_90a)";
   r.launch_us = 0.55;
   r.strategies[0].ops[2].launches = 2;
   analyze_step(r);
   const StepReport back = parse_report_json(report_json(r));
   EXPECT_EQ(back.command, r.command);
+  EXPECT_EQ(back.latentkv, r.latentkv);
   EXPECT_EQ(back.device, r.device);
   EXPECT_EQ(back.notes, r.notes);
   EXPECT_EQ(back.seed, 7u);
