@@ -512,9 +512,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // The library loaded must be the one these headers describe (a shared library found elsewhere on
-  // the loader's path would not be).
-  if (std::strcmp(latentkv::library_version(), LATENTKV_VERSION) != 0) {
+  // The library loaded must be one these headers describe, up to its patch level (the package's
+  // promise: the same major and minor version); a shared library found elsewhere on the loader's
+  // path may not be.
+  const std::string minor = std::to_string(LATENTKV_VERSION_MAJOR) + "." + std::to_string(LATENTKV_VERSION_MINOR) + ".";
+  if (!std::string_view(latentkv::library_version()).starts_with(minor)) {
     std::fprintf(stderr, "error: built against latentkv %s's headers, but the library loaded is %s\n", LATENTKV_VERSION,
                  latentkv::library_version());
     return 1;

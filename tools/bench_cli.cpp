@@ -227,7 +227,7 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
 std::string report_json(const BenchOptions& o, const BenchReport& r) {
   json j;
   j["command"] = repro_line(o);
-  j["latentkv"] = std::string(library_version()) + " (" + library_build() + ")";
+  j["latentkv"] = library_description();
   j["device"] = r.device;
   j["read_gbps"] = r.read_gbps;
   j["copy_gbps"] = r.copy_gbps;

@@ -8,20 +8,27 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace latentkv::tools {
 
 // Entries selected by index rows laid out [requests][rows_per_request][topk], counted once per
 // request (-1 padding and other negative slots not at all), summed over the requests. One pass over
-// the rows with a bitmap of the slots (cleared where a request set it), so that a prefill's
-// new_tokens x topk slots a request cost no sort: linear in the rows, a bit per slot of the pool.
+// the rows with a bitmap of the pool's `pool_slots` slots (cleared where a request set it), so that
+// a prefill's new_tokens x topk slots a request cost no sort. A slot at or past pool_slots is not
+// the pool's: std::invalid_argument.
 inline std::int64_t distinct_selected_entries(std::span<const std::int32_t> rows, std::int64_t rows_per_request,
-                                              std::int64_t topk) {
+                                              std::int64_t topk, std::int64_t pool_slots) {
   const std::int64_t per_request = rows_per_request * topk;
   const auto size = static_cast<std::int64_t>(rows.size());
   if (per_request <= 0 || size == 0) return 0;
   const std::int32_t largest = *std::max_element(rows.begin(), rows.end());
+  if (largest >= pool_slots) {
+    throw std::invalid_argument("distinct_selected_entries: slot " + std::to_string(largest) + " past the pool's " +
+                                std::to_string(pool_slots) + " slots");
+  }
   if (largest < 0) return 0;
   std::vector<std::uint64_t> seen(static_cast<std::size_t>(largest) / 64 + 1, 0);
   std::int64_t total = 0;
@@ -66,9 +73,11 @@ inline Rotation plan_rotation(std::int64_t bytes_per_call, std::int64_t l2_bytes
 }
 
 // The sets of `batch` requests of `tokens` tokens in all that a pool of `pool_tokens` tokens has room
-// for, each request's pages apart (a page of slack per request): `fits` above.
+// for, each request's pages apart (a page of slack per request): `fits` above (kAnySets for sets
+// that hold nothing).
 inline std::int64_t request_sets_that_fit(std::int64_t pool_tokens, std::int64_t tokens, int batch, int page_size) {
-  return pool_tokens / (tokens + static_cast<std::int64_t>(batch) * page_size);
+  const std::int64_t per_set = tokens + static_cast<std::int64_t>(batch) * page_size;
+  return per_set > 0 ? pool_tokens / per_set : kAnySets;
 }
 
 }  // namespace latentkv::tools

@@ -9,10 +9,6 @@ namespace latentkv::tools {
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
-// The program's own variable beside the library's (latentkv/environment.hpp): the Python that draws
-// `latentkv step --plot`.
-inline constexpr char kPythonVariable[] = "LATENTKV_PYTHON";
-
 void add_demo_command(CLI::App& app);
 void add_config_command(CLI::App& app);
 void add_info_command(CLI::App& app);

@@ -13,7 +13,7 @@ namespace latentkv::tools {
 void add_info_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("info", "Show the version, the device, the model presets and the registered backends");
   cmd->callback([] {
-    std::printf("latentkv %s (%s)\n", library_version(), library_build());
+    std::printf("latentkv %s\n", library_description());
     const DeviceInfo device = detect_device();
     if (device.kind == DeviceKind::kCpu) {
       std::printf("device: cpu (no CUDA device%s)\n",

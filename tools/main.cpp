@@ -71,13 +71,11 @@ int parse_error(CLI::App& app, const CLI::ParseError& e) {
 
 int main(int argc, char** argv) {
   // A misspelt LATENTKV_* variable would otherwise be ignored without a word.
-  for (const std::string& line :
-       latentkv::unread_environment_warnings(latentkv::process_environment_names(), {latentkv::tools::kPythonVariable})) {
+  for (const std::string& line : latentkv::unread_environment_warnings(latentkv::process_environment_names())) {
     std::fprintf(stderr, "warning: %s\n", line.c_str());
   }
   CLI::App app{"latentkv: FP8-native MLA and DeepSeek Sparse Attention over paged caches"};
-  app.set_version_flag("--version", std::string("latentkv ") + latentkv::library_version() + " (" +
-                                        latentkv::library_build() + ")");
+  app.set_version_flag("--version", std::string("latentkv ") + latentkv::library_description());
   app.require_subcommand(1);
   latentkv::tools::add_step_command(app);
   latentkv::tools::add_demo_command(app);

@@ -24,6 +24,7 @@
 #include "cli_checks.hpp"
 #include "commands.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/fp8.hpp"
 #include "latentkv/model.hpp"
@@ -385,7 +386,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
   if (o.from_json.empty()) {
     report = cpu ? run_step_cpu(run) : run_step_gpu(run);
     report.command = repro_line(run, cpu);
-    report.latentkv = std::string(library_version()) + " (" + library_build() + ")";
+    report.latentkv = library_description();
     report.notes.insert(report.notes.begin(), run.notes.begin(), run.notes.end());
     analyze_step(report);
   }

@@ -450,7 +450,7 @@ StepReport parse_report_json(std::string_view text) {
   try {
     const json j = json::parse(text);
     r.command = j.at("command").get<std::string>();
-    if (j.contains("latentkv") && j.at("latentkv").is_string()) r.latentkv = j.at("latentkv").get<std::string>();
+    if (j.contains("latentkv") && !j.at("latentkv").is_null()) r.latentkv = j.at("latentkv").get<std::string>();
     r.device = j.at("device").get<std::string>();
     r.cpu_reference = j.at("cpu_reference").get<bool>();
     r.notes = j.at("notes").get<std::vector<std::string>>();

@@ -39,6 +39,7 @@ struct TomlCheckFailed {
 #pragma GCC diagnostic pop
 #pragma pop_macro("NDEBUG")
 
+#include "latentkv/environment.hpp"
 #include "latentkv/ops.hpp"
 
 namespace latentkv {
@@ -683,7 +684,7 @@ const std::vector<std::string_view>& config_keys() {
 }
 
 std::string environment_variable(std::string_view key) {
-  std::string name = "LATENTKV_";
+  std::string name = kEnvironmentPrefix;
   for (char ch : key) name += (ch >= 'a' && ch <= 'z') ? static_cast<char>(ch - 'a' + 'A') : ch;
   return name;
 }

@@ -11,7 +11,7 @@ extern char** environ;  // POSIX: the process's environment, "NAME=value" string
 namespace latentkv {
 namespace {
 
-constexpr std::string_view kPrefix = "LATENTKV_";
+constexpr std::string_view kPrefix = kEnvironmentPrefix;
 
 // Edits (insertions, deletions, substitutions) that turn a into b.
 std::size_t edit_distance(std::string_view a, std::string_view b) {
@@ -29,8 +29,20 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
+// Whether the words of `part` ('_'-separated) stand in `whole` as a run of its words.
+bool among_words(std::string_view part, std::string_view whole) {
+  const auto padded = [](std::string_view words) {
+    std::string s(1, '_');
+    s.append(words);
+    s.push_back('_');
+    return s;
+  };
+  return !part.empty() && padded(whole).find(padded(part)) != std::string::npos;
+}
+
 // The name read that `name` most likely meant, or "" when none is close: the fewest edits after
-// LATENTKV_, at most 3 and a third of the longer name (TOPK is not TP), or one name inside the other.
+// LATENTKV_, at most 3 and a third of the longer name (TOPK is not TP), or one name's words among
+// the other's (SPARSE_DECODE_BACKEND: SPARSE_DECODE; TP_SIZE: TP; but not OUTPUT: TP).
 std::string closest(std::string_view name, const std::vector<std::string>& read) {
   const std::string_view word = name.substr(kPrefix.size());
   std::string best;
@@ -39,9 +51,7 @@ std::string closest(std::string_view name, const std::vector<std::string>& read)
     const std::string_view other = std::string_view(candidate).substr(kPrefix.size());
     std::size_t d = edit_distance(word, other);
     if (d > std::max(word.size(), other.size()) / 3) d = 4;
-    const bool contained = std::min(word.size(), other.size()) >= 2 &&
-                           (word.find(other) != std::string_view::npos || other.find(word) != std::string_view::npos);
-    if (contained) d = std::min<std::size_t>(d, 3);
+    if (among_words(word, other) || among_words(other, word)) d = std::min<std::size_t>(d, 3);
     if (d < best_distance) {
       best_distance = d;
       best = candidate;
@@ -57,6 +67,7 @@ std::vector<std::string> environment_variables() {
   for (const std::string_view key : config_keys()) names.push_back(environment_variable(key));
   names.emplace_back(kMlaKernelVariable);
   names.emplace_back(kIndexerKernelVariable);
+  names.emplace_back(kPythonVariable);
   return names;
 }
 

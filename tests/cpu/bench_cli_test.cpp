@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -208,7 +209,7 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
   const BenchOptions o = options_for("topk");
   const nlohmann::json j = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(0)));
-  EXPECT_EQ(j.at("latentkv"), std::string(LATENTKV_VERSION) + " (" + latentkv::library_build() + ")");
+  EXPECT_EQ(j.at("latentkv"), latentkv::library_description());
   EXPECT_EQ(j.at("command"), latentkv::tools::repro_line(o));
   EXPECT_EQ(j.at("copy_gbps"), 4300);
   EXPECT_EQ(j.at("rotation_cold"), false);
@@ -249,12 +250,13 @@ TEST(BenchWork, SelectedEntriesCountOncePerRequestWithoutPadding) {
   // Two requests of two rows of top-k 4: request 0's rows share slots 7 and 9; request 1 selects
   // slot 7 too (another request's entry: counted again) and pads with -1.
   const std::vector<std::int32_t> rows = {7, 9, 3, -1, /**/ 9, 7, 12, 5, /**/ 7, -1, -1, -1, /**/ 8, 7, -1, -1};
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 2, 4), 5 + 2);
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 1, 4), 3 + 4 + 1 + 2);  // one row per request
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 4, 4), 6);  // 7, 9, 3, 12, 5, 8
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries({}, 2, 4), 0);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 2, 4, 13), 5 + 2);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 1, 4, 13), 3 + 4 + 1 + 2);  // one row per request
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 4, 4, 13), 6);  // 7, 9, 3, 12, 5, 8
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries({}, 2, 4, 13), 0);
   const std::vector<std::int32_t> padding(8, -1);
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries(padding, 2, 4), 0);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(padding, 2, 4, 13), 0);
+  EXPECT_THROW((void)latentkv::tools::distinct_selected_entries(rows, 2, 4, 12), std::invalid_argument);  // slot 12
 }
 
 TEST(BenchWork, RotationHoldsTwiceTheL2WithinTheCallsAndThePool) {
@@ -276,10 +278,13 @@ TEST(BenchWork, RotationHoldsTwiceTheL2WithinTheCallsAndThePool) {
   EXPECT_EQ(held.sets, 3);
   EXPECT_FALSE(held.cold);
   EXPECT_EQ(plan_rotation(21'500'000, kL2, kCalls, 0).sets, 1);  // at least one, never 0
-  // No L2 reported, no calls, nothing read: one set, cold.
+  // No L2 reported (or a negative size): one set, cold; no calls: one set.
   EXPECT_EQ(plan_rotation(1000, 0, kCalls, kAnySets).sets, 1);
   EXPECT_TRUE(plan_rotation(1000, 0, kCalls, 1).cold);
+  EXPECT_EQ(plan_rotation(1000, -kL2, kCalls, kAnySets).sets, 1);
+  EXPECT_TRUE(plan_rotation(1000, -kL2, kCalls, 1).cold);
   EXPECT_EQ(plan_rotation(1000, kL2, 0, kAnySets).sets, 1);
+  // Nothing read counts as a byte a call: as many sets as calls.
   EXPECT_EQ(plan_rotation(0, kL2, kCalls, kAnySets).sets, kCalls);
 }
 
@@ -288,6 +293,7 @@ TEST(BenchWork, RequestSetsLeaveAPageOfSlackPerRequest) {
   EXPECT_EQ(latentkv::tools::request_sets_that_fit(1'100'000, 64 * 8192, 64, 64), 2);
   EXPECT_EQ(latentkv::tools::request_sets_that_fit(64 * (8192 + 64) - 1, 64 * 8192, 64, 64), 0);
   EXPECT_EQ(latentkv::tools::request_sets_that_fit(495'000, 32'768, 1, 64), 15);  // 495K / 32,832
+  EXPECT_EQ(latentkv::tools::request_sets_that_fit(495'000, 0, 0, 64), latentkv::tools::kAnySets);  // sets of nothing
 }
 
 TEST(BenchWork, SelectedEntriesMatchASetOverRandomRows) {
@@ -308,7 +314,7 @@ TEST(BenchWork, SelectedEntriesMatchASetOverRandomRows) {
     }
     expected += static_cast<std::int64_t>(distinct.size());
   }
-  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 5, 300), expected);
+  EXPECT_EQ(latentkv::tools::distinct_selected_entries(rows, 5, 300, 1000), expected);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "latentkv/backend.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/version.hpp"
 
 namespace {
@@ -63,11 +64,16 @@ class Cli : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   // Runs `latentkv args...` with its output captured in files of the test's directory, and with
-  // `environment` ("NAME=value" each) set for it.
+  // `environment` ("NAME=value" each) set for it; no LATENTKV_* variable of the test's own
+  // environment reaches it (the program warns about those it does not read).
   Result run(std::vector<std::string> args, const std::vector<std::string>& more = {},
              const std::vector<std::string>& environment = {}) const {
     args.insert(args.end(), more.begin(), more.end());
-    std::string command;
+    std::string command = "env";
+    for (const std::string& name : latentkv::process_environment_names()) {
+      if (name.starts_with(latentkv::kEnvironmentPrefix)) command += " -u " + shell_quote(name);
+    }
+    command += " ";
     for (const std::string& assignment : environment) {
       const std::size_t equals = assignment.find('=');
       command += assignment.substr(0, equals + 1) + shell_quote(assignment.substr(equals + 1)) + " ";
@@ -107,7 +113,7 @@ TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.err, HasSubstr("warning: LATENTKV_PAGESIZE is set but latentkv reads no variable of that name; it is "
                                "ignored (did you mean LATENTKV_PAGE_SIZE?)\n"));
-  EXPECT_THAT(r.err, Not(HasSubstr("LATENTKV_PYTHON is set")));  // the program's own
+  EXPECT_THAT(r.err, Not(HasSubstr("LATENTKV_PYTHON is set")));  // the program's own, read
   EXPECT_THAT(r.out, Not(HasSubstr("warning")));
 }
 
@@ -119,9 +125,10 @@ TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const Result info = run({"info"});
   EXPECT_EQ(info.out.substr(0, line.size()), line);
   EXPECT_STREQ(latentkv::library_version(), LATENTKV_VERSION);
+  EXPECT_EQ(std::string("latentkv ") + latentkv::library_description() + "\n", line);
   const std::string build = latentkv::library_build();
 #ifdef LKV_WITH_CUDA
-  EXPECT_THAT(build, ::testing::StartsWith("CUDA backends for sm_"));
+  EXPECT_THAT(build, ::testing::StartsWith("CUDA backends for "));
 #else
   EXPECT_EQ(build, "CPU reference only (built without CUDA)");
 #endif

@@ -1,9 +1,10 @@
-// Calls from several threads at once, as an engine's workers make them: the library keeps no state
-// of a call outside the caller's buffers (outputs, workspace), so threads that share one read-only
-// cache and call the same backend each get, bit for bit, what one thread alone computes; loading
-// and resolving configurations and looking backends up may race too. (The CUDA backends' only
-// shared host state, the per-kernel queries of once_per_key, is behind a mutex.) Built with
-// -fsanitize=thread, these tests are also the data-race check of those paths.
+// Calls from several threads at once, as an engine's workers make them (docs/operations.md): the
+// library keeps no state of a call outside the caller's buffers (outputs, workspace), so threads
+// that share one read-only cache and plan and call the same backend each get, bit for bit, what one
+// thread alone computes; loading and resolving configurations and looking backends up may race too.
+// Built with -fsanitize=thread (scripts/test.sh), these tests are also the data-race check of those
+// paths on the CPU build; the CUDA backends' shared host state (once_per_key, behind a mutex) is
+// exercised by GpuDsaDecodeThreads on a GPU, not under ThreadSanitizer.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -82,10 +83,14 @@ TEST(Concurrency, DsaDecodeFromManyThreadsEqualsOneThreadBitForBit) {
     ASSERT_FALSE(is_sentinel(call.o));
   }
   for (int round = 0; round < 3; ++round) {
-    std::vector<std::unique_ptr<Call>> calls;
-    for (const Inputs& in : inputs) calls.push_back(std::make_unique<Call>(in, f));
+    std::vector<std::unique_ptr<Call>> calls(inputs.size());
     std::vector<std::thread> threads;
-    for (const auto& call : calls) threads.emplace_back([&call] { call->run(); });
+    for (std::size_t t = 0; t < inputs.size(); ++t) {
+      threads.emplace_back([&, t] {  // each thread plans its call too
+        calls[t] = std::make_unique<Call>(inputs[t], f);
+        calls[t]->run();
+      });
+    }
     for (std::thread& t : threads) t.join();
     for (std::size_t t = 0; t < calls.size(); ++t) {
       EXPECT_EQ(calls[t]->result(), alone[t]) << "thread " << t << ", round " << round;

@@ -366,6 +366,11 @@ TEST(StepReportJson, RejectsWhatIsNotAReport) {
   ASSERT_NE(at, std::string::npos);
   text.replace(at, 15, "\"warp_decode\"");
   EXPECT_THROW(parse_report_json(text), std::invalid_argument);
+  nlohmann::json versioned = nlohmann::json::parse(report_json(measured_report()));
+  versioned["latentkv"] = 5;
+  EXPECT_THROW(parse_report_json(versioned.dump()), std::invalid_argument);
+  versioned["latentkv"] = nullptr;  // a report written before the field, or by a build that left it empty
+  EXPECT_EQ(parse_report_json(versioned.dump()).latentkv, "");
 }
 
 TEST(StepReportJson, ValuesNeverMeasuredAreNullWhereTheTableHasADash) {

@@ -11,6 +11,7 @@
 #include "support/compare.hpp"
 #include "support/naive.hpp"
 #include "support/paged_fixture.hpp"
+#include "support/scoped_env.hpp"
 
 namespace latentkv::testing {
 namespace {
@@ -145,19 +146,18 @@ TEST(PagedFixture, PagesAreShuffled) {
 }
 
 TEST(Rng, SeedsAreReproducibleAndOverridable) {
-  const char* saved = std::getenv("LKV_TEST_SEED");
-  const std::string saved_value = saved ? saved : "";
-  ::setenv("LKV_TEST_SEED", "42", 1);
-  Rng a = test_rng("s"), b = test_rng("s"), c = test_rng("t");
-  EXPECT_EQ(a.seed(), b.seed());
-  EXPECT_NE(a.seed(), c.seed());
-  EXPECT_EQ(a.next_u64(), b.next_u64());
-  ::setenv("LKV_TEST_SEED", "0x2b", 1);  // 43
-  EXPECT_NE(test_rng("s").seed(), a.seed());
-  ::setenv("LKV_TEST_SEED", "42", 1);
-  EXPECT_EQ(test_rng("s").seed(), a.seed());
-  if (saved) ::setenv("LKV_TEST_SEED", saved_value.c_str(), 1);
-  else ::unsetenv("LKV_TEST_SEED");
+  {
+    const ScopedEnv base("LKV_TEST_SEED", "42");
+    Rng a = test_rng("s"), b = test_rng("s"), c = test_rng("t");
+    EXPECT_EQ(a.seed(), b.seed());
+    EXPECT_NE(a.seed(), c.seed());
+    EXPECT_EQ(a.next_u64(), b.next_u64());
+    {
+      const ScopedEnv other("LKV_TEST_SEED", "0x2b");  // 43
+      EXPECT_NE(test_rng("s").seed(), a.seed());
+    }
+    EXPECT_EQ(test_rng("s").seed(), a.seed());
+  }
   // Distributions: sane moments.
   Rng r(7);
   double sum = 0, sq = 0;

@@ -326,15 +326,16 @@ TEST(Config, EmptyEnvironmentVariableCountsAsUnset) {
   EXPECT_EQ(c.tp.source.kind, SourceKind::kDefault);
 }
 
-TEST(Config, EnvironmentVariablesReadAreTheFileTheKeysAndTheKernelOverrides) {
+TEST(Config, EnvironmentVariablesReadAreTheFileTheKeysTheKernelOverridesAndThePrograms) {
   const std::vector<std::string> read = environment_variables();
-  ASSERT_EQ(read.size(), 1 + config_keys().size() + 2);
+  ASSERT_EQ(read.size(), 1 + config_keys().size() + 3);
   EXPECT_EQ(read.front(), "LATENTKV_CONFIG");
   EXPECT_EQ(read[1], "LATENTKV_MODEL");
   EXPECT_THAT(read, ::testing::Contains("LATENTKV_PAGE_SIZE"));
   EXPECT_THAT(read, ::testing::Contains("LATENTKV_SPARSE_DECODE"));
-  EXPECT_EQ(read[read.size() - 2], "LATENTKV_MLA_KERNEL");
-  EXPECT_EQ(read.back(), "LATENTKV_INDEXER_KERNEL");
+  EXPECT_EQ(read[read.size() - 3], kMlaKernelVariable);
+  EXPECT_EQ(read[read.size() - 2], kIndexerKernelVariable);
+  EXPECT_EQ(read.back(), kPythonVariable);
 }
 
 TEST(Config, UnreadLatentkvVariablesAreNamedWithTheNearestRead) {
@@ -351,13 +352,18 @@ TEST(Config, UnreadLatentkvVariablesAreNamedWithTheNearestRead) {
   // Nothing close: every name read is listed, the caller's own too.
   EXPECT_THAT(warnings[2], HasSubstr("LATENTKV_DECODE_BACKEND is set but latentkv reads no variable of that name"));
   EXPECT_THAT(warnings[2], HasSubstr("(latentkv reads LATENTKV_CONFIG, LATENTKV_MODEL, LATENTKV_TP,"));
-  EXPECT_THAT(warnings[2], HasSubstr("LATENTKV_INDEXER_KERNEL, LATENTKV_APP)"));
+  EXPECT_THAT(warnings[2], HasSubstr("LATENTKV_INDEXER_KERNEL, LATENTKV_PYTHON, LATENTKV_APP)"));
   EXPECT_TRUE(unread_environment_warnings({"LATENTKV_TP", "HOME"}).empty());
   // Two edits from TP, but half its length: no guess.
   const std::vector<std::string> topk = unread_environment_warnings({"LATENTKV_TOPK"});
   ASSERT_EQ(topk.size(), 1u);
   EXPECT_THAT(topk[0], Not(HasSubstr("did you mean")));
   EXPECT_THAT(unread_environment_warnings({"LATENTKV_MLA_KERNL"}).at(0), HasSubstr("did you mean LATENTKV_MLA_KERNEL?"));
+  // A name read among the words of the one set is a guess; TP inside a word (OUTPUT, HTTP) is not.
+  EXPECT_THAT(unread_environment_warnings({"LATENTKV_TP_SIZE"}).at(0), HasSubstr("did you mean LATENTKV_TP?"));
+  for (const std::string name : {"LATENTKV_OUTPUT_DIR", "LATENTKV_HTTP_PORT", "LATENTKV_LOG_OUTPUT"}) {
+    EXPECT_THAT(unread_environment_warnings({name}).at(0), Not(HasSubstr("did you mean"))) << name;
+  }
   EXPECT_EQ(unread_environment_warnings({"LATENTKV_APP"}).size(), 1u);  // the caller's own only where it says so
 }
 

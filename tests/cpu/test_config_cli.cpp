@@ -18,6 +18,8 @@
 #include <nlohmann/json.hpp>
 
 #include "latentkv/config.hpp"
+#include "latentkv/environment.hpp"
+#include "support/scoped_env.hpp"
 
 // The command itself (tools' latentkv_config_cmd library), so argv is parsed through exactly the
 // options the program defines.
@@ -127,7 +129,7 @@ TEST(ConfigCommand, UsageErrorsAlsoExitTwo) {
 TEST(ConfigCommand, AnUnknownKernelOverrideIsAnError) {
   const Backend* cuda = find_backend("cuda");
   if (cuda == nullptr) GTEST_SKIP() << "no cuda backend in this build";
-  ::setenv("LATENTKV_MLA_KERNEL", "bogus", 1);
+  const testing::ScopedEnv bogus(kMlaKernelVariable, "bogus");
   Problem p;
   p.op = Op::kMlaDecode;
   p.device.kind = DeviceKind::kCuda;
@@ -142,7 +144,6 @@ TEST(ConfigCommand, AnUnknownKernelOverrideIsAnError) {
     refused = true;
   }
   if (!refused) {
-    ::unsetenv("LATENTKV_MLA_KERNEL");
     GTEST_SKIP() << "this build's cuda backend has no sm_90a kernels to choose between";
   }
   for (const std::vector<std::string>& args : {std::vector<std::string>{"config", "--explain"},
@@ -153,7 +154,6 @@ TEST(ConfigCommand, AnUnknownKernelOverrideIsAnError) {
     EXPECT_THAT(r.err, HasSubstr("configuration rejected"));
     EXPECT_EQ(r.out, "") << "no capability matrix narrowed by the override";
   }
-  ::unsetenv("LATENTKV_MLA_KERNEL");
 }
 
 TEST(ConfigCommand, JsonIsTheResolvedConfiguration) {

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <latch>
 #include <limits>
 #include <ostream>
 #include <sstream>
@@ -352,10 +353,11 @@ TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
 }
 
 // Calls from several host threads at once (docs/operations.md, "Calls from several threads"): each
-// thread plans and runs its own call (its own buffers and workspace) on a stream of its own, and
-// the first launches of the process's kernels (their once_per_key queries) race. Each thread's call
-// must pass the three stages; the threads' o and lse are not compared with each other bit for bit,
-// since a selection's slots may be listed in another order from call to call.
+// thread plans and runs its own call (its own buffers and workspace) on a stream of its own, the
+// threads released together, so that their plans and the first launches of the process's kernels
+// (the once_per_key queries and attributes) race. Each call must pass the three stages. (The
+// kernels themselves overlap little: the other threads' synchronous copies wait on every blocking
+// stream.)
 TEST(GpuDsaDecodeThreads, CallsFromFourThreadsEachPassTheStages) {
   LKV_REQUIRE_GPU();
   constexpr int kThreads = 4;
@@ -365,12 +367,14 @@ TEST(GpuDsaDecodeThreads, CallsFromFourThreadsEachPassTheStages) {
   for (int t = 0; t < kThreads; ++t) inputs.push_back(random_inputs(rng, f.batch(), 1, 8, 32));
   std::vector<DsaResult> results(kThreads);
   std::vector<std::string> errors(kThreads);
+  std::latch start(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       const auto i = static_cast<std::size_t>(t);
       cudaStream_t stream = nullptr;
       try {
+        start.arrive_and_wait();
         DeviceDsa d(f, inputs[i], kMaxTopk, 0);
         d.fill_sentinels();  // on the legacy default stream, which a blocking stream waits for
         check_cuda(cudaStreamCreate(&stream));

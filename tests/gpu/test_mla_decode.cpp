@@ -18,11 +18,13 @@
 #include "cpu/reference.hpp"
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
+#include "support/scoped_env.hpp"
 
 namespace latentkv::testing {
 namespace {
@@ -209,12 +211,13 @@ std::int64_t request0_slot(const PagedFixture& f, std::int64_t t) {
 // Plans and runs d on the cuda backend with LATENTKV_MLA_KERNEL=kernel ("auto" or "mma"), then
 // downloads its outputs.
 void run_on_kernel(DeviceDecode& d, const char* kernel) {
-  ::setenv("LATENTKV_MLA_KERNEL", kernel, 1);
-  const Backend& backend = *find_backend("cuda");
-  d.plan(backend, detect_device());
-  run(backend, d.params);
-  LKV_CUDA_OK(cudaDeviceSynchronize());
-  ::unsetenv("LATENTKV_MLA_KERNEL");
+  {
+    const ScopedEnv forced(kMlaKernelVariable, kernel);
+    const Backend& backend = *find_backend("cuda");
+    d.plan(backend, detect_device());
+    run(backend, d.params);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+  }
   d.download();
 }
 

@@ -27,10 +27,12 @@
 
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/environment.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/reference_ops.hpp"
+#include "support/scoped_env.hpp"
 
 namespace latentkv::testing {
 namespace {
@@ -308,9 +310,10 @@ TEST(GpuMlaPrefillNan, ANanNewTokenStaysOutOfTheEarlierTokensRows) {
     const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
     const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});
     const AttentionOutputs ref = reference_mla_prefill(f, q, cu, kScale);
-    ::setenv("LATENTKV_MLA_KERNEL", c.kernel, 1);
-    const GpuOutputs got = gpu_mla_prefill(f, q, cu);
-    ::unsetenv("LATENTKV_MLA_KERNEL");
+    const GpuOutputs got = [&] {
+      const ScopedEnv forced(kMlaKernelVariable, c.kernel);
+      return gpu_mla_prefill(f, q, cu);
+    }();
     SCOPED_TRACE(std::string(c.kernel) + ", H " + std::to_string(c.heads) + ", NaN in position " + std::to_string(c.token));
     const std::int64_t nan_row = c.token - c.batch.prefixes[0];  // the first new token that sees it
     ASSERT_TRUE(std::isfinite(ref.lse.get((nan_row - 1) * c.heads)));

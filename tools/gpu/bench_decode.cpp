@@ -186,7 +186,8 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
   // distinct ones a sparse request's rows select: set 0's), the queries, index rows and outputs;
   // 2 H (576 + 512) FLOP per (query row, token) pair.
   const double entries = sparse ? static_cast<double>(distinct_selected_entries(
-                                      std::span(host_indices).first(index_elems), opt.q_len, opt.topk))
+                                      std::span(host_indices).first(index_elems), opt.q_len, opt.topk,
+                                      pool.num_pages * pool.page_size))
                                 : static_cast<double>(cached);
   const double flops = 2.0 * heads * (576 + 512) * attended;
   const double bytes = entries * token_bytes + 2.0 * q_elems + 2.0 * o_elems + 4.0 * lse_elems +

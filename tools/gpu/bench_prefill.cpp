@@ -116,8 +116,9 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
   // attend to, once (dense: all its tokens; sparse: the distinct ones its index rows select, which
   // the new tokens largely share), q (and the index rows), o and lse.
   const double token_bytes = static_cast<double>(kv_token_bytes(dtype));
-  const double entries = sparse ? static_cast<double>(distinct_selected_entries(host_indices, n, opt.topk))
-                                : static_cast<double>(opt.context) * opt.batch;
+  const double entries =
+      sparse ? static_cast<double>(distinct_selected_entries(host_indices, n, opt.topk, pool.num_pages * pool.page_size))
+             : static_cast<double>(opt.context) * opt.batch;
   const double bytes = entries * token_bytes + 2.0 * q_elems + 4.0 * static_cast<double>(host_indices.size()) +
                        2.0 * o_elems + 4.0 * lse_elems;
   report.rotation_cold = bytes >= 2.0 * static_cast<double>(ctx.l2_bytes);  // else some of it stays in the L2
