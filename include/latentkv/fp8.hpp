@@ -25,4 +25,10 @@ enum class ScaleMode {
 float fp8_block_scale(float amax, ScaleMode mode);
 inline constexpr float kScaleAmaxFloor = 1e-4f;
 
+// The bf16 magnitude (bits & 0x7FFF) from which a value cannot be stored in an fp8 block under a
+// pow2 scale: from 248 x 2^120 (3.29649e+38) the block's scale is 2^120 and the value rounds to the
+// code 256, so it reads back as 2^128, inf in float32. The append refuses such values; exact scales
+// hold every finite bf16.
+inline constexpr std::uint16_t kPow2StorableMagnitudeBits = 0x7F78;
+
 }  // namespace latentkv

@@ -41,8 +41,16 @@ void fail_slot(std::string_view op, std::string_view argument, std::int64_t inde
 }
 
 void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index, std::uint16_t bits) {
+  const std::string where = std::string(argument) + " element " + std::to_string(index);
+  if ((bits & 0x7F80u) != 0x7F80u) {  // finite: too large for an fp8 block under a pow2 scale
+    char value[32];
+    std::snprintf(value, sizeof value, "%.6g", static_cast<double>(bf16_decode(bits)));
+    fail(op, where, value,
+         "a magnitude below 248 x 2^120 (3.29649e+38): with pow2 scales a larger value is stored as the fp8 code 256 "
+         "under the scale 2^120, which is inf in float32 (scale_mode exact holds it)");
+  }
   const char* value = std::isnan(bf16_decode(bits)) ? "nan" : (bits & 0x8000u) != 0 ? "-inf" : "inf";
-  fail(op, std::string(argument) + " element " + std::to_string(index), value, "a finite value");
+  fail(op, where, value, "a finite value");
 }
 
 void fail_nonfinite_f32(std::string_view op, std::string_view argument, std::int64_t index, float x) {
@@ -350,6 +358,18 @@ void check_finite_bf16(std::string_view op, std::string_view arg, const TensorVi
   }
 }
 
+// The values an append stores: finite, and those of rows' first `quantized` elements (of `width`)
+// also below kPow2StorableMagnitudeBits in magnitude when they go into fp8 blocks under pow2 scales.
+void check_storable_bf16(std::string_view op, std::string_view arg, const TensorView& v, std::int64_t width,
+                         std::int64_t quantized, bool pow2) {
+  const auto* bits = v.as<const std::uint16_t>();
+  const std::uint32_t quantized_limit = pow2 ? kPow2StorableMagnitudeBits : 0x7F80u;
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    const std::uint32_t limit = i % width < quantized ? quantized_limit : 0x7F80u;
+    if ((bits[i] & 0x7FFFu) >= limit) fail_nonfinite_bf16(op, arg, i, bits[i]);
+  }
+}
+
 void check_finite_f32(std::string_view op, std::string_view arg, const TensorView& v) {
   const auto* x = v.as<const float>();
   for (std::int64_t i = 0; i < v.numel(); ++i) {
@@ -568,8 +588,10 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
 void validate_values(const AppendParams& p) {
   constexpr std::string_view op = "append";
   check_slots(op, "slots", p.slots, p.cache.num_slots());
-  check_finite_bf16(op, "latent", p.latent);
-  if (p.indexer.data != nullptr) check_finite_bf16(op, "indexer_keys", p.indexer_keys);
+  const bool pow2 = p.scale_mode == ScaleMode::kPow2;
+  const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
+  check_storable_bf16(op, "latent", p.latent, kQkDim, fp8 ? kLatentDim : 0, pow2);
+  if (p.indexer.data != nullptr) check_storable_bf16(op, "indexer_keys", p.indexer_keys, kIndexerDim, kIndexerDim, pow2);
 }
 
 void validate_values(const MlaDecodeParams& p) {

@@ -76,6 +76,7 @@ std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
 // they throw the "device fault" Error naming the record's field instead.
 [[noreturn]] void fail_slot(std::string_view op, std::string_view argument, std::int64_t index, std::int64_t slot,
                             std::int64_t num_slots);
+// (A finite `bits` is one too large for an fp8 block under a pow2 scale: kPow2StorableMagnitudeBits.)
 [[noreturn]] void fail_nonfinite_bf16(std::string_view op, std::string_view argument, std::int64_t index,
                                       std::uint16_t bits);
 [[noreturn]] void fail_nonfinite_f32(std::string_view op, std::string_view argument, std::int64_t index, float x);

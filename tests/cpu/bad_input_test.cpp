@@ -121,6 +121,46 @@ TEST(BadInput, AppendNanOrInfLatentOrKeys) {
   EXPECT_FALSE(c.unchanged());
 }
 
+// Under pow2 scales (SPEC section 3) a block holding a value of magnitude 248 x 2^120 or more gets
+// the scale 2^120, and the value the fp8 code 256: it would read back as 2^128, inf in float32. Such
+// values are refused in the quantized parts (the latent's 512, the indexer key), and stored where
+// they are kept as they are (the rope, a bf16 cache) or the scale is exact.
+TEST(BadInput, AppendValuesPow2ScalesCannotHold) {
+  constexpr std::uint16_t kTooLarge = kPow2StorableMagnitudeBits;              // 248 x 2^120
+  constexpr std::uint16_t kLargest = kPow2StorableMagnitudeBits - 1;           // 247 x 2^120: code 240
+  AppendCase c;
+  c.latent.data<std::uint16_t>()[kQkDim + 7] = 0x8000u | kTooLarge;  // negative: the magnitude counts
+  AppendParams p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "latent element " + std::to_string(kQkDim + 7),
+                           "-3.29649e+38"));
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("a magnitude below 248 x 2^120"), std::string::npos);
+  EXPECT_TRUE(c.unchanged());
+
+  c.latent.data<std::uint16_t>()[kQkDim + 7] = 0;
+  c.keys.data<std::uint16_t>()[kIndexerDim + 3] = kTooLarge;
+  p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "indexer_keys element " + std::to_string(kIndexerDim + 3),
+                           "3.29649e+38"));
+  EXPECT_TRUE(c.unchanged());
+  p.scale_mode = ScaleMode::kExact;  // an exact scale holds it
+  EXPECT_NO_THROW(cpu::append(p));
+
+  // The largest value a pow2 block holds, in the latent and the key; and a larger one in the rope.
+  AppendCase d;
+  d.latent.data<std::uint16_t>()[5] = kLargest;
+  d.latent.data<std::uint16_t>()[kLatentDim + 1] = kTooLarge;
+  d.keys.data<std::uint16_t>()[0] = 0x8000u | kLargest;
+  p = d.params();
+  ASSERT_NO_THROW(cpu::append(p));
+  const std::int64_t slot = d.slots.data<std::int32_t>()[0];
+  double entry[kQkDim], key[kIndexerDim], key_scale = 0;
+  cpu::dequantize_token(p.cache, slot, entry);
+  cpu::dequantize_indexer_key(p.indexer, slot, key, &key_scale);
+  EXPECT_EQ(entry[5], 240.0 * std::ldexp(1.0, 120));
+  EXPECT_EQ(entry[kLatentDim + 1], static_cast<double>(bf16_decode(kTooLarge)));
+  EXPECT_EQ(key[0] * key_scale, -240.0 * std::ldexp(1.0, 120));
+}
+
 TEST(BadInput, AppendMismatchedIndexerCache) {
   AppendCase c;
   AppendParams p = c.params();

@@ -1,6 +1,6 @@
 // GPU append: the cache bytes it writes equal the CPU reference's, byte for byte; a token the
-// reference refuses (a slot outside the pool, a NaN or inf in its latent or key) is left unwritten
-// and noted in the call's fault record, as the Error the reference throws.
+// reference refuses (a slot outside the pool, a NaN or inf in its latent or key, a value pow2 scales
+// cannot hold) is left unwritten and noted in the call's fault record, as the Error the reference throws.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include "support/expect_error.hpp"
 #include "gpu/device.hpp"
 #include "latentkv/backend.hpp"
+#include "latentkv/fp8.hpp"
 #include "support/paged_fixture.hpp"
 
 namespace latentkv::testing {
@@ -205,6 +206,91 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuAppendFaults, ::testing::Values(KvDtype::kFp8E4M3, KvDtype::kBf16),
                          [](const ::testing::TestParamInfo<KvDtype>& info) {
                            return std::string(kv_dtype_name(info.param));
+                         });
+
+
+// Values at the limit of pow2 scales (SPEC section 3: a block holding 248 x 2^120 or more in
+// magnitude reads back as inf): one token appended by both backends into poisoned caches. Where the
+// reference refuses it (the quantized latent or key under pow2 scales) the GPU leaves it unwritten
+// and its record reads as the reference's Error; elsewhere both write the same bytes.
+class GpuAppendLargeValues : public ::testing::TestWithParam<std::tuple<KvDtype, ScaleMode>> {};
+
+TEST_P(GpuAppendLargeValues, AsTheReference) {
+  LKV_REQUIRE_GPU();
+  const auto [dtype, mode] = GetParam();
+  Rng rng = test_rng();
+  PagedFixtureOptions o;
+  o.page_size = 16;
+  o.lengths = {1};
+  o.kv_dtype = dtype;
+  o.scale_mode = mode;
+  const PagedFixture f = make_paged_fixture(o, rng);
+  constexpr std::uint16_t kTooLarge = kPow2StorableMagnitudeBits, kLargest = kPow2StorableMagnitudeBits - 1;
+  struct Large {
+    const char* what;
+    int latent_element;  // -1: none
+    std::uint16_t latent_bits;
+    int key_element;
+    std::uint16_t key_bits;
+  };
+  const Large cases[] = {
+      {"the largest a pow2 block holds, latent and key", 5, kLargest, 0, static_cast<std::uint16_t>(0x8000u | kLargest)},
+      {"a larger one in the rope", 513, kTooLarge, -1, 0},
+      {"a larger negative one in the latent's third block", 300, static_cast<std::uint16_t>(0x8000u | kTooLarge), -1, 0},
+      {"a larger one in the key", -1, 0, 77, kTooLarge},
+      {"larger ones in the latent's last element and the key", 511, 0x7F7F, 3, 0x7F7F},
+  };
+  std::vector<std::uint8_t> poisoned_cache(f.cache_bytes.size()), poisoned_indexer(f.indexer_bytes.size());
+  poison_latent_cache(poisoned_cache, dtype);
+  poison_indexer_cache(poisoned_indexer, o.page_size);
+  const std::vector<std::int32_t> slots = {f.slots(0, 1)[0]};
+  for (const Large& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::uint16_t> latent(576), key(128);
+    for (int i = 0; i < 576; ++i) latent[static_cast<std::size_t>(i)] = bf16_encode(static_cast<float>(i % 19) - 9.0f);
+    for (int i = 0; i < 128; ++i) key[static_cast<std::size_t>(i)] = bf16_encode(static_cast<float>(i % 7) - 3.0f);
+    if (c.latent_element >= 0) latent[static_cast<std::size_t>(c.latent_element)] = c.latent_bits;
+    if (c.key_element >= 0) key[static_cast<std::size_t>(c.key_element)] = c.key_bits;
+
+    std::vector<std::uint8_t> host_cache = poisoned_cache, host_indexer = poisoned_indexer;
+    std::vector<std::int32_t> host_slots = slots;
+    AppendParams h;
+    h.cache = f.cache(host_cache.data(), Device::cpu());
+    h.indexer = f.indexer(host_indexer.data(), Device::cpu());
+    h.latent = TensorView::contiguous(latent.data(), DType::kBF16, {1, 576});
+    h.indexer_keys = TensorView::contiguous(key.data(), DType::kBF16, {1, 128});
+    h.slots = TensorView::contiguous(host_slots.data(), DType::kI32, {1});
+    h.scale_mode = mode;
+    std::string refused;
+    try {
+      cpu::append(h);
+    } catch (const Error& e) {
+      refused = e.what();
+    }
+
+    DeviceBuffer d_cache(poisoned_cache), d_indexer(poisoned_indexer), d_latents(latent), d_keys(key), d_slots(slots);
+    DeviceBuffer d_fault(sizeof(DeviceFault));
+    LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
+    AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, 1);
+    p.scale_mode = mode;
+    p.fault = d_fault.get<DeviceFault>();
+    run(*find_backend("cuda"), p);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    DeviceFault fault;
+    d_fault.download(&fault, sizeof fault);
+    EXPECT_EQ(error_of([&] { throw_device_fault(fault); }), refused);
+    EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == host_cache) << "main cache differs from the reference's";
+    EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == host_indexer) << "indexer cache differs from the reference's";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, GpuAppendLargeValues,
+                         ::testing::Values(std::tuple{KvDtype::kFp8E4M3, ScaleMode::kPow2},
+                                           std::tuple{KvDtype::kFp8E4M3, ScaleMode::kExact},
+                                           std::tuple{KvDtype::kBf16, ScaleMode::kPow2}),
+                         [](const ::testing::TestParamInfo<std::tuple<KvDtype, ScaleMode>>& info) {
+                           return std::string(kv_dtype_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) == ScaleMode::kPow2 ? "_pow2" : "_exact");
                          });
 
 }  // namespace

@@ -1,7 +1,8 @@
 // append: quantize new tokens and write them into the main latent cache and the indexer key cache.
 // One warp per token. Bit-identical to the CPU reference (src/cpu/append.cpp). A token the reference
-// would refuse (a slot outside the pool; a NaN or inf in its latent or key) is left unwritten, and
-// noted in the call's fault record when it has one (latentkv/device_fault.hpp).
+// would refuse (a slot outside the pool; a NaN or inf in its latent or key, or under pow2 scales a
+// value the fp8 blocks cannot hold, kPow2StorableMagnitudeBits) is left unwritten, and noted in the
+// call's fault record when it has one (latentkv/device_fault.hpp).
 #include <cstdint>
 
 #include "cuda/common/chained_launch.cuh"
@@ -9,6 +10,7 @@
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/device_fault.cuh"
 #include "cuda/kv_cache/launch.hpp"
+#include "latentkv/fp8.hpp"
 
 namespace latentkv::cuda {
 namespace {
@@ -34,25 +36,45 @@ __device__ __forceinline__ float abs_max_over(float v, int width) {
   return v;
 }
 
-// Whether every bf16 of the lane's latent chunks and key words is finite (exponent not all ones),
-// the unloaded ones being zero: a half's exponent bits plus one in their lowest place carry into
-// its top bit only when they are all ones, so one add per word and an OR over the words tell.
-__device__ __forceinline__ bool all_finite(const uint4 (&chunk)[3], const uint2& key) {
-  const std::uint32_t words[14] = {chunk[0].x, chunk[0].y, chunk[0].z, chunk[0].w, chunk[1].x, chunk[1].y, chunk[1].z,
-                                   chunk[1].w, chunk[2].x, chunk[2].y, chunk[2].z, chunk[2].w, key.x,      key.y};
-  std::uint32_t carries = 0;
+// Magnitudes (bf16 bits & 0x7FFF) from which a value is refused: the non-finite ones (0x7F80), and
+// where it goes into an fp8 block under a pow2 scale also the finite ones that block cannot hold.
+constexpr std::uint32_t kNonFiniteBits = 0x7F80u;
+__device__ __forceinline__ std::uint32_t refused_from(bool quantized_pow2) {
+  return quantized_pow2 ? kPow2StorableMagnitudeBits : kNonFiniteBits;
+}
+
+// Whether both bf16 of `w` lie below magnitude `limit` (<= 0x8000): a half's magnitude plus
+// 0x8000 - limit carries into its top bit exactly when it is at least `limit`, and never into the
+// other half (magnitudes are below 0x8000), so one add per word tells; `bias` is that addend in both halves.
+__device__ __forceinline__ std::uint32_t limit_bias(std::uint32_t limit) { return (0x8000u - limit) * 0x00010001u; }
+__device__ __forceinline__ std::uint32_t carries_of(std::uint32_t w, std::uint32_t bias) {
+  return (w & 0x7FFF7FFFu) + bias;
+}
+
+// Whether every bf16 of the lane's latent chunks and key words may be stored (the unloaded ones
+// being zero): chunks 0 and 1 below `latent_limit` (an fp8 cache's quantized latent, or a bf16
+// cache's verbatim one), chunk 2 finite (the rope, or a bf16 cache's last chunk), the key below `key_limit`.
+__device__ __forceinline__ bool all_storable(const uint4 (&chunk)[3], const uint2& key, std::uint32_t latent_limit,
+                                             std::uint32_t key_limit) {
+  const std::uint32_t latent_bias = limit_bias(latent_limit), finite_bias = limit_bias(kNonFiniteBits),
+                      key_bias = limit_bias(key_limit);
+  std::uint32_t carries = carries_of(key.x, key_bias) | carries_of(key.y, key_bias);
 #pragma unroll
-  for (const std::uint32_t w : words) carries |= (w & 0x7F807F80u) + 0x00800080u;
+  for (int c = 0; c < 3; ++c) {
+    const std::uint32_t bias = c < 2 ? latent_bias : finite_bias;
+    carries |= carries_of(chunk[c].x, bias) | carries_of(chunk[c].y, bias) | carries_of(chunk[c].z, bias) |
+               carries_of(chunk[c].w, bias);
+  }
   return (carries & 0x80008000u) == 0;
 }
 
-// The first element (0-7) of the eight bf16 in `c` whose exponent is all ones (inf or NaN), or -1;
+// The first element (0-7) of the eight bf16 in `c` whose magnitude is at least `limit`, or -1;
 // `bits` gets its bits.
-__device__ int first_nonfinite(const uint4& c, std::uint32_t& bits) {
+__device__ int first_refused(const uint4& c, std::uint32_t limit, std::uint32_t& bits) {
   const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
   for (int i = 0; i < 8; ++i) {
     const std::uint32_t b = (words[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
-    if ((b & 0x7F80u) == 0x7F80u) {
+    if ((b & 0x7FFFu) >= limit) {
       bits = b;
       return i;
     }
@@ -60,10 +82,10 @@ __device__ int first_nonfinite(const uint4& c, std::uint32_t& bits) {
   return -1;
 }
 
-// A token with a non-finite value: its lowest such element over the warp (each lane's candidate
+// A token with a refused value: its lowest such element over the warp (each lane's candidate
 // `element`, -1 for none, with its bits) recorded with `code` by the lane that holds it. True when
 // there is one.
-__device__ bool record_nonfinite(const AppendArgs& a, DeviceFaultCode code, std::int64_t row, int width, int element,
+__device__ bool record_refused(const AppendArgs& a, DeviceFaultCode code, std::int64_t row, int width, int element,
                                  std::uint32_t bits) {
   if (__ballot_sync(0xffffffffu, element >= 0) == 0) return false;
   int lowest = element >= 0 ? element : INT32_MAX;
@@ -72,24 +94,25 @@ __device__ bool record_nonfinite(const AppendArgs& a, DeviceFaultCode code, std:
   return true;
 }
 
-// The fault of a refused token (the whole warp): the lowest non-finite latent element, else the
-// lowest non-finite key element. Lane l holds latent chunks 2l, 2l + 1 and rope chunk 64 + l on an
+// The fault of a refused token (the whole warp): the lowest refused latent element, else the
+// lowest refused key element. Lane l holds latent chunks 2l, 2l + 1 and rope chunk 64 + l on an
 // fp8 cache, chunks l, l + 32 and l + 64 on a bf16 one (8 elements each), and key elements 4l .. 4l + 3.
-__device__ void refuse(const AppendArgs& a, std::int64_t token, int lane, const uint4 (&chunk)[3], const uint2& key) {
+__device__ void refuse(const AppendArgs& a, std::int64_t token, int lane, const uint4 (&chunk)[3], const uint2& key,
+                       std::uint32_t latent_limit, std::uint32_t key_limit) {
   const int at[3] = {a.fp8 ? 2 * lane : lane, a.fp8 ? 2 * lane + 1 : lane + 32, a.fp8 ? 64 + lane : lane + 64};
   int element = -1;
   std::uint32_t bits = 0;
   for (int c = 2; c >= 0; --c) {  // falling order: the last found is the lowest
     std::uint32_t b = 0;
-    const int i = first_nonfinite(chunk[c], b);
+    const int i = first_refused(chunk[c], c < 2 ? latent_limit : kNonFiniteBits, b);
     if (i >= 0) {
       element = 8 * at[c] + i;
       bits = b;
     }
   }
-  if (record_nonfinite(a, DeviceFaultCode::kLatent, token, 576, element, bits)) return;
-  const int i = first_nonfinite(make_uint4(key.x, key.y, 0u, 0u), bits);
-  record_nonfinite(a, DeviceFaultCode::kIndexerKey, token, 128, i >= 0 ? 4 * lane + i : -1, bits);
+  if (record_refused(a, DeviceFaultCode::kLatent, token, 576, element, bits)) return;
+  const int i = first_refused(make_uint4(key.x, key.y, 0u, 0u), key_limit, bits);
+  record_refused(a, DeviceFaultCode::kIndexerKey, token, 128, i >= 0 ? 4 * lane + i : -1, bits);
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs a) {
@@ -117,10 +140,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
   }
   uint2 key = {};
   if (a.indexer != nullptr) key = reinterpret_cast<const uint2*>(a.indexer_keys + token * 128)[lane];
-  // Refused (as the reference refuses the whole call): a non-finite latent or key value. The test
-  // and its vote go out with the conversion below (nothing there depends on them) and are read
-  // only before the first store.
-  const bool finite = __all_sync(0xffffffffu, all_finite(chunk, key));
+  // Refused (as the reference refuses the whole call): a non-finite latent or key value, or under
+  // pow2 scales one its fp8 block cannot hold. The test and its vote go out with the conversion
+  // below (nothing there depends on them) and are read only before the first store.
+  const std::uint32_t latent_limit = refused_from(a.fp8 && a.pow2), key_limit = refused_from(a.pow2);
+  const bool storable = __all_sync(0xffffffffu, all_storable(chunk, key, latent_limit, key_limit));
 
   // fp8 latent: lane l holds values [16 l, 16 l + 16), in scale block l / 8.
   std::uint32_t codes[4] = {0, 0, 0, 0};
@@ -138,8 +162,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) append_kernel(AppendArgs 
     if (lane == 0) record_fault(a.fault, DeviceFaultCode::kSlot, {.index = token, .value = slot, .bound = a.num_slots});
     return;
   }
-  if (!finite) {  // noted whatever the slot, -1 too: the reference checks every token's values
-    refuse(a, token, lane, chunk, key);
+  if (!storable) {  // noted whatever the slot, -1 too: the reference checks every token's values
+    refuse(a, token, lane, chunk, key, latent_limit, key_limit);
     return;
   }
   if (slot == -1) return;
