@@ -13,8 +13,10 @@
 //    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
 //    contiguous and on the call's device, fewer than 2^31 slots in a pool and tokens in a block
 //    table, at most kMaxLogitsColumns (2^30) logits columns (on a GPU the indexer prefill's
-//    block-table capacity too: its logits rows reach that far). A GPU call also takes at most 65,535 requests (sparse decode: B x q_len query tokens)
-//    and wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned (cudaMalloc gives
+//    block-table capacity too: its logits rows reach that far). On a GPU a dense decode or an
+//    indexer call takes at most 65,535 requests and a sparse decode 65,535 query tokens (B x q_len)
+//    (the prefills run in slices of 65,535 new tokens; the top-k has no such limit), and a call
+//    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned (cudaMalloc gives
 //    256; the indexer prefill and the DSA calls want their workspace 256-byte aligned). What a
 //    call writes (outputs, the caches of an append, workspace and clear, fault; the workspace as
 //    workspace_bytes long) shares no byte with any other of its arguments.

@@ -650,6 +650,9 @@ TEST(BadInput, ViewDescriptorsThatCannotBeRead) {
   p = c.params();
   p.o.shape[3] = -kLatentDim;
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "o", std::to_string(-kLatentDim)));
+  p = c.params();
+  p.lse.dtype = static_cast<DType>(200);  // no DType: its bytes cannot be counted
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "lse", "dtype 200"));
   EXPECT_TRUE(c.outputs_untouched());
 }
 

@@ -340,6 +340,10 @@ TEST(DsaDecodeBadInput, ShapesTooLargeForAWorkspace) {
     EXPECT_TRUE(throws_error([&] { dsa_decode(same_backend(reference()), p, d.plan, {}, kCpu); }, "dsa_decode", "q",
                              std::to_string(huge)));
   }
+  // A dtype outside DType has no size to count the bytes by: refused as such, before its rows are.
+  DsaDecodeParams p = with_rows(huge, huge, 0);
+  p.q.dtype = static_cast<DType>(9);
+  EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), p, kCpu); }, "dsa_decode", "q", "dtype 9"));
   EXPECT_TRUE(d.untouched());
 }
 
