@@ -237,7 +237,7 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   check_cuda(cudaDeviceSynchronize());
   check_stages(f, in, d.download(), c.topk);
   EXPECT_EQ(d.fault(), "") << "a fault noted for good input";
-  EXPECT_NE(d.steps().topk.fault, nullptr) << "the top-k notes a NaN logit, which no other step sees";
+  EXPECT_NE(d.steps().topk.fault, nullptr) << "the top-k is given the fault record (ANanLogitIsTheTopksError checks its use)";
 }
 
 // No requests: nothing to compute or refuse; every step returns before it launches anything.

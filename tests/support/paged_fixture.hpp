@@ -95,6 +95,9 @@ struct PagedFixture {
   const std::uint16_t* latent_of(std::int64_t b, std::int64_t position) const {  // [576] bf16
     return latents.data() + (first_token[static_cast<std::size_t>(b)] + position) * kQkDim;
   }
+  const std::uint16_t* key_of(std::int64_t b, std::int64_t position) const {  // [128] bf16
+    return keys.data() + (first_token[static_cast<std::size_t>(b)] + position) * kIndexerDim;
+  }
 
   // Descriptors over the host buffers, or over device copies of them.
   LatentCache cache() { return cache(cache_bytes.data(), Device::cpu()); }
