@@ -18,17 +18,29 @@ class IndexerLogits : public ::testing::TestWithParam<std::tuple<int /*page_size
 TEST_P(IndexerLogits, MatchesNaive) {
   const auto [page_size, heads] = GetParam();
   for (int q_len = 1; q_len <= 4; ++q_len) {
-    Rng rng = test_rng("q_len " + std::to_string(q_len));
-    PagedFixtureOptions o;
-    o.page_size = page_size;
-    o.lengths = {0, 1, page_size - 1, page_size + 1, 29, 2 * page_size + 3};
-    PagedFixture f = make_paged_fixture(o, rng);
-    const HostTensor q = random_fp8(rng, {f.batch(), q_len, heads, kIndexerDim}, 2.0);
-    const HostTensor w = random_f32(rng, {f.batch(), q_len, heads}, -1.0, 1.0);
-    const std::int64_t max_len = f.max_len() + 5;  // spare columns must be -inf too
-    const HostTensor got = reference_indexer_logits(f, q, w, max_len);
-    const std::vector<double> want = naive::indexer_logits(f, q, w, max_len);
-    EXPECT_TRUE(compare("logits q_len " + std::to_string(q_len), got, want, Tolerance::f32_output()));
+    // Exact key scales too: there a logit rounded twice (the sum, then its product with the scale)
+    // can miss float's nearest by an ulp, which f32_output's tolerance would let pass.
+    for (ScaleMode mode : {ScaleMode::kPow2, ScaleMode::kExact}) {
+      Rng rng = test_rng("q_len " + std::to_string(q_len) + (mode == ScaleMode::kExact ? " exact" : ""));
+      PagedFixtureOptions o;
+      o.page_size = page_size;
+      o.lengths = {0, 1, page_size - 1, page_size + 1, 29, 2 * page_size + 3};
+      o.scale_mode = mode;
+      PagedFixture f = make_paged_fixture(o, rng);
+      const HostTensor q = random_fp8(rng, {f.batch(), q_len, heads, kIndexerDim}, 2.0);
+      const HostTensor w = random_f32(rng, {f.batch(), q_len, heads}, -1.0, 1.0);
+      const std::int64_t max_len = f.max_len() + 5;  // spare columns must be -inf too
+      const HostTensor got = reference_indexer_logits(f, q, w, max_len);
+      const std::vector<double> want = naive::indexer_logits(f, q, w, max_len);
+      const std::string what = "logits q_len " + std::to_string(q_len) + (mode == ScaleMode::kExact ? " (exact scales)" : "");
+      EXPECT_TRUE(compare(what, got, want, Tolerance::f32_output()));
+      // Rounded once from float64: within half a float ulp (24 significant bits) of the naive sum.
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (!std::isfinite(want[i]) || want[i] == 0.0) continue;  // -inf columns and zeros: compare() above
+        const double half_ulp = std::ldexp(1.0, std::ilogb(want[i]) - 24);
+        ASSERT_LE(std::fabs(got.get(static_cast<std::int64_t>(i)) - want[i]), half_ulp * (1 + 1e-9)) << what << " element " << i;
+      }
+    }
   }
 }
 
@@ -113,6 +125,24 @@ TEST(TopkTies, ManyEqualLogitsAreComparedByValue) {
       EXPECT_TRUE(naive::check_topk(f, logits, slots)) << "page_size " << page_size << " k " << k;
     }
   }
+}
+
+// The reference's own order (SPEC allows any tie-break; the GPU's tests compare sets): largest
+// first, equal logits by position, so its rows are reproducible whatever the sort's implementation.
+TEST(TopkTies, TheReferenceListsLargestFirstThenEarlierPositions) {
+  Rng rng = test_rng();
+  PagedFixtureOptions o;
+  o.page_size = 2;
+  o.lengths = {5};
+  o.with_indexer = false;
+  PagedFixture f = make_paged_fixture(o, rng);
+  HostTensor logits(DType::kF32, {1, 1, 5});
+  for (std::int64_t i = 0; i < 5; ++i) logits.set(i, 0.0);
+  logits.set(3, 1.0);
+  const HostTensor slots = reference_topk(f, logits, 3);
+  const std::vector<std::int32_t> all = f.slots(0, 5);
+  EXPECT_EQ(std::vector<std::int32_t>(slots.data<std::int32_t>(), slots.data<std::int32_t>() + 3),
+            (std::vector<std::int32_t>{all[3], all[0], all[1]}));
 }
 
 TEST(TopkPadding, FewerVisibleThanKPadsWithMinusOne) {

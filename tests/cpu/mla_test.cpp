@@ -159,6 +159,30 @@ TEST(DenseDecodeExact, AllValuesEqualGiveThatValue) {
   }
 }
 
+// Every score far below exp's range (-1300 here): the running max must start from the scores, not
+// from 0, or every weight underflows to 0 and o becomes 0/0. o is the one latent value exactly, lse
+// the score plus log(visible).
+TEST(DenseDecodeExact, AllScoresFarBelowZero) {
+  Rng rng = test_rng();
+  PagedFixtureOptions o;
+  o.page_size = 16;
+  o.lengths = {20};
+  o.with_indexer = false;
+  o.token_values = [](std::int64_t, std::int64_t, std::uint16_t* latent, std::uint16_t* key) {
+    for (int j = 0; j < kLatentDim; ++j) latent[j] = bf16_encode(0.375f);  // 384 x 2^-10 in fp8: exact
+    for (int j = kLatentDim; j < kQkDim; ++j) latent[j] = bf16_encode(0.25f);
+    for (int j = 0; j < kIndexerDim; ++j) key[j] = bf16_encode(1.0f);
+  };
+  PagedFixture f = make_paged_fixture(o, rng);
+  const int heads = 3;
+  HostTensor q(DType::kBF16, {1, 1, heads, kQkDim});
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.data<std::uint16_t>()[i] = bf16_encode(-100.0f);
+  // score = 0.0625 x -100 x (512 x 0.375 + 64 x 0.25) = -1300
+  const AttentionOutputs got = reference_mla_decode(f, q, kGlmScale);
+  for (std::int64_t i = 0; i < got.o.numel(); ++i) ASSERT_EQ(got.o.get(i), 0.375) << "element " << i;
+  for (int h = 0; h < heads; ++h) EXPECT_NEAR(got.lse.get(h), -1300.0 + std::log(20.0), 1e-9) << "head " << h;
+}
+
 // ---- prefill ---------------------------------------------------------------------------------
 
 class DensePrefill : public ::testing::TestWithParam<std::tuple<int, KvDtype>> {};
