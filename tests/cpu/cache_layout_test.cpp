@@ -211,6 +211,34 @@ TEST(CacheLayout, ExactScaleMode) {
   EXPECT_EQ(pool.indexer[1], fp8_e4m3_encode(-0.5f / key_scale));
 }
 
+// SPEC's code is e4m3(value / scale). Multiplying by the scale's reciprocal instead gives the same
+// code except where value / scale sits on an fp8 rounding midpoint; such a value and block amax are
+// searched for (exact scales, amax / 448, rarely a power of two), then appended.
+TEST(CacheLayout, ExactScaleCodesDivideByTheScale) {
+  float amax = 0, x = 0;
+  for (std::uint32_t a = 0x3F80; a < 0x4100 && x == 0; ++a) {  // amax over [1, 8) in bf16
+    const float amax_a = bf16_decode(static_cast<std::uint16_t>(a));
+    const float scale = fp8_block_scale(amax_a, ScaleMode::kExact);
+    for (std::uint32_t b = 0x3C00; b < a; ++b) {  // values below it
+      const float v = bf16_decode(static_cast<std::uint16_t>(b));
+      if (fp8_e4m3_encode(v / scale) != fp8_e4m3_encode(v * (1.0f / scale))) {
+        amax = amax_a, x = v;
+        break;
+      }
+    }
+  }
+  ASSERT_NE(x, 0.0f) << "no value whose code tells division from a reciprocal: the search needs widening";
+  Pool pool(2, 1, KvDtype::kFp8E4M3);
+  GoldenToken g;
+  std::fill(g.latent.begin(), g.latent.begin() + 128, std::uint16_t{0});  // block 0: the two values alone
+  g.latent[0] = bf16_encode(amax);
+  g.latent[1] = bf16_encode(x);
+  std::vector<std::int32_t> slots = {0};
+  pool.append(g.latent, g.key, slots, ScaleMode::kExact);
+  const float scale = fp8_block_scale(amax, ScaleMode::kExact);
+  EXPECT_EQ(pool.cache[1], fp8_e4m3_encode(x / scale)) << "value " << x << " in a block of amax " << amax;
+}
+
 TEST(CacheLayout, SlotMinusOneIsSkippedAndOtherSlotsUntouched) {
   Pool pool(5, 3, KvDtype::kFp8E4M3);
   const std::vector<std::uint8_t> cache_before = pool.cache, indexer_before = pool.indexer;
