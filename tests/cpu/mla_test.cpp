@@ -29,7 +29,7 @@ void expect_matches(const AttentionOutputs& f64, const AttentionOutputs& low, co
   EXPECT_TRUE(compare(what + " o (f64)", f64.o, want.o, Tolerance::float64()));
   EXPECT_TRUE(compare(what + " lse (f64)", f64.lse, want.lse, Tolerance::float64()));
   EXPECT_TRUE(compare(what + " o (bf16)", low.o, want.o, Tolerance::bf16_output()));
-  EXPECT_TRUE(rounded_to_bf16(what + " o (bf16)", low.o, want.o));
+  EXPECT_TRUE(rounded_to_nearest(what + " o (bf16)", low.o, want.o));
   EXPECT_TRUE(compare(what + " lse (f32)", low.lse, want.lse, Tolerance::lse()));
 }
 
@@ -101,7 +101,7 @@ TEST(DenseDecodeWide, LargeScoresStayFinite) {
   EXPECT_TRUE(compare("lse (f64)", got.lse, want.lse, Tolerance{0.0, 1e-12, -1}));
   const AttentionOutputs low = reference_mla_decode(f, q, kGlmScale, DType::kBF16, DType::kF32);
   EXPECT_TRUE(compare("o (bf16)", low.o, want.o, Tolerance::bf16_output()));
-  EXPECT_TRUE(rounded_to_bf16("o (bf16)", low.o, want.o));
+  EXPECT_TRUE(rounded_to_nearest("o (bf16)", low.o, want.o));
   EXPECT_TRUE(compare("lse (f32)", low.lse, want.lse, Tolerance{0.0, 0x1p-24, -1}));
 }
 

@@ -112,7 +112,7 @@ TEST(SparseMla, RandomSelectionsMatchNaive) {
     EXPECT_TRUE(compare("sparse decode o (f64)", f64.o, want.o, Tolerance::float64()));
     EXPECT_TRUE(compare("sparse decode lse (f64)", f64.lse, want.lse, Tolerance::float64()));
     EXPECT_TRUE(compare("sparse decode o (bf16)", low.o, want.o, Tolerance::bf16_output()));
-    EXPECT_TRUE(rounded_to_bf16("sparse decode o (bf16)", low.o, want.o));
+    EXPECT_TRUE(rounded_to_nearest("sparse decode o (bf16)", low.o, want.o));
     EXPECT_TRUE(compare("sparse decode lse (f32)", low.lse, want.lse, Tolerance::lse()));
 
     const HostTensor qp = random_bf16(rng, {21, heads, kQkDim});
@@ -212,7 +212,7 @@ TEST(SparseMla, Heads128) {
   const naive::Attention want = naive::sparse_attention(f.cache_bytes, f.kv_dtype, q, 128, as_vector(idx), 40, kScale);
   const AttentionOutputs got = reference_sparse_prefill(f, q, idx, kScale, DType::kBF16, DType::kF32);
   EXPECT_TRUE(compare("o", got.o, want.o, Tolerance::bf16_output()));
-  EXPECT_TRUE(rounded_to_bf16("o", got.o, want.o));
+  EXPECT_TRUE(rounded_to_nearest("o", got.o, want.o));
   EXPECT_TRUE(compare("lse", got.lse, want.lse, Tolerance::lse()));
 }
 

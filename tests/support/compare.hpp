@@ -190,16 +190,19 @@ inline Comparison compare(std::string_view name, const HostTensor& actual, const
   return compare(name, actual, b, tol);
 }
 
-// A bf16 output rounded to nearest from `expected` (a float64 result of the same math): each element
-// within half a bf16 ulp of it, plus `slack` relative (the reference rounds through float32, 2^-24,
-// and two float64 orders of the sum differ by less than 1e-9), where SPEC's tolerance for a
-// kernel's output (Tolerance::bf16_output) would let a truncated or otherwise misrounded value pass.
-// Zero and the specials must match exactly.
-inline ::testing::AssertionResult rounded_to_bf16(std::string_view name, const HostTensor& actual,
-                                                  std::span<const double> expected, double slack = 1e-6) {
-  if (actual.dtype() != DType::kBF16 || actual.numel() != static_cast<std::int64_t>(expected.size())) {
-    return ::testing::AssertionFailure() << name << ": not a bf16 tensor of " << expected.size() << " elements";
+// An output rounded to nearest from `expected` (a float64 result of the same math): each bf16 or f32
+// element within half an ulp of it (8 or 24 significant bits), plus `slack` relative, where SPEC's
+// tolerances for a kernel's output (Tolerance::bf16_output, f32_output) would let a truncated or
+// otherwise misrounded value pass. The default slack is for a bf16 rounded through float32 (2^-24)
+// from a sum whose float64 orders differ by less than 1e-9; an f32 rounded once from float64 wants
+// far less. Zero and the specials must match exactly.
+inline ::testing::AssertionResult rounded_to_nearest(std::string_view name, const HostTensor& actual,
+                                                     std::span<const double> expected, double slack = 1e-6) {
+  const DType dtype = actual.dtype();
+  if ((dtype != DType::kBF16 && dtype != DType::kF32) || actual.numel() != static_cast<std::int64_t>(expected.size())) {
+    return ::testing::AssertionFailure() << name << ": not a bf16 or f32 tensor of " << expected.size() << " elements";
   }
+  const int bits = dtype == DType::kBF16 ? 8 : 24;  // significant bits
   const std::vector<double> a = actual.to_doubles();
   std::int64_t failures = 0, worst = -1;
   double worst_ratio = 0.0;
@@ -211,7 +214,7 @@ inline ::testing::AssertionResult rounded_to_bf16(std::string_view name, const H
       bad = !(a[i] == e || (std::isnan(a[i]) && std::isnan(e)));
       ratio = bad ? std::numeric_limits<double>::infinity() : 0.0;
     } else {
-      const double half_ulp = std::ldexp(1.0, std::ilogb(e) - 8);  // bf16 keeps 8 significant bits
+      const double half_ulp = std::ldexp(1.0, std::ilogb(e) - bits);
       const double allowed = half_ulp + slack * std::fabs(e);
       ratio = std::fabs(a[i] - e) / allowed;
       bad = !(ratio <= 1.0);
@@ -222,8 +225,8 @@ inline ::testing::AssertionResult rounded_to_bf16(std::string_view name, const H
     }
   }
   if (failures == 0) return ::testing::AssertionSuccess() << name << ": every element rounded to nearest";
-  return ::testing::AssertionFailure() << name << ": " << failures << " of " << expected.size()
-                                       << " elements not within half a bf16 ulp of the float64 result; worst at " << worst
+  return ::testing::AssertionFailure() << name << ": " << failures << " of " << expected.size() << " elements not within half an "
+                                       << (bits == 8 ? "bf16" : "f32") << " ulp of the float64 result; worst at " << worst
                                        << ": got " << a[static_cast<std::size_t>(worst)] << ", expected "
                                        << expected[static_cast<std::size_t>(worst)] << " (" << worst_ratio
                                        << " x the allowed error)";
