@@ -89,6 +89,7 @@ TEST(BadInput, AppendSlotOutsideThePool) {
   c.slots.data<std::int32_t>()[2] = static_cast<std::int32_t>(num_slots);
   AppendParams p = c.params();
   EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 2", std::to_string(num_slots)));
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("a slot in 0 .. " + std::to_string(num_slots - 1)), std::string::npos);
   EXPECT_TRUE(c.unchanged());
   c.slots.data<std::int32_t>()[2] = -2;
   p = c.params();
@@ -145,9 +146,17 @@ TEST(BadInput, AppendValuesPow2ScalesCannotHold) {
   p.scale_mode = ScaleMode::kExact;  // an exact scale holds it
   EXPECT_NO_THROW(cpu::append(p));
 
+  AppendCase e;  // the latent's last quantized element
+  e.latent.data<std::uint16_t>()[kLatentDim - 1] = kTooLarge;
+  p = e.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "latent element " + std::to_string(kLatentDim - 1),
+                           "3.29649e+38"));
+  EXPECT_TRUE(e.unchanged());
+
   // The largest value a pow2 block holds, in the latent and the key; and a larger one in the rope.
   AppendCase d;
   d.latent.data<std::uint16_t>()[5] = kLargest;
+  d.latent.data<std::uint16_t>()[kLatentDim] = kTooLarge;  // the rope's first dim
   d.latent.data<std::uint16_t>()[kLatentDim + 1] = kTooLarge;
   d.keys.data<std::uint16_t>()[0] = 0x8000u | kLargest;
   p = d.params();
@@ -157,8 +166,27 @@ TEST(BadInput, AppendValuesPow2ScalesCannotHold) {
   cpu::dequantize_token(p.cache, slot, entry);
   cpu::dequantize_indexer_key(p.indexer, slot, key, &key_scale);
   EXPECT_EQ(entry[5], 240.0 * std::ldexp(1.0, 120));
+  EXPECT_EQ(entry[kLatentDim], static_cast<double>(bf16_decode(kTooLarge)));
   EXPECT_EQ(entry[kLatentDim + 1], static_cast<double>(bf16_decode(kTooLarge)));
   EXPECT_EQ(key[0] * key_scale, -240.0 * std::ldexp(1.0, 120));
+
+  // A bf16 cache stores its latent as given, under pow2 scales too (the indexer key is still fp8).
+  Rng rng = test_rng();
+  PagedFixtureOptions o = AppendCase::options();
+  o.kv_dtype = KvDtype::kBf16;
+  PagedFixture f = make_paged_fixture(o, rng);
+  HostTensor latent = random_bf16(rng, {1, kQkDim}), keys = random_bf16(rng, {1, kIndexerDim});
+  latent.data<std::uint16_t>()[5] = kTooLarge;
+  HostTensor first_slot = i32_tensor({1}, {0});
+  AppendParams b;
+  b.cache = f.cache();
+  b.latent = latent.view();
+  b.slots = first_slot.view();
+  b.indexer = f.indexer();
+  b.indexer_keys = keys.view();
+  ASSERT_NO_THROW(cpu::append(b));
+  cpu::dequantize_token(b.cache, 0, entry);
+  EXPECT_EQ(entry[5], static_cast<double>(bf16_decode(kTooLarge)));
 }
 
 TEST(BadInput, AppendMismatchedIndexerCache) {
@@ -305,8 +333,12 @@ TEST(BadInput, DecodeNanOrInfQuery) {
   c.q.data<std::uint16_t>()[777] = kBf16Nan;
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 777", "nan"));
   EXPECT_TRUE(c.outputs_untouched());
-  c.q.data<std::uint16_t>()[777] = 0xFF80;  // -inf
-  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 777", "inf"));
+  c.q.data<std::uint16_t>()[777] = 0xFF80;  // -inf, named with its sign
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 777", "-inf"));
+  EXPECT_TRUE(c.outputs_untouched());
+  c.q.data<std::uint16_t>()[777] = 0;
+  c.q.data<std::uint16_t>()[0] = kBf16Nan;  // the first element is checked too
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "q element 0", "nan"));
   EXPECT_TRUE(c.outputs_untouched());
 }
 
@@ -314,6 +346,8 @@ TEST(BadInput, DecodeTooManyHeadsOrLongQuery) {
   DecodeCase c(129);
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(c.params()); }, "mla_decode", "heads", "129"));
   EXPECT_TRUE(c.outputs_untouched());
+  DecodeCase none(0);  // no heads: q, o and lse of no elements, refused by the head count
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(none.params()); }, "mla_decode", "q.shape[2] (heads)", "0"));
 
   DecodeCase d;
   MlaDecodeParams p = d.params();
@@ -324,6 +358,28 @@ TEST(BadInput, DecodeTooManyHeadsOrLongQuery) {
   p.q = q5.view();
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q_len", "5"));
   EXPECT_TRUE(d.outputs_untouched());
+}
+
+// o and lse shaped as q says ([B, q_len, H, 512] and [B, q_len, H]), dense and sparse alike.
+TEST(BadInput, DecodeOutputsOfTheWrongShape) {
+  DecodeCase c;
+  HostTensor o3 = sentinel_tensor(DType::kBF16, {2, 1, 3, kLatentDim});  // a head short of q's 4
+  MlaDecodeParams p = c.params();
+  p.o = o3.view();
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "o", "[2, 1, 3, 512]"));
+  EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("[2, 1, 4, 512]"), std::string::npos);
+  HostTensor lse4 = sentinel_tensor(DType::kF32, {2, 1, 4, 1});  // a rank too many
+  p = c.params();
+  p.lse = lse4.view();
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "lse", "[2, 1, 4, 1]"));
+  EXPECT_TRUE(c.outputs_untouched() && is_sentinel(o3) && is_sentinel(lse4));
+
+  HostTensor idx = i32_tensor({2, 1, 3}, {0, -1, -1, 0, -1, -1});
+  HostTensor o2 = sentinel_tensor(DType::kBF16, {2, 2, 4, kLatentDim});  // q_len 2 where q has 1
+  SparseMlaDecodeParams sp = c.sparse_params(idx);
+  sp.o = o2.view();
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(sp); }, "sparse_mla_decode", "o", "[2, 2, 4, 512]"));
+  EXPECT_TRUE(c.outputs_untouched() && is_sentinel(o2));
 }
 
 TEST(BadInput, PrefillRaggedOffsets) {
@@ -339,6 +395,10 @@ TEST(BadInput, PrefillRaggedOffsets) {
   std::vector<std::int32_t> over = {0, 0, 4};  // request 1 would have 4 new tokens but has 3 tokens in all
   p.cu_new_tokens = TensorView::contiguous(over.data(), DType::kI32, {3});
   EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "cu_new_tokens[2]", "4"));
+  std::vector<std::int32_t> descending = {0, 5, 4};  // request 1 would have -1 new tokens
+  p.cu_new_tokens = TensorView::contiguous(descending.data(), DType::kI32, {3});
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "cu_new_tokens[2]", "4"));
+  EXPECT_NE(error_of([&] { cpu::mla_prefill(p); }).find("5 .. 8 (request 1 has 3 tokens in all)"), std::string::npos);
   std::vector<std::int32_t> short_rows = {0, 1, 3};  // does not cover the 4 rows of q
   p.cu_new_tokens = TensorView::contiguous(short_rows.data(), DType::kI32, {3});
   EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(p); }, "mla_prefill", "cu_new_tokens[2]", "3"));
@@ -362,6 +422,10 @@ TEST(BadInput, SparseIndexOutsideThePool) {
   const SparseMlaPrefillParams pp = c.sparse_prefill_params(qp, idxp, op, lp);
   EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(pp); }, "sparse_mla_prefill", "indices element 1",
                            std::to_string(num_slots + 5)));
+  EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
+  HostTensor one_row = i32_tensor({1, 2}, {3, -1});  // q has 2 rows
+  SparseMlaPrefillParams rows = c.sparse_prefill_params(qp, one_row, op, lp);
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(rows); }, "sparse_mla_prefill", "indices", "[1, 2]"));
   EXPECT_TRUE(is_sentinel(op) && is_sentinel(lp));
   qp.data<std::uint16_t>()[3] = kBf16Nan;
   idxp.data<std::int32_t>()[1] = -1;
@@ -474,6 +538,9 @@ TEST(BadInput, TopkKOutOfRange) {
     EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "k", std::to_string(k)));
     EXPECT_TRUE(is_sentinel(slots));
   }
+  HostTensor narrow = sentinel_tensor(DType::kI32, {2, 1, 3});  // k 4 columns wanted
+  EXPECT_TRUE(throws_error([&] { cpu::topk(c.topk_params(logits, narrow, 4)); }, "topk", "slots", "[2, 1, 3]"));
+  EXPECT_TRUE(is_sentinel(narrow));
   // A NaN among the visible logits.
   HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
   logits.data<float>()[12 + 2] = std::numeric_limits<float>::quiet_NaN();
@@ -536,6 +603,18 @@ TEST(BadInput, IndexerWeightsAndQuery) {
   EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "seq_lens[0]", "9"));
   EXPECT_TRUE(is_sentinel(narrow));
 
+  HostTensor w3 = random_f32(t.c.rng, {2, 1, 3}, -1, 1);  // q has 4 indexer heads
+  p.logits = t.logits.view();
+  p.weights = w3.view();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "weights", "[2, 1, 3]"));
+  p.weights = t.w.view();
+  HostTensor q2 = random_fp8(t.c.rng, {2, 2, 4, kIndexerDim});  // q_len 2; the logits have rows of q_len 1
+  HostTensor w2 = random_f32(t.c.rng, {2, 2, 4}, -1, 1);
+  p.q = q2.view();
+  p.weights = w2.view();
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "logits", "[2, 1, 12]"));
+  EXPECT_TRUE(is_sentinel(t.logits));
+
   HostTensor q65 = random_fp8(t.c.rng, {2, 1, 65, kIndexerDim});
   HostTensor w65 = random_f32(t.c.rng, {2, 1, 65}, -1, 1);
   p.q = q65.view();
@@ -554,6 +633,9 @@ TEST(BadInput, EmptyViewsNeedNoMemory) {
   EXPECT_EQ(error_of([&] { cpu::mla_prefill(c.prefill_params(q, cu, o, lse)); }), "");
   cu = {1, 0, 0};
   EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(c.prefill_params(q, cu, o, lse)); }, "mla_prefill", "cu_new_tokens[0]", "1"));
+  MlaPrefillParams none = c.prefill_params(q, cu, o, lse);
+  none.cu_new_tokens = TensorView::contiguous(nullptr, DType::kI32, {0});  // empty, but B + 1 >= 1 offsets needed
+  EXPECT_TRUE(throws_error([&] { cpu::mla_prefill(none); }, "mla_prefill", "cu_new_tokens", "i32 [0]"));
   MlaDecodeParams p = c.params();
   p.q = TensorView::contiguous(nullptr, DType::kBF16, {2, 1, 4, kQkDim});  // elements, no memory: absent
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q", "absent"));
@@ -650,6 +732,16 @@ TEST(BadInput, ViewDescriptorsThatCannotBeRead) {
   p = c.params();
   p.o.shape[3] = -kLatentDim;
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "o", std::to_string(-kLatentDim)));
+  p.o.shape[3] = -1;
+  try {
+    cpu::mla_decode(p);
+    ADD_FAILURE() << "an extent of -1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.expected(), "extents >= 0") << e.what();
+  }
+  float stand_in = 0.0f;
+  EXPECT_TRUE(throws_error([&] { TensorView::contiguous(&stand_in, DType::kBF16, {1, 1, 1, 1, 1}); }, "TensorView",
+                           "shape", "5 dims"));
   p = c.params();
   p.lse.dtype = static_cast<DType>(200);  // no DType: its bytes cannot be counted
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "lse", "dtype 200"));
@@ -689,7 +781,29 @@ TEST(BadInput, CacheDescriptorsOutOfRange) {
   p.cache = c.f.cache();
   p.cache.dtype = static_cast<KvDtype>(7);
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.dtype", "7"));
-  EXPECT_TRUE(c.outputs_untouched());
+  p.cache = c.f.cache();
+  p.cache.page_size = 0;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.page_size", "0"));
+  p.cache = c.f.cache();
+  p.cache.num_pages = 0;
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "cache.num_pages", "0"));
+  IndexerCase t;
+  IndexerLogitsParams ip = t.params();
+  ip.cache.page_size = 0;
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(ip); }, "indexer_logits", "cache.page_size", "0"));
+  EXPECT_TRUE(c.outputs_untouched() && is_sentinel(t.logits));
+
+  // The largest pool: num_pages * page_size = 2^31 - 1 slots at most. The descriptor is checked
+  // alone, at an address far from this process's memory (its 1.4 TB would overlap the others).
+  p = c.params();
+  p.cache.page_size = 4;
+  p.cache.num_pages = INT32_MAX / 4;
+  p.cache.data = reinterpret_cast<std::uint8_t*>(std::uintptr_t{0xFFFF} << 48);
+  using detail::Outputs;
+  EXPECT_NO_THROW(detail::validate_shapes(p, Device::cpu(), Outputs::kReferenceTypes));
+  p.cache.num_pages += 1;
+  EXPECT_TRUE(throws_error([&] { detail::validate_shapes(p, Device::cpu(), Outputs::kReferenceTypes); }, "mla_decode",
+                           "cache.num_pages", std::to_string(p.cache.num_pages)));
 
   AppendCase a;
   AppendParams ap = a.params();
@@ -953,7 +1067,26 @@ TEST(BadInput, SparseDecodeMoreThan2048IndexColumns) {
   HostTensor idx = valid_indices(c, 1, 2049);
   EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(c.sparse_params(idx)); }, "sparse_mla_decode",
                            "indices.shape[2]", "2049"));
+  HostTensor none(DType::kI32, {2, 1, 0});
+  EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_decode(c.sparse_params(none)); }, "sparse_mla_decode",
+                           "indices.shape[2] (topk)", "0"));
   EXPECT_TRUE(c.outputs_untouched());
+
+  HostTensor q = random_bf16(c.rng, {2, 4, kQkDim});  // the prefill's rows: the same limit
+  HostTensor o = sentinel_tensor(DType::kBF16, {2, 4, kLatentDim}), lse = sentinel_tensor(DType::kF32, {2, 4});
+  for (const std::int64_t width : {2048, 2049}) {
+    HostTensor rows(DType::kI32, {2, width});
+    std::fill_n(rows.data<std::int32_t>(), rows.numel(), -1);
+    const SparseMlaPrefillParams p = c.sparse_prefill_params(q, rows, o, lse);
+    if (width == 2048) {
+      EXPECT_NO_THROW(cpu::sparse_mla_prefill(p));
+      fill_sentinel(o);
+      fill_sentinel(lse);
+      continue;
+    }
+    EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(p); }, "sparse_mla_prefill", "indices.shape[1] (topk)", "2049"));
+    EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
+  }
 }
 
 // softmax_scale must be a finite number above 0; the value is named as given.
@@ -1111,6 +1244,29 @@ TEST(BadInput, TopkNegativeLength) {
   EXPECT_TRUE(is_sentinel(slots));
 }
 
+// The top-k sees no cache: its page size is an argument, and its block-table pages are refused
+// where their slots would pass int32 (pages up to INT32_MAX / page_size - 1 pass).
+TEST(BadInput, TopkPageSizeAndPages) {
+  DecodeCase c;
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  TopkParams p = c.topk_params(logits, slots, 4);
+  p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, c.f.max_pages});
+  p.page_size = 0;
+  EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "page_size", "0"));
+  EXPECT_TRUE(is_sentinel(slots));
+
+  p.page_size = c.f.page_size;  // 4
+  const std::int32_t last = INT32_MAX / 4 - 1;
+  c.table[0] = last + 1;
+  EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "block_table[0][0]", std::to_string(last + 1)));
+  EXPECT_TRUE(is_sentinel(slots));
+  c.table[0] = last;  // request 0's first 4 tokens, its largest logits: slots 4 * last .. 4 * last + 3 < 2^31
+  for (int t = 0; t < 4; ++t) logits.data<float>()[t] = static_cast<float>(10 - t);
+  ASSERT_NO_THROW(cpu::topk(p));
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(slots.data<std::int32_t>()[j], 4 * last + j) << "column " << j;
+}
+
 TEST(BadInput, TopkQueryLongerThanFour) {
   DecodeCase c;
   HostTensor logits = random_f32(c.rng, {2, 5, 12}, -1, 1);
@@ -1196,6 +1352,11 @@ TEST(BadInput, DecodeStridedQuery) {
   ASSERT_FALSE(p.q.is_contiguous());
   EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "q", "strided"));
   EXPECT_TRUE(c.outputs_untouched());
+  // A dim of extent 1 is never stepped over: any stride there is contiguous (PyTorch's rule).
+  p = c.params();
+  p.q.strides[1] = 12345;
+  EXPECT_TRUE(p.q.is_contiguous());
+  EXPECT_NO_THROW(cpu::mla_decode(p));
 }
 
 
@@ -1352,6 +1513,10 @@ TEST(BadInput, AppendInputsInsideTheCache) {
   EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "indexer.data", "slots"));
   EXPECT_TRUE(c.unchanged());
   p = c.params();
+  p.indexer_keys.data = c.f.indexer_bytes.data() + 32;
+  EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "indexer.data", "indexer_keys"));
+  EXPECT_TRUE(c.unchanged());
+  p = c.params();
   p.indexer.data = c.f.cache_bytes.data() + c.f.cache_bytes.size() - 64;  // its first bytes the cache's last
   EXPECT_TRUE(refused_overlap([&] { cpu::append(p); }, "append", "cache.data", "indexer.data"));
   EXPECT_TRUE(c.unchanged());
@@ -1370,6 +1535,14 @@ TEST(BadInput, SpanBytes) {
   LatentCache negative = c.f.cache();
   negative.num_pages = -1;
   EXPECT_EQ(detail::span_of("cache", negative, false).bytes, 0u);
+  TensorView negative_extent = c.q.view();
+  negative_extent.shape[1] = -1;
+  EXPECT_EQ(detail::span_of("q", negative_extent, false).bytes, 0u);
+  LatentCache largest = c.f.cache();  // 2^31 - 64 slots of 656 bytes: 1.4 TB, counted in full
+  largest.page_size = 64;
+  largest.num_pages = INT32_MAX / 64;
+  EXPECT_EQ(largest.bytes(), std::size_t{INT32_MAX / 64} * 64 * 656);
+  EXPECT_EQ(detail::span_of("cache", largest, false).bytes, largest.bytes());
 }
 
 }  // namespace

@@ -335,6 +335,9 @@ TEST(IndexerPrefillBadInput, NewTokenOffsets) {
   EXPECT_TRUE(c.rejects(c.params(), "cu_new_tokens[2]", "6"));
   c.cu = {0, 6, 4};  // descending
   EXPECT_TRUE(c.rejects(c.params(), "cu_new_tokens[2]", "4"));
+  IndexerPrefillParams p = c.params();  // no offsets at all: B + 1 = 0
+  p.cu_new_tokens = TensorView::contiguous(nullptr, DType::kI32, {0});
+  EXPECT_TRUE(c.rejects(p, "cu_new_tokens", "i32 [0]"));
 }
 
 TEST(IndexerPrefillBadInput, MoreNewTokensThanTheRequestHolds) {
@@ -431,6 +434,14 @@ TEST(IndexerPrefillBadInput, TooManyIndexerHeads) {
                 std::to_string(kMaxIndexerHeads + 1) + " outside 1 .. " + std::to_string(kMaxIndexerHeads));
   EXPECT_TRUE(is_sentinel(c.slots));
   EXPECT_EQ(c.f.indexer_bytes, cache_before);
+}
+
+TEST(IndexerPrefillBadInput, NoIndexerHeads) {
+  PrefillCase c;
+  c.q = HostTensor(DType::kFP8E4M3, {PrefillCase::kRows, 0, kIndexerDim});
+  c.w = HostTensor(DType::kF32, {PrefillCase::kRows, 0});
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(c.params()); }, "indexer_prefill", "q.shape[1] (indexer heads)", "0"));
+  EXPECT_TRUE(is_sentinel(c.slots));
 }
 
 }  // namespace
