@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "latentkv/backend.hpp"
@@ -20,6 +22,7 @@
 #include "support/host_tensor.hpp"
 #include "support/indexer_prefill.hpp"
 #include "support/paged_fixture.hpp"
+#include "support/planned_reference.hpp"
 #include "support/reference_ops.hpp"
 
 namespace latentkv::testing {
@@ -69,6 +72,14 @@ struct HostDsaPrefill {
   }
 
   void run() { dsa_prefill(same_backend(reference_backend()), params, plan, {}, reference_device()); }
+
+  // Planned again by `backends`, with a garbage-filled workspace of that plan's size.
+  void replan(const DsaBackends& backends) {
+    plan = plan_dsa_prefill(backends, params, reference_device());
+    workspace.assign(plan.workspace_bytes, kWorkspaceGarbage);
+    params.workspace = workspace.data();
+    params.workspace_bytes = workspace.size();
+  }
 
   ::testing::AssertionResult outputs_untouched() const {
     if (!is_sentinel(o)) return ::testing::AssertionFailure() << "o was written";
@@ -357,6 +368,79 @@ TEST(DsaPrefillBadInput, NanQueryFailsInTheSparseStep) {
   d.q.data<std::uint16_t>()[element] = kPoisonBf16;
   EXPECT_TRUE(throws_error([&] { d.run(); }, "sparse_mla_prefill", "q element " + std::to_string(element), "nan"));
   EXPECT_TRUE(d.outputs_untouched());
+}
+
+// ---- the layout of planned scratch -------------------------------------------------------------
+
+// The reference plans no scratch. These plans give both steps some, and the indexer a chunk, for
+// PlannedReference to run the reference's kernels with.
+std::map<Op, Plan> prefill_plans(std::size_t indexer_bytes, std::size_t sparse_bytes, int chunk_tokens = 7) {
+  Plan indexer, sparse;
+  indexer.workspace_bytes = indexer_bytes;
+  indexer.chunk_tokens = chunk_tokens;
+  sparse.workspace_bytes = sparse_bytes;
+  sparse.num_splits = 2;
+  return {{Op::kIndexerPrefill, indexer}, {Op::kSparseMlaPrefill, sparse}};
+}
+
+// The index rows, then one scratch region that the steps take in turn (dsa.hpp): the larger plan's.
+// Both scratches lie at an aligned offset inside the planned workspace, apart from the index rows.
+TEST(DsaPrefillLayout, IndexRowsThenTheLargerStepsScratch) {
+  HostDsaPrefill d = small_case();
+  const std::size_t rows = static_cast<std::size_t>(d.cu.back()) * 3 * sizeof(std::int32_t);
+  const std::size_t aligned_rows = (rows + kDsaWorkspaceAlign - 1) / kDsaWorkspaceAlign * kDsaWorkspaceAlign;
+  for (const auto& [indexer_bytes, sparse_bytes] : {std::pair<std::size_t, std::size_t>{300, 200}, {200, 300}}) {
+    SCOPED_TRACE("indexer scratch " + std::to_string(indexer_bytes) + ", sparse " + std::to_string(sparse_bytes));
+    const PlannedReference planned(prefill_plans(indexer_bytes, sparse_bytes));
+    d.replan(same_backend(planned));
+    EXPECT_GE(d.plan.workspace_bytes, aligned_rows + std::max(indexer_bytes, sparse_bytes));
+    const DsaPrefillSteps s = dsa_prefill_steps(d.params, d.plan);
+    EXPECT_EQ(s.indexer.workspace_bytes, indexer_bytes);
+    EXPECT_EQ(s.sparse.workspace_bytes, sparse_bytes);
+    EXPECT_EQ(s.sparse.num_splits, 2);
+    const void* base = d.workspace.data();
+    const WorkspaceRange slots = range_in(base, "slots", s.indexer.slots.data, rows);
+    const WorkspaceRange indexer = range_in(base, "indexer scratch", s.indexer.workspace, s.indexer.workspace_bytes);
+    const WorkspaceRange sparse = range_in(base, "sparse scratch", s.sparse.workspace, s.sparse.workspace_bytes);
+    EXPECT_TRUE(inside_and_aligned({slots, indexer, sparse}, d.plan.workspace_bytes, kDsaWorkspaceAlign));
+    EXPECT_TRUE(disjoint({slots, indexer}));
+    EXPECT_TRUE(disjoint({slots, sparse}));
+  }
+}
+
+// The indexer step works in the plan's chunks (the backend plans them from the caller's
+// chunk_tokens); a plan without one leaves the caller's.
+TEST(DsaPrefillLayout, IndexerChunkFromThePlan) {
+  HostDsaPrefill d = small_case();
+  ASSERT_EQ(d.params.chunk_tokens, 0);
+  const PlannedReference chunks_of_7(prefill_plans(300, 200));
+  d.replan(same_backend(chunks_of_7));
+  EXPECT_EQ(d.plan.indexer.chunk_tokens, 7);
+  EXPECT_EQ(dsa_prefill_steps(d.params, d.plan).indexer.chunk_tokens, 7);
+
+  const PlannedReference no_chunk(prefill_plans(300, 200, 0));
+  d.params.chunk_tokens = 5;
+  d.replan(same_backend(no_chunk));
+  EXPECT_EQ(dsa_prefill_steps(d.params, d.plan).indexer.chunk_tokens, 5);
+}
+
+// The call runs with that layout as the reference does by hand; it writes only the index rows of
+// the workspace (the reference's kernels use no scratch), the rest keeps its garbage.
+TEST(DsaPrefillLayout, RunsAsTheStepsByHandWritingOnlyTheIndexRows) {
+  HostDsaPrefill d = small_case();
+  const PlannedReference planned(prefill_plans(300, 200));
+  d.replan(same_backend(planned));
+  dsa_prefill(same_backend(planned), d.params, d.plan, {}, reference_device());
+
+  const HostTensor slots = reference_indexer_prefill(d.f, d.q_idx, d.weights, d.cu, 3);
+  const AttentionOutputs want = reference_sparse_prefill(d.f, d.q, slots, kScale, DType::kBF16, DType::kF32);
+  EXPECT_EQ(copy_of(dsa_prefill_steps(d.params, d.plan).indexer.slots).byte_vector(), slots.byte_vector());
+  EXPECT_TRUE(compare("o", d.o, want.o, Tolerance::exact()));
+  EXPECT_TRUE(compare("lse", d.lse, want.lse, Tolerance::exact()));
+  const std::size_t rows = slots.bytes();
+  for (std::size_t i = rows; i < d.workspace.size(); ++i) {
+    ASSERT_EQ(d.workspace[i], kWorkspaceGarbage) << "workspace byte " << i;
+  }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -19,6 +20,7 @@
 #include "support/expect_error.hpp"
 #include "support/host_tensor.hpp"
 #include "support/paged_fixture.hpp"
+#include "support/planned_reference.hpp"
 #include "support/reference_ops.hpp"
 
 namespace latentkv::testing {
@@ -66,6 +68,14 @@ struct HostDsa {
   }
 
   void run() { dsa_decode(same_backend(reference()), params, plan, {}, kCpu); }
+
+  // Planned again by `backends`, with a garbage-filled workspace of that plan's size.
+  void replan(const DsaBackends& backends) {
+    plan = plan_dsa_decode(backends, params, kCpu);
+    workspace.assign(plan.workspace_bytes, kWorkspaceGarbage);
+    params.workspace = workspace.data();
+    params.workspace_bytes = workspace.size();
+  }
 
   ::testing::AssertionResult untouched() const {
     if (!is_sentinel(o)) return ::testing::AssertionFailure() << "o was written";
@@ -314,6 +324,11 @@ TEST(DsaDecodeBadInput, LogitsColumnsPastTheLimit) {
   d.params = good;
   d.params.max_len = static_cast<int>(kMaxLogitsColumns);  // the limit itself is planned
   EXPECT_NO_THROW(plan_dsa_decode(same_backend(reference()), d.params, kCpu));
+  // So is a table of exactly 2^30 tokens with max_len 0 (planning reads no page of it).
+  d.params = good;
+  d.params.block_table =
+      TensorView::contiguous(good.block_table.data, DType::kI32, {d.f.batch(), kMaxLogitsColumns / d.f.page_size});
+  EXPECT_NO_THROW(plan_dsa_decode(same_backend(reference()), d.params, kCpu));
 }
 
 // The workspace is counted from q's rows only after the shapes are checked: a q whose bytes do not
@@ -340,6 +355,13 @@ TEST(DsaDecodeBadInput, ShapesTooLargeForAWorkspace) {
     EXPECT_TRUE(throws_error([&] { dsa_decode(same_backend(reference()), p, d.plan, {}, kCpu); }, "dsa_decode", "q",
                              std::to_string(huge)));
   }
+  // q of 2^62.2 bytes with 1 logits column: the rows fit only without their 2048 top-k slots.
+  DsaDecodeParams wide = with_rows(std::int64_t{1} << 51, 1, 1);
+  wide.topk = kMaxTopk;
+  const std::string wide_refused = "dsa_decode: argument 'q' = [2251799813685248, 1, 2, 576]: expected rows whose f32 "
+                                   "logits and i32 top-k slots (8196 bytes a row) fit 64 bits of workspace";
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(same_backend(reference()), wide, kCpu); }), wide_refused);
+  EXPECT_EQ(error_of([&] { dsa_decode(same_backend(reference()), wide, d.plan, {}, kCpu); }), wide_refused);
   // A dtype outside DType has no size to count the bytes by: refused as such, before its rows are.
   DsaDecodeParams p = with_rows(huge, huge, 0);
   p.q.dtype = static_cast<DType>(9);
@@ -397,6 +419,10 @@ TEST(DsaPrefillBadInput, ShapesTooLargeForAWorkspace) {
                            "dsa_prefill", "q", std::to_string(huge)));
   EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), with_rows(rows, kMaxTopk), kCpu); },
                            "dsa_prefill", "q", std::to_string(rows)));
+  // 3 x 2^49 rows of 2048 slots take 3 x 2^62 bytes (q itself 2^61.8).
+  EXPECT_EQ(error_of([&] { plan_dsa_prefill(same_backend(reference()), with_rows(3 * (rows >> 3), kMaxTopk), kCpu); }),
+            "dsa_prefill: argument 'q' = [1688849860263936, 1, 576]: expected rows whose i32 top-k slots (8192 bytes "
+            "a row) fit 64 bits of workspace");
 }
 
 // A max_len below a request's length fails in the indexer step (dsa.hpp: the error names the step),
@@ -406,6 +432,123 @@ TEST(DsaDecodeBadInput, MaxLenBelowALength) {
   EXPECT_TRUE(throws_error([&] { d.run(); }, "indexer_logits", "seq_lens[0]", "9"));
   EXPECT_TRUE(is_sentinel(d.o));
   EXPECT_TRUE(is_sentinel(d.lse));
+}
+
+// ---- the layout of planned scratch -------------------------------------------------------------
+
+// The reference plans no scratch. These plans give every step some (a top-k that can take its row
+// state cleared, an indexer that can take its counters cleared), for PlannedReference to run the
+// reference's kernels with.
+std::map<Op, Plan> decode_plans(std::size_t topk_cleared_bytes = 512) {
+  Plan indexer, topk, sparse;
+  indexer.workspace_bytes = 100;
+  indexer.cleared_bytes = 64;
+  topk.workspace_bytes = 1000;
+  topk.cleared_bytes = topk_cleared_bytes;
+  sparse.workspace_bytes = 500;
+  sparse.num_splits = 3;
+  return {{Op::kIndexerLogits, indexer}, {Op::kTopk, topk}, {Op::kSparseMlaDecode, sparse}};
+}
+
+// The logits, the slots and each step's scratch as dsa_steps carves them out of d's workspace.
+std::vector<WorkspaceRange> decode_ranges(const HostDsa& d, const DsaSteps& s) {
+  const void* base = d.workspace.data();
+  return {range_in(base, "logits", s.indexer.logits.data, static_cast<std::size_t>(s.indexer.logits.numel()) * 4),
+          range_in(base, "slots", s.topk.slots.data, static_cast<std::size_t>(s.topk.slots.numel()) * 4),
+          range_in(base, "indexer scratch", s.indexer.workspace, s.indexer.workspace_bytes),
+          range_in(base, "top-k scratch", s.topk.workspace, s.topk.workspace_bytes),
+          range_in(base, "sparse scratch", s.sparse.workspace, s.sparse.workspace_bytes)};
+}
+
+// Each step gets its plan's scratch, splits and clears, at an aligned offset inside the planned
+// workspace, sharing no byte with the logits, the slots or another step's scratch.
+TEST(DsaDecodeLayout, EveryStepsScratchInsideThePlanAndApart) {
+  HostDsa d = small_case();
+  const PlannedReference planned(decode_plans());
+  d.replan(same_backend(planned));
+  const DsaSteps s = dsa_steps(d.params, d.plan);
+  EXPECT_EQ(s.indexer.workspace_bytes, 100u);
+  EXPECT_EQ(s.topk.workspace_bytes, 1000u);
+  EXPECT_EQ(s.sparse.workspace_bytes, 500u);
+  EXPECT_EQ(s.sparse.num_splits, 3);
+  const std::vector<WorkspaceRange> ranges = decode_ranges(d, s);
+  EXPECT_TRUE(inside_and_aligned(ranges, d.plan.workspace_bytes, kDsaWorkspaceAlign));
+  EXPECT_TRUE(disjoint(ranges));
+
+  // One backend runs the indexer and the top-k: the indexer clears the top-k's row state for it.
+  EXPECT_TRUE(d.plan.topk_cleared_by_indexer);
+  EXPECT_EQ(s.indexer.clear, s.topk.workspace);
+  EXPECT_EQ(s.indexer.clear_bytes, 512u);
+  EXPECT_TRUE(s.topk.workspace_cleared);
+}
+
+// The indexer takes its counters cleared only when the caller says the workspace is, and only when
+// its plan can take them so (cleared_bytes > 0).
+TEST(DsaDecodeLayout, IndexerTakesItsCountersClearedOnlyWhenTheCallerSays) {
+  HostDsa d = small_case();
+  const PlannedReference planned(decode_plans());
+  d.replan(same_backend(planned));
+  d.params.workspace_cleared = false;
+  EXPECT_FALSE(dsa_steps(d.params, d.plan).indexer.workspace_cleared);
+  d.params.workspace_cleared = true;
+  EXPECT_TRUE(dsa_steps(d.params, d.plan).indexer.workspace_cleared);
+  d.plan.indexer.cleared_bytes = 0;
+  EXPECT_FALSE(dsa_steps(d.params, d.plan).indexer.workspace_cleared);
+}
+
+// The indexer clears the top-k's row state only for a top-k of the same backend object, and only
+// for one that takes it cleared (dsa.hpp); otherwise the top-k clears it itself.
+TEST(DsaDecodeLayout, TopkClearedByTheIndexerOnlyWithOneBackendForBoth) {
+  HostDsa d = small_case();
+  const PlannedReference indexer(decode_plans()), topk(decode_plans());
+  DsaBackends two = same_backend(indexer);
+  two.topk = &topk;
+  d.replan(two);
+  EXPECT_FALSE(d.plan.topk_cleared_by_indexer);
+  DsaSteps s = dsa_steps(d.params, d.plan);
+  EXPECT_EQ(s.indexer.clear, nullptr);
+  EXPECT_EQ(s.indexer.clear_bytes, 0u);
+  EXPECT_FALSE(s.topk.workspace_cleared);
+  EXPECT_NO_THROW(dsa_decode(two, d.params, d.plan, {}, kCpu));
+
+  const PlannedReference clears_nothing(decode_plans(0));
+  d.replan(same_backend(clears_nothing));
+  EXPECT_FALSE(d.plan.topk_cleared_by_indexer);
+  s = dsa_steps(d.params, d.plan);
+  EXPECT_EQ(s.indexer.clear_bytes, 0u);
+  EXPECT_FALSE(s.topk.workspace_cleared);
+
+  d.replan(same_backend(indexer));
+  EXPECT_TRUE(d.plan.topk_cleared_by_indexer);
+}
+
+// The call runs with that layout as the reference does by hand; the steps write only the logits,
+// the slots and the cleared start of the top-k's scratch (the reference's kernels use no scratch),
+// and the rest of the workspace keeps its garbage.
+TEST(DsaDecodeLayout, RunsAsTheStepsByHandWritingOnlyItsViews) {
+  HostDsa d = small_case();
+  const PlannedReference planned(decode_plans());
+  d.replan(same_backend(planned));
+  dsa_decode(same_backend(planned), d.params, d.plan, {}, kCpu);
+
+  const std::int64_t columns = std::int64_t{d.f.max_pages} * d.f.page_size;
+  const HostTensor logits = reference_indexer_logits(d.f, d.q_idx, d.weights, columns);
+  const HostTensor slots = reference_topk(d.f, logits, 8);
+  const AttentionOutputs want = reference_sparse_decode(d.f, d.q, slots, kScale, DType::kBF16, DType::kF32);
+  const DsaSteps s = dsa_steps(d.params, d.plan);
+  EXPECT_TRUE(compare("workspace logits", copy_of(s.indexer.logits), logits, Tolerance::exact()));
+  EXPECT_EQ(copy_of(s.topk.slots).byte_vector(), slots.byte_vector()) << "workspace slots";
+  EXPECT_TRUE(compare("o", d.o, want.o, Tolerance::exact()));
+  EXPECT_TRUE(compare("lse", d.lse, want.lse, Tolerance::exact()));
+
+  const std::vector<WorkspaceRange> ranges = decode_ranges(d, s);
+  const WorkspaceRange &logits_range = ranges[0], &slots_range = ranges[1], &topk_range = ranges[3];
+  const auto in = [](const WorkspaceRange& r, std::size_t i) { return i >= r.offset && i - r.offset < r.bytes; };
+  for (std::size_t i = 0; i < d.workspace.size(); ++i) {
+    if (in(logits_range, i) || in(slots_range, i)) continue;
+    const bool cleared = i >= topk_range.offset && i - topk_range.offset < d.plan.topk.cleared_bytes;
+    ASSERT_EQ(d.workspace[i], cleared ? 0 : kWorkspaceGarbage) << "workspace byte " << i;
+  }
 }
 
 }  // namespace
