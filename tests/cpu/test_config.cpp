@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <gmock/gmock.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -75,8 +76,10 @@ const FakeBackend kDenseOnly("denseonly", 5, [](const Problem& p) -> std::string
   if (p.op != Op::kMlaDecode && p.op != Op::kMlaPrefill) return "dense MLA only";
   return "";
 });
+// Sparse kernels tiled for k = 2048 only, as real ones are.
 const FakeBackend kSparseOnly("sparseonly", 5, [](const Problem& p) -> std::string {
   if (!is_sparse(p.op)) return "sparse MLA only";
+  if (p.topk != 2048) return "topk " + std::to_string(p.topk) + " != 2048";
   return "";
 });
 const FakeBackend kQLen2("qlen2", 5, [](const Problem& p) -> std::string {
@@ -174,6 +177,7 @@ TEST(Config, AutoOnCpuPicksReferenceForEverySlotAndSupportingOp) {
   }
   ASSERT_EQ(r.supporting.size(), 4u);
   EXPECT_EQ(r.supporting[0].role, "append");
+  EXPECT_EQ(r.supporting[0].problem.page_size, 64);
   EXPECT_EQ(r.supporting[1].role, "indexer_logits");
   EXPECT_EQ(r.supporting[1].problem.heads, 32);  // the indexer is replicated: all 32 heads on every GPU
   EXPECT_EQ(r.supporting[2].role, "topk");
@@ -223,6 +227,51 @@ TEST(Config, DeepseekHeadsPerGpu) {
   const ResolvedConfig r = resolve_config(with_flags({{"model", "deepseek-v3.2"}, {"tp", "8"}}), cpu());
   EXPECT_EQ(r.slot(Slot::kSparseDecode).problem.heads, 16);
   EXPECT_EQ(r.supporting[1].problem.heads, 64);
+}
+
+TEST(Config, SupportingOpsAreAskedForTheConfiguredPageSizeAndQLen) {
+  const ResolvedConfig r = resolve_config(with_flags({{"q_len", "2"}, {"page_size", "32"}}), cpu());
+  for (const OpResolution& op : r.supporting) EXPECT_EQ(op.problem.page_size, 32) << op.role;
+  EXPECT_EQ(r.supporting_op(Op::kIndexerLogits).problem.q_len, 2);
+  EXPECT_EQ(r.supporting_op(Op::kTopk).problem.q_len, 2);
+  // A backend of higher preference that takes one new token at a time is passed over for both.
+  const FakeBackend one_token("onetoken", 10, [](const Problem& p) -> std::string {
+    return p.q_len > 1 ? "q_len " + std::to_string(p.q_len) + " > 1" : "";
+  });
+  const ResolvedConfig two = resolve_config(with_flags({{"q_len", "2"}}), cpu(), {&reference(), &one_token});
+  EXPECT_EQ(two.supporting_op(Op::kIndexerLogits).backend->name(), "reference");
+  EXPECT_EQ(two.supporting_op(Op::kTopk).backend->name(), "reference");
+  EXPECT_EQ(two.supporting_op(Op::kAppend).backend->name(), "onetoken");
+}
+
+// SPEC section 2, field by field.
+TEST(Config, PresetsHaveTheShapesOfSpecSection2) {
+  EXPECT_EQ(model_preset_names(), (std::vector<std::string>{"glm5", "deepseek-v3.2"}));
+  const ModelPreset& glm5 = model_preset("glm5");
+  EXPECT_EQ(glm5.name, "glm5");
+  EXPECT_EQ(glm5.layers, 78);
+  EXPECT_EQ(glm5.heads, 64);
+  EXPECT_DOUBLE_EQ(glm5.softmax_scale, 0.0625);
+  EXPECT_EQ(glm5.indexer_heads, 32);
+  EXPECT_EQ(glm5.indexer_rope, IndexerRope::kInterleaved);
+  EXPECT_EQ(glm5.max_positions, 202752);
+  const ModelPreset& ds = model_preset("deepseek-v3.2");
+  EXPECT_EQ(ds.name, "deepseek-v3.2");
+  EXPECT_EQ(ds.layers, 61);
+  EXPECT_EQ(ds.heads, 128);
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(ds.softmax_scale, mscale * mscale / std::sqrt(192.0));
+  EXPECT_EQ(ds.indexer_heads, 64);
+  EXPECT_EQ(ds.indexer_rope, IndexerRope::kHalfSplit);
+  EXPECT_EQ(ds.max_positions, 163840);
+  for (const ModelPreset* m : {&glm5, &ds}) {
+    EXPECT_EQ(m->kv_lora_rank, 512) << m->name;
+    EXPECT_EQ(m->rope_dim, 64) << m->name;
+    EXPECT_EQ(m->d_qk, 576) << m->name;
+    EXPECT_EQ(m->d_v, 512) << m->name;
+    EXPECT_EQ(m->indexer_dim, 128) << m->name;
+    EXPECT_EQ(m->index_topk, 2048) << m->name;
+  }
 }
 
 TEST(Config, AutoTakesHighestPreferenceThatAcceptsAndSaysWhyOthersWerePassedOver) {
@@ -326,6 +375,24 @@ TEST(Config, EmptyEnvironmentVariableCountsAsUnset) {
   EXPECT_EQ(c.tp.source.kind, SourceKind::kDefault);
 }
 
+TEST(Config, Fp8IsAnAliasOfFp8E4M3) {
+  const AttentionConfig c = with_flags({{"kv_dtype", "fp8"}}, {{"LATENTKV_KV_DTYPE", "bf16"}});
+  EXPECT_EQ(c.kv_dtype.value, KvDtype::kFp8E4M3);
+  EXPECT_EQ(c.kv_dtype.source.describe(), "flag --kv-dtype");
+  EXPECT_EQ(with_flags({}, {{"LATENTKV_KV_DTYPE", "fp8"}}).kv_dtype.value, KvDtype::kFp8E4M3);
+}
+
+TEST(Config, ValuesAtTheEndsOfTheirRangesAreAccepted) {
+  const std::string longest(64, 'b');  // backend names may have up to 64 characters
+  EXPECT_EQ(with_flags({{"dense_decode", longest}}).backend(Slot::kDenseDecode).value, longest);
+  EXPECT_THAT(config_error([&] { with_flags({{"dense_decode", longest + "b"}}); }).what(),
+              HasSubstr("dense_decode = '" + longest + "b' (flag --dense-decode): expected auto or a backend name"));
+  EXPECT_EQ(with_flags({{"sparse_decode", "my.backend"}}).backend(Slot::kSparseDecode).value, "my.backend");
+  EXPECT_THAT(message_of_resolve(with_flags({{"sparse_decode", "my.backend"}}), cpu(), {&reference()}),
+              HasSubstr("sparse_decode = 'my.backend' (flag --sparse-decode): no backend is named 'my.backend'"));
+  EXPECT_EQ(with_flags({{"page_size", "2147483647"}}).page_size.value, 2147483647);
+}
+
 TEST(Config, EnvironmentVariablesReadAreTheFileTheKeysTheKernelOverridesAndThePrograms) {
   const std::vector<std::string> read = environment_variables();
   ASSERT_EQ(read.size(), 1 + config_keys().size() + 3);
@@ -365,6 +432,11 @@ TEST(Config, UnreadLatentkvVariablesAreNamedWithTheNearestRead) {
     EXPECT_THAT(unread_environment_warnings({name}).at(0), Not(HasSubstr("did you mean"))) << name;
   }
   EXPECT_EQ(unread_environment_warnings({"LATENTKV_APP"}).size(), 1u);  // the caller's own only where it says so
+  // A name of the caller's without the prefix is not latentkv's business: not listed as read.
+  const std::vector<std::string> home = unread_environment_warnings({"LATENTKV_X"}, {"HOME"});
+  ASSERT_EQ(home.size(), 1u);
+  EXPECT_THAT(home[0], HasSubstr("LATENTKV_X is set"));
+  EXPECT_THAT(home[0], Not(HasSubstr("HOME")));
 }
 
 TEST(Config, ConfigFlagOverridesConfigEnvironmentVariable) {
@@ -377,13 +449,35 @@ TEST(Config, ConfigFlagOverridesConfigEnvironmentVariable) {
   EXPECT_EQ(c.backend(Slot::kSparsePrefill).value, "reference");
   ASSERT_TRUE(c.config_file.has_value());
   EXPECT_EQ(c.config_file->source.describe(), "flag --config");
+  // Of two --config flags only the last is read.
+  const TempFile first("first.toml", "tp = 2\npage_size = 32\n");
+  const TempFile second("second.toml", "tp = 4\n");
+  const AttentionConfig last = with_flags({{"config", first.path()}, {"config", second.path()}});
+  EXPECT_EQ(last.tp.value, 4);
+  EXPECT_EQ(last.page_size.value, 64);
+  ASSERT_TRUE(last.config_file.has_value());
+  EXPECT_EQ(last.config_file->value, second.path());
 }
 
 TEST(Config, FormatFollowsExtension) {
   EXPECT_EQ(config_format_for("a.json"), ConfigFormat::kJson);
   EXPECT_EQ(config_format_for("a.toml"), ConfigFormat::kToml);
   EXPECT_EQ(config_format_for("json"), ConfigFormat::kToml);
+  EXPECT_EQ(config_format_for(".json"), ConfigFormat::kJson);
   EXPECT_EQ(config_format_for(""), ConfigFormat::kToml);
+}
+
+TEST(Config, ConfigFileOfAtMostOneMebibyteIsRead) {
+  constexpr std::size_t kLimit = 1 << 20;
+  std::string text = "tp = 4\n";
+  text.resize(kLimit - 1, '#');  // one long comment
+  text += '\n';
+  const TempFile largest("largest.toml", text);
+  EXPECT_EQ(std::filesystem::file_size(largest.path()), kLimit);
+  EXPECT_EQ(with_flags({{"config", largest.path()}}).tp.value, 4);
+  const TempFile larger("larger.toml", text + "\n");
+  EXPECT_THAT(config_error([&] { with_flags({{"config", larger.path()}}); }).what(),
+              HasSubstr("(flag --config): expected a configuration file of at most 1048576 bytes"));
 }
 
 TEST(Config, RejectedSourceChangesNothing) {
@@ -441,6 +535,11 @@ TEST(ConfigReject, BadIntegers) {
 TEST(ConfigReject, BadNamesListWhatIsAccepted) {
   std::string m = config_error([] { with_flags({{"model", "glm4"}}); }).what();
   EXPECT_THAT(m, HasSubstr("model = 'glm4' (flag --model): expected one of: glm5, deepseek-v3.2"));
+  // A bad value is an error even where a higher source sets the key too.
+  m = config_error([] { with_flags({{"model", "glm5"}}, {{"LATENTKV_MODEL", "glm4"}}); }).what();
+  EXPECT_THAT(m, HasSubstr("model = 'glm4' (environment LATENTKV_MODEL): expected one of: glm5, deepseek-v3.2"));
+  m = config_error([] { with_flags({{"model", std::string(100, 'a')}}); }).what();
+  EXPECT_THAT(m, HasSubstr("model = '" + std::string(80, 'a') + "...' (flag --model)"));  // cut at 80
   m = config_error([] { with_flags({}, {{"LATENTKV_KV_DTYPE", "fp16"}}); }).what();
   EXPECT_THAT(m, HasSubstr("kv_dtype = 'fp16' (environment LATENTKV_KV_DTYPE): expected fp8_e4m3 or bf16"));
   m = config_error([] { with_flags({{"dense_decode", "ref erence"}}); }).what();
@@ -472,6 +571,7 @@ TEST(ConfigReject, TomlErrorsNameFileLineKeyValueAndExpected) {
   EXPECT_THAT(toml("tp = \n"), HasSubstr("file cfg.toml:1:"));
   EXPECT_THAT(toml("[backends]\nsparse_decode = \"reference\"\n"), HasSubstr("file cfg.toml:1:1: a table header"));
   EXPECT_THAT(toml("tp = 8\n  [[a]]\n"), HasSubstr("file cfg.toml:2:3: a table header"));
+  EXPECT_THAT(toml("\t[a]\n"), HasSubstr("file cfg.toml:1:2: a table header"));
   EXPECT_THAT(toml("backends = {sparse_decode = \"reference\"}\n"), HasSubstr("unknown key 'backends'"));
   // toml++ 3.3 breaks an internal precondition on these (its pull request 301): refused before parsing.
   EXPECT_THAT(toml("[%["), HasSubstr("a table header"));
@@ -599,6 +699,10 @@ TEST(ConfigReject, SparseBackendInDenseSlot) {
   const std::string m =
       message_of_resolve(with_flags({{"dense_prefill", "sparseonly"}}), cpu(), {&reference(), &kSparseOnly});
   EXPECT_THAT(m, HasSubstr("'sparseonly' is a sparse backend: it runs sparse_mla_prefill but not mla_prefill"));
+  // The hint asks for the sparse op at the model's index_topk, which sparseonly needs.
+  const std::string d =
+      message_of_resolve(with_flags({{"dense_decode", "sparseonly"}}), cpu(), {&reference(), &kSparseOnly});
+  EXPECT_THAT(d, HasSubstr("'sparseonly' is a sparse backend: it runs sparse_mla_decode but not mla_decode"));
 }
 
 TEST(ConfigReject, DecodeSlotNeedsEveryQLenUpToTheConfiguredOne) {
@@ -606,6 +710,14 @@ TEST(ConfigReject, DecodeSlotNeedsEveryQLenUpToTheConfiguredOne) {
   const std::string m =
       message_of_resolve(with_flags({{"dense_decode", "qlen2"}, {"q_len", "3"}}), cpu(), {&reference(), &kQLen2});
   EXPECT_THAT(m, HasSubstr("at q_len 2: q_len 2 not instantiated"));
+  // The sweep starts at q_len 1.
+  const FakeBackend multi("multitoken", 5, [](const Problem& p) -> std::string {
+    return p.q_len == 1 ? "q_len 1 not instantiated" : "";
+  });
+  EXPECT_THAT(
+      message_of_resolve(with_flags({{"dense_decode", "multitoken"}, {"q_len", "2"}}), cpu(), {&reference(), &multi}),
+      HasSubstr("backend 'multitoken' cannot run dense_decode [mla_decode: fp8_e4m3 cache, 8 heads, page size 64, "
+                "q_len 2, on cpu]: at q_len 1: q_len 1 not instantiated"));
   EXPECT_EQ(resolve_config(with_flags({{"dense_decode", "qlen2"}}), cpu(), {&reference(), &kQLen2})
                 .slot(Slot::kDenseDecode)
                 .backend->name(),
@@ -635,6 +747,21 @@ TEST(ConfigReject, ProgrammaticConfigIsCheckedToo) {
   c = AttentionConfig{};
   c.kv_dtype.value = static_cast<KvDtype>(7);
   EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(), HasSubstr("kv_dtype = 7 (default)"));
+  c = AttentionConfig{};
+  c.tp.value = -8;  // divides 64, but is no tensor parallelism
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
+              HasSubstr("tp = -8 (default): expected a divisor of the 64 attention heads of glm5 (model from"));
+  c.tp.value = 0;
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
+              HasSubstr("tp = 0 (default): expected a divisor of the 64 attention heads of glm5"));
+  c = AttentionConfig{};
+  c.page_size.value = 0;
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
+              HasSubstr("page_size = 0 (default): expected an integer from 1 to 2147483647 (tokens per page)"));
+  c = AttentionConfig{};
+  c.q_len.value = 0;
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
+              HasSubstr("q_len = 0 (default): expected an integer from 1 to 4 (new tokens per request in decode)"));
 }
 
 // A backend whose select() throws an Error about an environment variable (a kernel override set to a
@@ -704,9 +831,30 @@ TEST(ConfigCapabilities, ReferenceRunsEveryOpOnCpuUpToItsHeadLimit) {
     const bool indexer = on_cpu.op == Op::kIndexerLogits || on_cpu.op == Op::kIndexerPrefill;
     if (!on_cpu.heads.empty()) EXPECT_EQ(on_cpu.heads.back(), indexer ? 64 : 128) << op_name(on_cpu.op);
     EXPECT_EQ(on_cpu.kernels, std::vector<std::string>{"reference." + std::string(op_name(on_cpu.op))});
+    // Ops that read no latent cache list no cache dtype.
+    const bool no_dtype = indexer || on_cpu.op == Op::kTopk;
+    EXPECT_EQ(on_cpu.kv_dtypes, no_dtype ? std::vector<KvDtype>{} : grid.kv_dtypes) << op_name(on_cpu.op);
     EXPECT_EQ(on_gpu.devices, (std::vector<std::string>{"sm_89", "sm_90", "sm_100", "sm_120"}));
     EXPECT_FALSE(on_gpu.supported);
     EXPECT_THAT(on_gpu.rejection, HasSubstr("CPU only"));
+  }
+}
+
+// Devices share a row only when they refuse for the same reason, read with their own name left out.
+TEST(ConfigCapabilities, GpuOnlyBackendGroupsDevicesByTheirReason) {
+  const std::vector<CapabilityRow> rows = probe_capabilities(kHopper, default_probe_grid());
+  ASSERT_EQ(rows.size(), 3 * std::size(kAllOps));
+  for (std::size_t i = 0; i < rows.size(); i += 3) {
+    const std::string op(op_name(rows[i].op));
+    EXPECT_EQ(rows[i].devices, std::vector<std::string>{"cpu"}) << op;
+    EXPECT_FALSE(rows[i].supported) << op;
+    EXPECT_EQ(rows[i].rejection, "needs a CUDA device (device is cpu)") << op;
+    EXPECT_EQ(rows[i + 1].devices, (std::vector<std::string>{"sm_89", "sm_120"})) << op;
+    EXPECT_FALSE(rows[i + 1].supported) << op;
+    EXPECT_EQ(rows[i + 1].rejection, "built for sm_90 and sm_100 (device is sm_89,sm_120)") << op;
+    EXPECT_EQ(rows[i + 2].devices, (std::vector<std::string>{"sm_90", "sm_100"})) << op;
+    EXPECT_TRUE(rows[i + 2].supported) << op;
+    EXPECT_EQ(rows[i + 2].kernels, std::vector<std::string>{"hopper." + op}) << op;
   }
 }
 
