@@ -36,9 +36,9 @@ struct AppendCase {
   HostTensor latent, keys, slots;
   std::vector<std::uint8_t> cache_before, indexer_before;
 
-  AppendCase()
+  explicit AppendCase(KvDtype kv_dtype = KvDtype::kFp8E4M3)
       : rng(test_rng()),
-        f(make_paged_fixture(options(), rng)),
+        f(make_paged_fixture(options(kv_dtype), rng)),
         latent(random_bf16(rng, {3, kQkDim})),
         keys(random_bf16(rng, {3, kIndexerDim})),
         slots(DType::kI32, {3}) {
@@ -49,11 +49,12 @@ struct AppendCase {
       slots.data<std::int32_t>()[i] = next++;
     }
   }
-  static PagedFixtureOptions options() {
+  static PagedFixtureOptions options(KvDtype kv_dtype) {
     PagedFixtureOptions o;
     o.page_size = 4;
     o.lengths = {5, 2};
     o.spare_pages = 2;
+    o.kv_dtype = kv_dtype;
     return o;
   }
   bool used(std::int32_t slot) const {
@@ -171,21 +172,11 @@ TEST(BadInput, AppendValuesPow2ScalesCannotHold) {
   EXPECT_EQ(key[0] * key_scale, -240.0 * std::ldexp(1.0, 120));
 
   // A bf16 cache stores its latent as given, under pow2 scales too (the indexer key is still fp8).
-  Rng rng = test_rng();
-  PagedFixtureOptions o = AppendCase::options();
-  o.kv_dtype = KvDtype::kBf16;
-  PagedFixture f = make_paged_fixture(o, rng);
-  HostTensor latent = random_bf16(rng, {1, kQkDim}), keys = random_bf16(rng, {1, kIndexerDim});
-  latent.data<std::uint16_t>()[5] = kTooLarge;
-  HostTensor first_slot = i32_tensor({1}, {0});
-  AppendParams b;
-  b.cache = f.cache();
-  b.latent = latent.view();
-  b.slots = first_slot.view();
-  b.indexer = f.indexer();
-  b.indexer_keys = keys.view();
-  ASSERT_NO_THROW(cpu::append(b));
-  cpu::dequantize_token(b.cache, 0, entry);
+  AppendCase b(KvDtype::kBf16);
+  b.latent.data<std::uint16_t>()[5] = kTooLarge;
+  p = b.params();
+  ASSERT_NO_THROW(cpu::append(p));
+  cpu::dequantize_token(p.cache, b.slots.data<std::int32_t>()[0], entry);
   EXPECT_EQ(entry[5], static_cast<double>(bf16_decode(kTooLarge)));
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 
 #include "latentkv/backend.hpp"
 #include "support/expect_error.hpp"
@@ -29,84 +30,65 @@ IndexerCache indexer_cache(int page_size) {
 
 Problem problem(const OpArgs& args) { return problem_of(args, DeviceInfo{}); }
 
+// Every field of the call's problem as `want` has it (fields want leaves at 0 are 0: not read off
+// the call).
+void expect_problem(const OpArgs& args, const Problem& want) {
+  const Problem got = problem(args);
+  SCOPED_TRACE(std::string(op_name(want.op)));
+  EXPECT_EQ(got.op, want.op);
+  EXPECT_EQ(got.kv_dtype, want.kv_dtype);
+  EXPECT_EQ(got.heads, want.heads);
+  EXPECT_EQ(got.page_size, want.page_size);
+  EXPECT_EQ(got.q_len, want.q_len);
+  EXPECT_EQ(got.topk, want.topk);
+}
+
 TEST(ProblemOf, EachOpsFieldsComeFromItsCall) {
+  constexpr KvDtype kBf16 = KvDtype::kBf16;
   AppendParams append;
   append.cache = bf16_cache(16);
-  Problem p = problem(append);
-  EXPECT_EQ(p.op, Op::kAppend);
-  EXPECT_EQ(p.kv_dtype, KvDtype::kBf16);
-  EXPECT_EQ(p.page_size, 16);
+  expect_problem(append, {.op = Op::kAppend, .kv_dtype = kBf16, .page_size = 16});
 
   MlaDecodeParams decode;
   decode.q = shaped(DType::kBF16, {5, 3, 7, 576});
   decode.cache = bf16_cache(32);
-  p = problem(decode);
-  EXPECT_EQ(p.op, Op::kMlaDecode);
-  EXPECT_EQ(p.kv_dtype, KvDtype::kBf16);
-  EXPECT_EQ(p.page_size, 32);
-  EXPECT_EQ(p.heads, 7);
-  EXPECT_EQ(p.q_len, 3);
+  expect_problem(decode, {.op = Op::kMlaDecode, .kv_dtype = kBf16, .heads = 7, .page_size = 32, .q_len = 3});
 
   MlaPrefillParams prefill;
   prefill.q = shaped(DType::kBF16, {40, 9, 576});
   prefill.cache = bf16_cache(8);
-  p = problem(prefill);
-  EXPECT_EQ(p.op, Op::kMlaPrefill);
-  EXPECT_EQ(p.kv_dtype, KvDtype::kBf16);
-  EXPECT_EQ(p.page_size, 8);
-  EXPECT_EQ(p.heads, 9);
+  expect_problem(prefill, {.op = Op::kMlaPrefill, .kv_dtype = kBf16, .heads = 9, .page_size = 8});
 
-  IndexerLogitsParams indexer;
+  IndexerLogitsParams indexer;  // no latent cache: the problem's kv_dtype stays the default
   indexer.q = shaped(DType::kFP8E4M3, {6, 2, 11, 128});
   indexer.cache = indexer_cache(64);
-  p = problem(indexer);
-  EXPECT_EQ(p.op, Op::kIndexerLogits);
-  EXPECT_EQ(p.page_size, 64);
-  EXPECT_EQ(p.heads, 11);
-  EXPECT_EQ(p.q_len, 2);
+  expect_problem(indexer, {.op = Op::kIndexerLogits, .heads = 11, .page_size = 64, .q_len = 2});
 
   TopkParams topk;
   topk.logits = shaped(DType::kF32, {6, 4, 1000});
   topk.page_size = 2;
   topk.k = 300;
-  p = problem(topk);
-  EXPECT_EQ(p.op, Op::kTopk);
-  EXPECT_EQ(p.page_size, 2);
-  EXPECT_EQ(p.q_len, 4);
-  EXPECT_EQ(p.topk, 300);
+  expect_problem(topk, {.op = Op::kTopk, .page_size = 2, .q_len = 4, .topk = 300});
 
   SparseMlaDecodeParams sparse;
   sparse.q = shaped(DType::kBF16, {5, 2, 13, 576});
   sparse.indices = shaped(DType::kI32, {5, 2, 700});
   sparse.cache = bf16_cache(1);
-  p = problem(sparse);
-  EXPECT_EQ(p.op, Op::kSparseMlaDecode);
-  EXPECT_EQ(p.kv_dtype, KvDtype::kBf16);
-  EXPECT_EQ(p.page_size, 1);
-  EXPECT_EQ(p.heads, 13);
-  EXPECT_EQ(p.q_len, 2);
-  EXPECT_EQ(p.topk, 700);
+  expect_problem(sparse,
+                 {.op = Op::kSparseMlaDecode, .kv_dtype = kBf16, .heads = 13, .page_size = 1, .q_len = 2, .topk = 700});
 
   SparseMlaPrefillParams sparse_prefill;  // rows of T new tokens: topk is the index rows' width
   sparse_prefill.q = shaped(DType::kBF16, {5, 8, 576});
   sparse_prefill.indices = shaped(DType::kI32, {5, 2048});
   sparse_prefill.cache = bf16_cache(4);
-  p = problem(sparse_prefill);
-  EXPECT_EQ(p.op, Op::kSparseMlaPrefill);
-  EXPECT_EQ(p.kv_dtype, KvDtype::kBf16);
-  EXPECT_EQ(p.page_size, 4);
-  EXPECT_EQ(p.heads, 8);
-  EXPECT_EQ(p.topk, 2048);
+  expect_problem(sparse_prefill,
+                 {.op = Op::kSparseMlaPrefill, .kv_dtype = kBf16, .heads = 8, .page_size = 4, .topk = 2048});
 
   IndexerPrefillParams indexer_prefill;
   indexer_prefill.q = shaped(DType::kFP8E4M3, {30, 17, 128});
   indexer_prefill.cache = indexer_cache(128);
   indexer_prefill.k = 99;
-  p = problem(indexer_prefill);
-  EXPECT_EQ(p.op, Op::kIndexerPrefill);
-  EXPECT_EQ(p.page_size, 128);
-  EXPECT_EQ(p.heads, 17);
-  EXPECT_EQ(p.topk, 99);
+  expect_problem(indexer_prefill, {.op = Op::kIndexerPrefill, .heads = 17, .page_size = 128, .topk = 99});
 }
 
 // An extent the selection reads as an int: 2^31 - 1 is read as it is, one more is refused by name.
