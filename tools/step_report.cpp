@@ -75,6 +75,14 @@ std::string percent(double x, bool known) {
   return buf;
 }
 
+// An op's share of its step, or "-" where the op was not measured.
+std::string share_text(double share, bool known) {
+  if (!known) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * share);
+  return buf;
+}
+
 std::string times(double gap) {
   if (gap <= 0) return "-";
   char buf[32];
@@ -304,11 +312,12 @@ std::string format_report(const StepReport& r) {
     appendf(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", "op", (unit + "/step").c_str(), "share",
         "moved", "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "launches", "kernel");
     for (const OpResult& op : s.ops) {
-      appendf(out, "  %-16s %10s %6.1f%% %9s %8s %7s %8s %7s %10s %8s %8s  %s\n",
-          std::string(step_op_name(op.op)).c_str(), t(op.us).c_str(), 100.0 * op.share,
-          human_bytes(op.work.bytes).c_str(), rate(op.gbps).c_str(),
-          percent(op.pct_of_copy, r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
-          percent(op.pct_of_matrix, r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
+      const bool measured = op.us > 0;  // as analyze_step and report_json have it
+      appendf(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n",
+          std::string(step_op_name(op.op)).c_str(), measured ? t(op.us).c_str() : "-",
+          share_text(op.share, measured && s.step_us > 0).c_str(), human_bytes(op.work.bytes).c_str(),
+          rate(op.gbps).c_str(), percent(op.pct_of_copy, measured && r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
+          percent(op.pct_of_matrix, measured && r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
           op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), launch_count(op.launches).c_str(),
           op.kernel.c_str());
     }
@@ -387,9 +396,9 @@ std::string report_json(const StepReport& r) {
       st["ops"].push_back({{"op", step_op_name(op.op)},
                            {"backend", op.backend},
                            {"kernel", op.kernel},
-                           {"us", known(op.us, x.timed)},
-                           {"p10_us", known(op.p10_us, x.timed)},
-                           {"p90_us", known(op.p90_us, x.timed)},
+                           {"us", known(op.us, measured)},
+                           {"p10_us", known(op.p10_us, measured)},
+                           {"p90_us", known(op.p90_us, measured)},
                            {"launches", positive(op.launches)},
                            {"bytes", op.work.bytes},
                            {"floor_bytes", op.work.floor_bytes},

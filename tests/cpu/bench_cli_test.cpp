@@ -20,6 +20,7 @@
 
 #include "bench_cli.hpp"
 #include "bench_work.hpp"
+#include "latentkv/error.hpp"
 #include "latentkv/version.hpp"
 #include "spread.hpp"
 
@@ -204,6 +205,62 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   EXPECT_THAT(latentkv::tools::format_report(options_for("sparse_mla_decode"), shared),
               HasSubstr("warning: the pool holds 1 set(s) of requests for the 75 rotation sets of index rows"));
   EXPECT_EQ(nlohmann::json::parse(latentkv::tools::report_json(o, shared)).at("request_sets"), 1);
+}
+
+// The whitespace-separated words of `line`.
+std::vector<std::string> words_of(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+TEST(BenchCli, TableColumnsAndTheLeastCallAreTheirOwn) {
+  const BenchOptions o = options_for("mla_decode");
+  BenchReport r = sample_report(2.0e9);
+  // 430 MB in 100 us: 4300 GB/s, 100.0% of the 4300 GB/s copy, 4300 / 4540 = 94.7% of the read-only stream.
+  const std::vector<std::string> cuda = words_of(line_of(latentkv::tools::format_report(o, r), "cuda "));
+  ASSERT_GE(cuda.size(), 8u);
+  EXPECT_EQ(std::vector<std::string>(cuda.begin(), cuda.begin() + 8),
+            (std::vector<std::string>{"cuda", "100.0", "99.0..101.5", "4300", "100.0%", "94.7%", "20.0", "14.7x"}));
+  // The least call is timed as the calls are: one launch, or a one-kernel graph when they are graphs.
+  EXPECT_THAT(latentkv::tools::format_report(o, r),
+              HasSubstr("least call (this run): 3.6 us, an empty one-CTA kernel as one launch"));
+  r.timing = "CUDA graph replays";
+  EXPECT_THAT(latentkv::tools::format_report(o, r),
+              HasSubstr("least call (this run): 2.8 us, an empty one-CTA kernel as a one-kernel graph"));
+}
+
+TEST(BenchCli, JsonFieldsCarryTheirOwnValues) {
+  const BenchOptions o = options_for("mla_decode");
+  const nlohmann::json j = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(2.0e9)));
+  EXPECT_EQ(j.at("empty_launch_us"), 3.6);
+  EXPECT_EQ(j.at("empty_graph_us"), 2.8);
+  EXPECT_EQ(j.at("request_sets"), 3);  // one set of requests per rotation set
+  const nlohmann::json& cuda = j.at("rows")[0];
+  EXPECT_EQ(cuda.at("p10_us"), 99.0);
+  EXPECT_EQ(cuda.at("p90_us"), 101.5);
+  EXPECT_DOUBLE_EQ(cuda.at("gbps").get<double>(), 430e6 / 100e-6 / 1e9);
+  EXPECT_DOUBLE_EQ(cuda.at("pct_of_read").get<double>(), 100.0 * 4300 / 4540);
+}
+
+TEST(BenchCli, BoundsIncludeTheirLimit) {
+  // --check-requests up to the batch, --context down to --q-len, --new-tokens up to --context.
+  BenchOptions o = options_for("mla_decode");  // batch 3, q_len 3
+  o.check_requests = 3;
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, true));
+  o.check_requests = 4;
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, true), latentkv::Error);
+  o = options_for("mla_decode");
+  o.context = 3;
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false));
+  o.context = 2;
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, false), latentkv::Error);
+  o = options_for("mla_prefill");  // new tokens 300
+  o.context = 300;
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false));
+  o.context = 299;
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, false), latentkv::Error);
 }
 
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -96,6 +97,24 @@ TEST(StepWork, TheCastBaselinesMoveMoreButShareTheFloor) {
                    op_work(StepOp::kIndexerLogits, "cuda", s).bytes);
 }
 
+TEST(StepWork, CastFullCastsThePoolThenReadsWhatItAttends) {
+  // Sparse at q_len 4: the pool cast, then every row's 2048 selected tokens read back as bf16.
+  StepShape four = glm5_b1_32k();
+  four.batch = 2;
+  four.context = 3000;
+  four.q_len = 4;
+  EXPECT_DOUBLE_EQ(op_work(StepOp::kSparseDecode, "cast_full", four).bytes,
+                   495040 * (656.0 + 1152) + 2 * 4 * 2048 * 1152.0 + 8 * q_o_lse(four) + 8 * 2048 * 4.0);
+  // Dense: the pool cast, then each request's L tokens read once as bf16 (its q_len rows share them).
+  StepShape s = glm5_b1_32k();
+  s.batch = 64;
+  s.context = 8192;
+  s.q_len = 2;
+  const OpWork dense = op_work(StepOp::kDenseDecode, "cast_full", s);
+  EXPECT_DOUBLE_EQ(dense.bytes, 495040 * (656.0 + 1152) + 64 * 8192 * 1152.0 + 128 * q_o_lse(s));
+  EXPECT_DOUBLE_EQ(dense.floor_bytes, 64 * 8192 * 656.0 + 128 * q_o_lse(s));
+}
+
 TEST(StepWork, DenseDecodeReadsEveryVisibleToken) {
   StepShape s = glm5_b1_32k();
   s.batch = 64;
@@ -142,10 +161,16 @@ TEST(StepWork, AStepSmallerThanTwiceTheL2IsSaidToReadPartlyFromIt) {
   const std::string note = l2_residency_note(s, l2);
   EXPECT_NE(note.find("an FP8-native step moves 5.97 MB, less than twice the L2 (60 MB)"), std::string::npos) << note;
   EXPECT_EQ(l2_residency_note(s, 0), "");  // the L2's size unknown
+  // One layer moves 2200 + 4,460,672 + 139,264 + 1,369,120 = 5,971,256 B: under twice 3 MB, not twice 2.9 MB.
+  EXPECT_NE(l2_residency_note(s, 3e6).find("moves 5.97 MB, less than twice the L2 (3 MB)"), std::string::npos);
+  EXPECT_EQ(l2_residency_note(s, 2.9e6), "");
   s.context = 1000;                         // the model's rule: dense decode, every token read
   s.layers = 2;
   EXPECT_DOUBLE_EQ(step_floor_bytes(s), 2 * (op_work(StepOp::kAppend, "cuda", s).floor_bytes +
                                              op_work(StepOp::kDenseDecode, "cuda", s).floor_bytes));
+  // 1,010,000 B is 1.01 MB, not 1010 kB: 2 x (2200 + 1000 x 656 + 8 x 2180) = 1,351,280 B is 1.35 MB.
+  EXPECT_NE(l2_residency_note(s, 1.01e6).find("moves 1.35 MB, less than twice the L2 (1.01 MB)"), std::string::npos)
+      << l2_residency_note(s, 1.01e6);
 }
 
 TEST(StepWork, FloorIsTheSlowerOfBandwidthAndCompute) {
@@ -264,6 +289,18 @@ TEST(StepAnalysis, EveryOpOfEveryLayerCostsAtLeastOneChainedLaunch) {
   EXPECT_NE(text.find("one chained launch 0.50 us"), std::string::npos) << text;
 }
 
+TEST(StepAnalysis, RatesCountWhatTheStrategyMovesAgainstTheirOwnCeiling) {
+  StepReport r = measured_report();
+  analyze_step(r);
+  // fp8's sparse decode: 78 x 2 x 8 heads x (576 + 512) x 2048 FLOP in 350 us, against 766 TFLOP/s.
+  EXPECT_DOUBLE_EQ(r.strategies[0].ops[3].pct_of_matrix, 100.0 * (78 * 2.0 * 8 * (576 + 512) * 2048 / 350e6) / 766);
+  // cast_full's decode: its GB/s counts the pool it casts every layer, not the floor's bytes.
+  const OpResult& cast = r.strategies[1].ops[3];
+  const double cast_layer = 495040 * (656.0 + 1152) + 2048 * 1152.0 + q_o_lse(r.shape) + 2048 * 4.0;
+  EXPECT_DOUBLE_EQ(cast.gbps, 78 * cast_layer / (79000 * 1e3));
+  EXPECT_DOUBLE_EQ(cast.pct_of_copy, 100 * (78 * cast_layer / (79000 * 1e3)) / 4250);
+}
+
 TEST(StepAnalysis, QLenCountsEveryNewTokenAndTheBatchMultiplies) {
   StepReport r = measured_report();
   r.shape.q_len = 2;
@@ -301,6 +338,154 @@ TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
   }
   EXPECT_NE(text.find("sparse decode"), std::string::npos) << "the model's rule at 32K is sparse:\n" << text;
   EXPECT_EQ(text.find("a kernel waiting for the one before it"), std::string::npos) << "none measured:\n" << text;
+}
+
+// The whitespace-separated words of the first line of `text` that starts with `start`.
+std::vector<std::string> words_of_line(const std::string& text, const std::string& start) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(start, 0) != 0) continue;
+    std::istringstream words(line);
+    std::vector<std::string> out;
+    for (std::string w; words >> w;) out.push_back(w);
+    return out;
+  }
+  return {"(no line starting '" + start + "')"};
+}
+
+TEST(StepReportText, EachColumnShowsItsOwnFigure) {
+  StepReport r = measured_report();
+  analyze_step(r);
+  const std::string text = format_report(r);
+  // fp8's floor: append 78 x 2200 B, indexer 78 x 4,460,672 B, top-k 78 x 139,264 B, sparse decode
+  // 78 x 1,369,120 B at 4250 GB/s (each above its FLOPs at 766 TFLOP/s): 0.04 + 81.87 + 2.56 + 25.13
+  // = 109.6 us; gap 1000 / 109.6 = 9.1x; cast_full 80000 / 1000 = 80.0x.
+  EXPECT_EQ(words_of_line(text, "fp8 "),
+            (std::vector<std::string>{"fp8", "sparse", "cuda", "1000.0", "990.0..1010.0", "1000.0", "109.6", "9.1x",
+                                      "80.0x", "pass"}));
+  // fp8's sparse decode, 350 us of a 1000 us step: 35.0%; moves 78 x 1,369,120 B = 107 MB; 107 MB / 350 us =
+  // 305 GB/s, 7.2% of 4250; 78 x 2 x 8 x 1088 x 2048 FLOP / 350 us = 7.95 TFLOP/s, 1.0% of 766;
+  // floor 107 MB / 4250 GB/s = 25.1 us, gap 350 / 25.13 = 13.9x.
+  EXPECT_EQ(words_of_line(text, "  sparse_decode "),
+            (std::vector<std::string>{"sparse_decode", "350.0", "35.0%", "107", "MB", "305", "7.2%", "7.95", "1.0%",
+                                      "25.1", "13.9x", "-", "k3"}));
+  // 1000 us over 78 layers is 12.8 us a layer.
+  EXPECT_NE(text.find("fp8 (sparse, decode backend cuda): step 1000.0 us, 78 layers of 12.8 us;"), std::string::npos)
+      << text;
+  // Between ops: 1000 - (100 + 300 + 200 + 350) = +50 us, 5.0% of the step.
+  const std::vector<std::string> between = words_of_line(text, "  between ops ");
+  ASSERT_GE(between.size(), 4u);
+  EXPECT_EQ(between[2], "+50.0");
+  EXPECT_EQ(between[3], "5.0%");
+  // Ops that sum to more than the step: 900 - 950 = -50 us, -5.6% of 900.
+  r.strategies[0].step_us = 900;
+  analyze_step(r);
+  const std::vector<std::string> negative = words_of_line(format_report(r), "  between ops ");
+  ASSERT_GE(negative.size(), 4u);
+  EXPECT_EQ(negative[2], "-50.0");
+  EXPECT_EQ(negative[3], "-5.6%");
+}
+
+TEST(StepReportText, TokensPerSecondOfTheBatchMultiplyTheStreams) {
+  StepReport r = measured_report();
+  r.shape.batch = 4;
+  analyze_step(r);
+  // One token a 1000 us step: 1000 tokens/s for one stream, 4 x 1000 for the batch of 4.
+  const std::string text = format_report(r);
+  EXPECT_NE(text.find("; 1000.0 tokens/s for one stream, 4000.0 for the batch\n"), std::string::npos) << text;
+}
+
+TEST(StepReportText, DenseBeyondIndexTopkIsMarkedAComparison) {
+  StepReport r = measured_report();
+  StrategyResult dense;
+  dense.name = "dense";
+  dense.dense = true;
+  dense.backend = "cuda";
+  dense.status = "pass";
+  dense.timed = true;
+  dense.step_us = dense.step_p10_us = dense.step_p90_us = 2000;
+  for (const StepOp kind : step_ops(true)) {
+    OpResult op;
+    op.op = kind;
+    op.backend = "cuda";
+    op.us = op.p10_us = op.p90_us = 1000;
+    dense.ops.push_back(op);
+  }
+  r.strategies.push_back(dense);
+  analyze_step(r);
+  std::string text = format_report(r);  // L = 32768 > index_topk 2048: not the model's attention
+  EXPECT_EQ(words_of_line(text, "dense ").at(1), "dense*");
+  EXPECT_NE(text.find("\ndense*: every visible token"), std::string::npos) << text;
+  r.shape.context = 2048;  // every row sees <= index_topk: dense is exact
+  analyze_step(r);
+  text = format_report(r);
+  EXPECT_EQ(words_of_line(text, "dense ").at(1), "dense");
+  EXPECT_EQ(text.find("dense*"), std::string::npos) << text;
+}
+
+TEST(StepReportText, ALaunchFloorAloneIsAFloor) {
+  StepReport r = measured_report();
+  r.copy_gbps = r.read_gbps = r.matrix_tflops = 0;
+  r.launch_us = 0.5;
+  analyze_step(r);
+  const std::string text = format_report(r);
+  EXPECT_EQ(text.find("floors: none measured"), std::string::npos) << text;
+  EXPECT_NE(text.find("one chained launch 0.50 us"), std::string::npos) << text;
+  // Four ops of 78 layers x 0.5 us each: a 156 us floor, gap 1000 / 156 = 6.4x.
+  EXPECT_EQ(words_of_line(text, "fp8 ").at(6), "156.0");
+  EXPECT_EQ(words_of_line(text, "fp8 ").at(7), "6.4x");
+}
+
+// An op of a timed strategy that was not measured (its time null in a report read back) has a dash
+// for every figure its time makes, in the table as in the JSON, and is read back the same.
+TEST(StepReportText, AnOpNeverMeasuredShowsADashForItsTimeAndWhatItMakes) {
+  StepReport r = measured_report();
+  OpResult& indexer = r.strategies[0].ops[1];
+  indexer.us = indexer.p10_us = indexer.p90_us = 0;
+  analyze_step(r);
+  const std::string text = format_report(r);
+  const std::vector<std::string> row = words_of_line(text, "  indexer_logits ");
+  ASSERT_EQ(row.size(), 13u) << text;  // op, us, share, moved (2 words), GB/s, % copy, TFLOP/s, % bf16, floor, gap,
+                                       // launches, kernel
+  for (const std::size_t column : {1, 2, 5, 6, 7, 8, 10}) EXPECT_EQ(row[column], "-") << "column " << column;
+  EXPECT_EQ(row[9], "81.9");  // the floor needs no time: 78 x 4,460,672 B at 4250 GB/s
+  const nlohmann::json j = nlohmann::json::parse(report_json(r));
+  const nlohmann::json& op = j["strategies"][0]["ops"][1];
+  for (const char* key : {"us", "p10_us", "p90_us", "share", "gbps", "tflops", "pct_of_copy", "pct_of_matrix", "gap"}) {
+    EXPECT_TRUE(op[key].is_null()) << key;
+  }
+  const StepReport back = parse_report_json(report_json(r));
+  EXPECT_EQ(format_report(back), text);
+  EXPECT_EQ(report_json(back), report_json(r));
+}
+
+TEST(StepReportJson, DerivedFieldsCarryTheirOwnValues) {
+  StepReport r = measured_report();
+  r.strategies[0].ops[1].p10_us = 290;
+  r.strategies[0].ops[1].p90_us = 320;
+  analyze_step(r);
+  const nlohmann::json j = nlohmann::json::parse(report_json(r));
+  const nlohmann::json& sparse = j["strategies"][0]["ops"][3];
+  const double fp8_layer = 2048 * 656.0 + q_o_lse(r.shape) + 2048 * 4.0;  // the FP8-native decode's bytes a layer
+  EXPECT_DOUBLE_EQ(sparse["pct_of_copy"].get<double>(), 100.0 * (78 * fp8_layer / (350 * 1e3)) / 4250);
+  EXPECT_DOUBLE_EQ(sparse["pct_of_matrix"].get<double>(), 100.0 * (78 * 2.0 * 8 * (576 + 512) * 2048 / 350e6) / 766);
+  // cast_full's decode moves the pool every layer; its floor's bytes are the FP8-native op's.
+  const nlohmann::json& cast = j["strategies"][1]["ops"][3];
+  EXPECT_DOUBLE_EQ(cast["bytes"].get<double>(),
+                   78 * (495040 * (656.0 + 1152) + 2048 * 1152.0 + q_o_lse(r.shape) + 2048 * 4.0));
+  EXPECT_DOUBLE_EQ(cast["floor_bytes"].get<double>(), 78 * fp8_layer);
+  // An op's spread is its own, and reads back.
+  EXPECT_EQ(j["strategies"][0]["ops"][1]["p10_us"], 290.0);
+  EXPECT_EQ(j["strategies"][0]["ops"][1]["p90_us"], 320.0);
+  const StepReport back = parse_report_json(report_json(r));
+  EXPECT_EQ(back.strategies[0].ops[1].p10_us, 290);
+  EXPECT_EQ(back.strategies[0].ops[1].p90_us, 320);
+  // A batch of 4 at one token a 1000 us step: 4000 tokens/s.
+  r.shape.batch = 4;
+  analyze_step(r);
+  const nlohmann::json four = nlohmann::json::parse(report_json(r))["strategies"][0];
+  EXPECT_DOUBLE_EQ(four["tokens_per_s_stream"].get<double>(), 1000.0);
+  EXPECT_DOUBLE_EQ(four["tokens_per_s_batch"].get<double>(), 4000.0);
 }
 
 TEST(StepReportJson, RoundTripsTheMeasuredFieldsAndDerivesTheRest) {
@@ -452,6 +637,11 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
             "strategies[0].ops = append, indexer_logits, topk, sparse_decode: expected append, dense_decode (the "
             "dense path)");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["iters"] = 0; }), "iters = 0: expected >= 1");
+  EXPECT_EQ(problem([](nlohmann::json& j) {
+              j["shape"]["q_len"] = 2;
+              j["shape"]["context"] = 1;
+            }),
+            "shape.context = 1: expected an integer >= 2");  // L counts the new tokens
   EXPECT_EQ(problem([](nlohmann::json&) {}), "accepted");
 }
 
@@ -520,6 +710,51 @@ TEST(StepTopkCheck, RowsSeeingFewerThanKTakeThemAllAndPad) {
   std::vector<std::int32_t> wrong(all);
   wrong.insert(wrong.end(), all.begin(), all.end());
   EXPECT_NE(topk_problem(c.logits, wrong, c.shape, c.tables, 1, 12).find("not a slot the row sees"), std::string::npos);
+}
+
+TEST(StepTopkCheck, EachRequestIsCheckedWithItsOwnPagesAndRows) {
+  // Two requests of 10 tokens over pages of 4, two new tokens each (rows see 9 and 10): request 0 on
+  // pages 2, 0, 3 with the logits above; request 1 on pages 1, 5, 4, its largest logits at 0, 8, 7.
+  TopkCase c;
+  c.shape.batch = 2;
+  c.shape.q_len = 2;
+  c.tables.num_pages = 6;
+  c.tables.block_table = {2, 0, 3, 1, 5, 4};
+  c.tables.seq_lens = {10, 10};
+  const std::vector<float> first = c.logits;
+  const std::vector<float> second = {0.9f, 0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f, 0.0f, -INFINITY, -INFINITY};
+  std::vector<float> logits;  // [2, 2, 12]
+  for (const std::vector<float>* row : {&first, &first, &second, &second}) {
+    logits.insert(logits.end(), row->begin(), row->end());
+  }
+  const auto slot = [&](int b, int position) { return c.tables.block_table[b * 3 + position / 4] * 4 + position % 4; };
+  std::vector<std::int32_t> slots = {slot(0, 1), slot(0, 3), slot(0, 8),   // row 0 sees 0..8: 0.6 third
+                                     slot(0, 1), slot(0, 3), slot(0, 9),   // row 1 sees 0..9: 0.7 third
+                                     slot(1, 0), slot(1, 8), slot(1, 7),   // request 1's rows
+                                     slot(1, 0), slot(1, 8), slot(1, 7)};
+  EXPECT_EQ(topk_problem(logits, slots, c.shape, c.tables, 2, 12), "");
+  // Request 1 answered with request 0's slots: not its pages.
+  std::copy(slots.begin(), slots.begin() + 6, slots.begin() + 6);
+  EXPECT_NE(topk_problem(logits, slots, c.shape, c.tables, 2, 12).find("top-k row [1, 0]: "), std::string::npos);
+}
+
+TEST(StepTopkCheck, ReferenceLogitsAllowANearTieOfTwiceTheIndexerBound) {
+  // Largest |logit| 10: a near tie may go either way by 2 x (1e-5 + 1e-4 x 10) = 2.02e-3.
+  const std::vector<std::int32_t> table = {0};  // page 0: slot = position
+  const std::vector<std::int32_t> chosen = {0, 2};
+  // 5.0 left out for 4.9985, 1.5e-3 above it: within; for 4.9975, 2.5e-3 above: beyond.
+  EXPECT_EQ(topk_row_problem_near({10.0f, 5.0f, 4.9985f, 1.0f}, table.data(), 4, chosen.data(), 2), "");
+  EXPECT_NE(topk_row_problem_near({10.0f, 5.0f, 4.9975f, 1.0f}, table.data(), 4, chosen.data(), 2).find("left out"),
+            std::string::npos);
+}
+
+TEST(StepTopkCheck, AnOutputPassesWithinEitherToleranceOfSpecSection5) {
+  // |a - b| <= atol or <= rtol |b|: 0.01 off 1.0 is within 2/128 relative though beyond 1e-3 absolute.
+  const std::vector<double> got = {1.01, -2.0}, want = {1.0, -2.0};
+  const auto a = [&](std::size_t i) { return got[i]; };
+  const auto b = [&](std::size_t i) { return want[i]; };
+  EXPECT_TRUE(check_close(2, a, b, 1e-3, 2.0 / 128.0, -1.0).ok);
+  EXPECT_FALSE(check_close(2, a, b, 1e-3, 0.005, -1.0).ok);  // beyond both
 }
 
 }  // namespace
