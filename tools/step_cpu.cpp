@@ -104,8 +104,9 @@ void check_memory(const StepShape& s) {
   const double workspace = 4.0 * rows * (max_pages * s.page_size + s.topk);
   const double rest = inputs + tables + workspace;
   check_host_memory("step", cache + rest + kHostHeadroomBytes,
-                    std::to_string(s.layers) + " layers x " + std::to_string(s.pool_tokens) + " slots of cache take " +
-                        gigabytes(cache) + " (" + std::to_string(kFp8TokenBytes + kIndexerTokenBytes) +
+                    std::to_string(s.layers) + (s.layers == 1 ? " layer x " : " layers x ") +
+                        std::to_string(s.pool_tokens) + " slots of cache take " + gigabytes(cache) + " (" +
+                        std::to_string(kFp8TokenBytes + kIndexerTokenBytes) +
                         " B a slot: main + indexer); with the inputs, page tables and workspace (" + gigabytes(rest) +
                         ") and " + gigabytes(kHostHeadroomBytes) + " of headroom",
                     "--pool, --layers, --batch or --context");

@@ -258,6 +258,11 @@ TEST_F(Cli, StepTooLargeForHostMemoryFailsBeforeAllocating) {
   EXPECT_THAT(r.err, HasSubstr("of host memory"));
   EXPECT_THAT(r.err, HasSubstr("lower --pool, --layers, --batch or --context"));
   EXPECT_THAT(r.err, Not(HasSubstr("bad_alloc")));
+  // One layer of the largest pool: 2^31 - 64 slots of 788 B, 1692 GB.
+  const Result one = run({"step", "--device", "cpu", "--batch", "1", "--layers", "1", "--context", "300", "--pool",
+                          "2147483584", "--no-progress"});
+  EXPECT_EQ(one.exit_code, 1);
+  EXPECT_THAT(one.err, HasSubstr("step: 1 layer x 2147483584 slots of cache take 1692.2 GB (788 B a slot"));
 }
 
 TEST_F(Cli, DuplicateStrategyIsNamedAsOne) {
@@ -298,7 +303,8 @@ TEST_F(Cli, NegativeSeedsAreRefused) {
     for (const std::vector<std::string>& seed : std::vector<std::vector<std::string>>{{"--seed", "-1"}, {"--seed=-1"}}) {
       const Result r = run({command}, seed);
       EXPECT_EQ(r.exit_code, 2) << command;
-      EXPECT_THAT(r.err, HasSubstr("error: " + command + ": --seed: -1 is not in 0 .. 18446744073709551615"));
+      EXPECT_THAT(r.err, HasSubstr("error: " + command +
+                                   ": --seed: -1 is not in 0 .. 18446744073709551615 (a seed is not negative)"));
       EXPECT_EQ(r.out, "");
     }
   }
@@ -461,6 +467,138 @@ TEST_F(Cli, InfoListsTheDeviceThePresetsTheCacheFormatsAndEveryBackend) {
   for (const latentkv::Backend* b : latentkv::registered_backends()) {
     EXPECT_THAT(info.out, HasSubstr("  " + std::string(b->name()) + " ")) << b->name();
   }
+}
+
+TEST_F(Cli, ConfigurationThatCannotRunExitsTwo) {
+  for (const Result& r : {run({"config", "--tp", "3"}), run({"config"}, {}, {"LATENTKV_Q_LEN=5"})}) {
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("error: config: "));
+    EXPECT_THAT(r.err, HasSubstr("(configuration rejected before any kernel ran"));
+    EXPECT_EQ(r.out, "");
+  }
+}
+
+// Without sizes the CPU step runs its small default (docs/step.md: B 2, L 3000, 4 layers, 12032
+// slots a layer, 1 warm-up + 3 timed) and says so; any size given is "as asked". Times are ms.
+TEST_F(Cli, CpuStepDefaultsAreTheSmallSizeAndSaySo) {
+  const Result defaults = run({"step", "--device", "cpu", "--strategies", "dense", "--warmup", "0", "--iters", "1",
+                               "--no-progress", "--json", path("defaults.json")});
+  ASSERT_EQ(defaults.exit_code, 0) << defaults.err;
+  EXPECT_THAT(defaults.out, HasSubstr("note: --device cpu: CPU reference (float64), small default: batch 2, "
+                                      "context 3000, 4 of 78 layers; times are host wall-clock"));
+  EXPECT_THAT(defaults.out, HasSubstr("--batch 2 --context 3000 --q-len 1 --pool 12032 --page-size 64 --layers 4 "));
+  EXPECT_THAT(defaults.out, HasSubstr("device: cpu (the float64 reference backend)"));
+  EXPECT_THAT(defaults.out, HasSubstr("step ms"));
+  const nlohmann::json j = nlohmann::json::parse(read_file(path("defaults.json")));
+  EXPECT_TRUE(j["cpu_reference"].get<bool>());
+  EXPECT_EQ(j["device"], "cpu (the float64 reference backend)");
+
+  const Result layers = run({"step", "--device", "cpu", "--layers", "1", "--strategies", "dense", "--warmup", "0",
+                             "--iters", "1", "--no-progress"});
+  ASSERT_EQ(layers.exit_code, 0) << layers.err;
+  EXPECT_THAT(layers.out, HasSubstr("size as asked: batch 2, context 3000, 1 of 78 layers"));
+
+  // The replays' defaults on the CPU, and the repro line gives both as run.
+  const Result replays = run({"step", "--device", "cpu", "--layers", "1", "--batch", "1", "--context", "300",
+                              "--no-progress"});
+  ASSERT_EQ(replays.exit_code, 0) << replays.err;
+  EXPECT_THAT(replays.out, HasSubstr("1 warm-up + 3 timed"));
+  EXPECT_THAT(replays.out, HasSubstr(" --warmup 1 --iters 3 "));
+  EXPECT_THAT(run(kSmallStep).out, HasSubstr(" --warmup 0 --iters 1 "));
+}
+
+// Each bound is accepted at its value and refused one past it.
+TEST_F(Cli, StepBoundsAreInclusive) {
+  const std::vector<std::string> step = {"step", "--device", "cpu", "--batch", "1", "--warmup", "0",
+                                         "--iters", "1", "--no-progress", "--strategies", "dense"};
+  // Every layer of glm5 (tiny, so that 78 layers run at once).
+  const Result all = run(step, {"--layers", "78", "--context", "1", "--page-size", "1"});
+  EXPECT_EQ(all.exit_code, 0) << all.err;
+  EXPECT_THAT(all.out, HasSubstr("78 of 78 layers"));
+  EXPECT_THAT(run(step, {"--layers", "79"}).err,
+              HasSubstr("argument '--layers' = 79: expected 1 .. 78 (the layers of glm5)"));
+  // A context of q_len tokens.
+  const Result least = run(step, {"--layers", "1", "--context", "2", "--q-len", "2"});
+  EXPECT_EQ(least.exit_code, 0) << least.err;
+  EXPECT_THAT(run(step, {"--layers", "1", "--context", "1", "--q-len", "2"}).err,
+              HasSubstr("argument '--context' = 1: expected >= q_len 2"));
+  // glm5's max positions passes the context's check (the pool's is the one that refuses it).
+  const Result most = run(step, {"--layers", "1", "--context", "202752", "--pool", "1"});
+  EXPECT_EQ(most.exit_code, 2);
+  EXPECT_THAT(most.err, HasSubstr("argument '--pool' = 1: expected >= 202752 tokens"));
+  EXPECT_THAT(run(step, {"--layers", "1", "--context", "202753"}).err,
+              HasSubstr("argument '--context' = 202753: expected <= 202752 (max positions of glm5)"));
+  // The largest pool of whole 64-token pages below 2^31 is no usage error (only too large for the host).
+  const Result pool = run(step, {"--layers", "1", "--context", "300", "--pool", "2147483584"});
+  EXPECT_EQ(pool.exit_code, 1) << pool.err;
+  EXPECT_THAT(pool.err, HasSubstr("of host memory"));
+  // As many requests checked as the batch holds.
+  const Result checked = run(step, {"--layers", "1", "--context", "300", "--check-requests", "1"});
+  EXPECT_EQ(checked.exit_code, 0) << checked.err;
+  EXPECT_THAT(checked.out, HasSubstr("--check-requests 1 "));
+}
+
+TEST_F(Cli, CpuStepSaysWhatItRunsAndWhatItLeavesOut) {
+  const Result faults = run(kSmallStep, {"--fault-checks"});
+  ASSERT_EQ(faults.exit_code, 0) << faults.err;
+  EXPECT_THAT(faults.out, HasSubstr("note: --fault-checks: the CPU reference checks every value anyway"));
+  EXPECT_THAT(faults.out, HasSubstr(" --fault-checks "));
+  // The default list at L 300: fp8 is dense by the rule, and dense is left out without a note.
+  const Result defaults = run(kSmallStep);
+  ASSERT_EQ(defaults.exit_code, 0) << defaults.err;
+  EXPECT_THAT(defaults.out, Not(HasSubstr("left out")));
+  EXPECT_THAT(defaults.out, HasSubstr("--strategies fp8,sparse "));
+  // Asked for, it is named; a CUDA baseline shows as unsupported and the run still succeeds.
+  const Result asked = run(kSmallStep, {"--strategies", "fp8,dense,cast_full"});
+  ASSERT_EQ(asked.exit_code, 0) << asked.err;
+  EXPECT_THAT(asked.out, HasSubstr("note: dense runs what fp8 runs here (the model's rule picks dense at this "
+                                   "context): left out"));
+  EXPECT_THAT(asked.out, HasSubstr("unsupported: cast_full is a CUDA baseline; the CPU run has the reference "
+                                   "backend only"));
+}
+
+TEST_F(Cli, FromJsonTakesSvgPlotsAndNoProgress) {
+  const std::string report = saved_step();
+  const Result quiet = run({"step", "--from-json", report, "--no-progress"});
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.err;
+  EXPECT_THAT(quiet.out, HasSubstr("repro: "));
+  // An .svg name passes the name's check: what refuses it here is the interpreter chosen.
+  const Result svg = run({"step", "--from-json", report, "--plot", path("p.svg")}, {},
+                         {"LATENTKV_PYTHON=/nonexistent/python3"});
+  EXPECT_EQ(svg.exit_code, 2);
+  EXPECT_THAT(svg.err, HasSubstr("LATENTKV_PYTHON=/nonexistent/python3 cannot be run"));
+  EXPECT_THAT(svg.err, Not(HasSubstr(".png or .svg")));
+  const Result other = run({"step", "--from-json", report, "--plot", path("p.jpg")});
+  EXPECT_EQ(other.exit_code, 2);
+  EXPECT_THAT(other.err, HasSubstr("expected a file name ending in .png or .svg"));
+}
+
+TEST_F(Cli, DemoDefaultsAndTheDenseReadItComparesWith) {
+  const Result r = run({"demo"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("one layer of glm5 at tp 8 (8 heads here, 32 indexer heads, top-2048), 2 requests x "
+                               "3000 tokens, page size 64, seed 1"));
+  // 6000 cached tokens x 656 B + q (2 x 8 heads x 576 x 2 B) + the page table (2 x 47) and lengths (2) x 4 B.
+  EXPECT_THAT(r.out, HasSubstr("a dense decode would read 3.95 MB for this step"));
+  const Result tp = run({"demo", "--tp", "4", "--context", "100"});
+  ASSERT_EQ(tp.exit_code, 0) << tp.err;
+  EXPECT_THAT(tp.out, HasSubstr("one layer of glm5 at tp 4 (16 heads here,"));
+}
+
+TEST_F(Cli, InfoGivesEachPresetsIndexerAndTopk) {
+  const Result info = run({"info"});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_THAT(info.out, HasSubstr("  glm5           78 layers,  64 heads, d_qk 576, d_v 512, scale "));
+  EXPECT_THAT(info.out, HasSubstr(", indexer 32 x 128, topk 2048\n"));
+}
+
+TEST_F(Cli, AMissingOrUnknownSubcommandIsNamed) {
+  const Result none = run({});
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_THAT(none.err, HasSubstr("error: a subcommand is required (one of: step, demo, config, info, bench)"));
+  const Result dash = run({"-x"});
+  EXPECT_EQ(dash.exit_code, 2);
+  EXPECT_THAT(dash.err, HasSubstr("error: unknown option '-x' before the subcommand"));
 }
 
 }  // namespace

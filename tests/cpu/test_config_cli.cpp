@@ -32,13 +32,16 @@ namespace latentkv {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct CommandResult {
   int exit_code = 0;  // as tools/main.cpp maps it: 0, or 2 for any CLI::ParseError
   std::string out, err;
 };
 
-CommandResult run_cli(const std::vector<std::string>& args, std::map<std::string, std::string> env = {}) {
+// `device` stands for the detected one (the CPU unless a test says otherwise).
+CommandResult run_cli(const std::vector<std::string>& args, std::map<std::string, std::string> env = {},
+                      const DeviceInfo& device = DeviceInfo{}) {
   std::ostringstream out, err;
   CLI::App app{"latentkv"};
   app.require_subcommand(1);
@@ -46,7 +49,7 @@ CommandResult run_cli(const std::vector<std::string>& args, std::map<std::string
   io.out = &out;
   io.err = &err;
   io.environment = environment_from(std::move(env));
-  io.device = [] { return DeviceInfo{}; };
+  io.device = [device] { return device; };
   tools::add_config_command(app, io);
   std::vector<std::string> storage = {"latentkv"};
   storage.insert(storage.end(), args.begin(), args.end());
@@ -195,6 +198,80 @@ TEST(ConfigCommand, ExplainPrintsTheMatrixEvenWhenTheConfigurationFails) {
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.out, HasSubstr("capability matrix"));
   EXPECT_THAT(bad.err, HasSubstr("tp = 5"));
+}
+
+// Every key's line: the value and the source it came from, flags over the environment over the file.
+TEST(ConfigCommand, EachLineNamesItsOwnSourceAndTheFileItsPath) {
+  const std::string file = ::testing::TempDir() + "latentkv_config_sources.toml";
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("model = \"deepseek-v3.2\"\nsparse_decode = \"reference\"\nq_len = 3\n", f);
+  std::fclose(f);
+  const CommandResult r = run_cli({"config", "--tp", "4", "--q-len", "2", "--config", file},
+                                  {{"LATENTKV_KV_DTYPE", "bf16"}, {"LATENTKV_PAGE_SIZE", "128"}});
+  std::remove(file.c_str());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("  model           deepseek-v3.2   file " + file + ":1\n"));
+  EXPECT_THAT(r.out, HasSubstr("  tp              4               flag --tp\n"));
+  EXPECT_THAT(r.out, HasSubstr("  kv_dtype        bf16            environment LATENTKV_KV_DTYPE\n"));
+  EXPECT_THAT(r.out, HasSubstr("  page_size       128             environment LATENTKV_PAGE_SIZE\n"));
+  EXPECT_THAT(r.out, HasSubstr("  q_len           2               flag --q-len\n"));
+  EXPECT_THAT(r.out, HasSubstr("  dense_decode    auto            default\n"));
+  EXPECT_THAT(r.out, HasSubstr("  sparse_decode   reference       file " + file + ":2\n"));
+  EXPECT_THAT(r.out, HasSubstr("  config file     " + file + "  (flag --config)\n"));
+  EXPECT_THAT(r.out, HasSubstr("model: deepseek-v3.2 at tp 4: 32 of 128 attention heads per GPU; 61 layers"));
+}
+
+// Every slot and supporting op is printed with its backend, its kernel and the verdict of each
+// backend considered; the JSON holds each of them too, with the shard's fields from the model.
+TEST(ConfigCommand, EverySlotAndSupportingOpIsPrintedWithItsVerdicts) {
+  const CommandResult r = run_cli({"config", "--tp", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("16 of 64 attention heads per GPU"));
+  for (const std::string op : {"mla_prefill", "mla_decode", "sparse_mla_prefill", "sparse_mla_decode", "append",
+                               "indexer_logits", "topk", "indexer_prefill"}) {
+    EXPECT_THAT(r.out, HasSubstr("kernel reference." + op + "\n")) << op;
+    EXPECT_THAT(r.out, HasSubstr("considered reference (preference 0): accepts (reference." + op + ")")) << op;
+  }
+  EXPECT_THAT(r.out, HasSubstr("  dense_prefill   -> reference   kernel reference.mla_prefill\n"));
+  EXPECT_THAT(r.out, Not(HasSubstr("rejects")));
+
+  const nlohmann::json j = nlohmann::json::parse(run_cli({"config", "--json", "--tp", "4"}).out);
+  EXPECT_EQ(j["shard"]["heads"], 64);
+  EXPECT_EQ(j["shard"]["heads_per_gpu"], 16);
+  EXPECT_EQ(j["shard"]["indexer_heads"], 32);
+  EXPECT_EQ(j["shard"]["layers"], 78);
+  EXPECT_EQ(j["settings"]["tp"]["source"]["text"], "flag --tp");
+  EXPECT_EQ(j["settings"]["page_size"]["source"]["text"], "default");
+  for (const char* slot : {"dense_prefill", "dense_decode", "sparse_prefill", "sparse_decode"}) {
+    EXPECT_EQ(j["slots"][slot]["problem"]["heads"], 16) << slot;
+    EXPECT_EQ(j["slots"][slot]["problem"]["page_size"], 64) << slot;
+  }
+  for (const char* op : {"append", "indexer_logits", "topk", "indexer_prefill"}) {
+    ASSERT_TRUE(j["supporting"].contains(op)) << op;
+    EXPECT_EQ(j["supporting"][op]["kernel"], std::string("reference.") + op);
+  }
+}
+
+// Without --device the configuration is resolved for the detected device; --device cpu resolves
+// for the CPU whatever was detected (here a stand-in sm_90 GPU, which this build's backends refuse
+// or accept, but not as the CPU).
+TEST(ConfigCommand, DeviceCpuResolvesForTheCpuWhateverIsDetected) {
+  DeviceInfo gpu;
+  gpu.kind = DeviceKind::kCuda;
+  gpu.sm = 90;
+  gpu.name = "Stand-in GPU";
+  gpu.multiprocessors = 132;
+  const CommandResult cpu = run_cli({"config", "--json", "--device", "cpu"}, {}, gpu);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_EQ(nlohmann::json::parse(cpu.out)["device"]["kind"], "cpu");
+  const CommandResult detected = run_cli({"config", "--json"}, {}, gpu);
+  if (detected.exit_code == 0) {
+    EXPECT_EQ(nlohmann::json::parse(detected.out)["device"]["kind"], "cuda");
+  } else {
+    EXPECT_EQ(detected.exit_code, 2);
+    EXPECT_THAT(detected.err, HasSubstr("sm_90"));
+  }
 }
 
 // ---- fuzzing ------------------------------------------------------------------------------------
