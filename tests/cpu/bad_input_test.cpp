@@ -90,7 +90,8 @@ TEST(BadInput, AppendSlotOutsideThePool) {
   c.slots.data<std::int32_t>()[2] = static_cast<std::int32_t>(num_slots);
   AppendParams p = c.params();
   EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 2", std::to_string(num_slots)));
-  EXPECT_NE(error_of([&] { cpu::append(p); }).find("a slot in 0 .. " + std::to_string(num_slots - 1)), std::string::npos);
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("a slot in 0 .. " + std::to_string(num_slots - 1)),
+            std::string::npos);
   EXPECT_TRUE(c.unchanged());
   c.slots.data<std::int32_t>()[2] = -2;
   p = c.params();
@@ -1075,7 +1076,8 @@ TEST(BadInput, SparseDecodeMoreThan2048IndexColumns) {
       fill_sentinel(lse);
       continue;
     }
-    EXPECT_TRUE(throws_error([&] { cpu::sparse_mla_prefill(p); }, "sparse_mla_prefill", "indices.shape[1] (topk)", "2049"));
+    EXPECT_TRUE(
+        throws_error([&] { cpu::sparse_mla_prefill(p); }, "sparse_mla_prefill", "indices.shape[1] (topk)", "2049"));
     EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
   }
 }

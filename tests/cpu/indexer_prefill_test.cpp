@@ -440,7 +440,8 @@ TEST(IndexerPrefillBadInput, NoIndexerHeads) {
   PrefillCase c;
   c.q = HostTensor(DType::kFP8E4M3, {PrefillCase::kRows, 0, kIndexerDim});
   c.w = HostTensor(DType::kF32, {PrefillCase::kRows, 0});
-  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(c.params()); }, "indexer_prefill", "q.shape[1] (indexer heads)", "0"));
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(c.params()); }, "indexer_prefill", "q.shape[1] (indexer heads)",
+                           "0"));
   EXPECT_TRUE(is_sentinel(c.slots));
 }
 
