@@ -207,7 +207,8 @@ void expect_descriptor(std::string_view op, std::string_view arg, const TensorVi
   }
   std::int64_t bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
   if (bytes == 0) {  // not a DType: its extents would go unbounded (the overflow check counts bytes)
-    fail(op, arg, "dtype " + std::to_string(static_cast<int>(v.dtype)), "a latentkv::DType (f64, f32, bf16, fp8_e4m3, i32, u8)");
+    fail(op, arg, "dtype " + std::to_string(static_cast<int>(v.dtype)),
+         "a latentkv::DType (f64, f32, bf16, fp8_e4m3, i32, u8)");
   }
   for (int d = 0; d < v.rank; ++d) {
     const std::int64_t extent = v.shape[static_cast<std::size_t>(d)];

@@ -11,7 +11,6 @@
 #include <limits>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "latentkv/error.hpp"
 #include "latentkv/version.hpp"
 #include "spread.hpp"
+#include "support/text_lines.hpp"
 
 namespace {
 
@@ -31,6 +31,8 @@ using latentkv::tools::BenchReport;
 using latentkv::tools::BenchRow;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using latentkv::testing::line_of;
+using latentkv::testing::words_of;
 
 // The options `latentkv bench <args>` parses into; parse errors propagate as CLI11's exceptions.
 BenchOptions parse_bench(const std::string& args) {
@@ -144,14 +146,6 @@ BenchReport sample_report(double flops) {
   return r;
 }
 
-std::string line_of(const std::string& text, const std::string& start) {
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind(start, 0) == 0) return line;
-  }
-  return "(no line starting '" + start + "')";
-}
-
 TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   const BenchOptions o = options_for("mla_decode");
   BenchReport r = sample_report(2.0e9);
@@ -205,14 +199,6 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   EXPECT_THAT(latentkv::tools::format_report(options_for("sparse_mla_decode"), shared),
               HasSubstr("warning: the pool holds 1 set(s) of requests for the 75 rotation sets of index rows"));
   EXPECT_EQ(nlohmann::json::parse(latentkv::tools::report_json(o, shared)).at("request_sets"), 1);
-}
-
-// The whitespace-separated words of `line`.
-std::vector<std::string> words_of(const std::string& line) {
-  std::istringstream in(line);
-  std::vector<std::string> out;
-  for (std::string w; in >> w;) out.push_back(w);
-  return out;
 }
 
 TEST(BenchCli, TableColumnsAndTheLeastCallAreTheirOwn) {

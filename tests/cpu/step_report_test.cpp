@@ -10,16 +10,18 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <sstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "step_check.hpp"
+#include "support/text_lines.hpp"
 
 namespace latentkv::tools {
 namespace {
+
+using latentkv::testing::words_of_line;
 
 // glm5 at tp 8 (SPEC section 2): the yardstick shape of the step issue.
 StepShape glm5_b1_32k() {
@@ -338,19 +340,6 @@ TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
   }
   EXPECT_NE(text.find("sparse decode"), std::string::npos) << "the model's rule at 32K is sparse:\n" << text;
   EXPECT_EQ(text.find("a kernel waiting for the one before it"), std::string::npos) << "none measured:\n" << text;
-}
-
-// The whitespace-separated words of the first line of `text` that starts with `start`.
-std::vector<std::string> words_of_line(const std::string& text, const std::string& start) {
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind(start, 0) != 0) continue;
-    std::istringstream words(line);
-    std::vector<std::string> out;
-    for (std::string w; words >> w;) out.push_back(w);
-    return out;
-  }
-  return {"(no line starting '" + start + "')"};
 }
 
 TEST(StepReportText, EachColumnShowsItsOwnFigure) {
