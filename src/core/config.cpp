@@ -1041,9 +1041,11 @@ std::vector<CapabilityRow> probe_capabilities(const Backend& backend, const Prob
       const Answer& a = answers[i];
       row.kernels.assign(a.kernels.begin(), a.kernels.end());
       row.rejection = a.rejection;
-      if (row.devices.size() > 1) {  // a reason that quotes its device speaks for the whole line
+      if (row.devices.size() > 1) {  // a reason that quotes its device speaks for the whole line: "sm_89 or sm_120"
         std::string all;
-        for (const std::string& d : row.devices) all += (all.empty() ? "" : ",") + d;
+        for (std::size_t d = 0; d < row.devices.size(); ++d) {
+          all += (d == 0 ? "" : d + 1 == row.devices.size() ? " or " : ", ") + row.devices[d];
+        }
         const std::size_t at = row.rejection.find(row.devices.front());
         if (at != std::string::npos) row.rejection.replace(at, row.devices.front().size(), all);
       }

@@ -851,11 +851,25 @@ TEST(ConfigCapabilities, GpuOnlyBackendGroupsDevicesByTheirReason) {
     EXPECT_EQ(rows[i].rejection, "needs a CUDA device (device is cpu)") << op;
     EXPECT_EQ(rows[i + 1].devices, (std::vector<std::string>{"sm_89", "sm_120"})) << op;
     EXPECT_FALSE(rows[i + 1].supported) << op;
-    EXPECT_EQ(rows[i + 1].rejection, "built for sm_90 and sm_100 (device is sm_89,sm_120)") << op;
+    EXPECT_EQ(rows[i + 1].rejection, "built for sm_90 and sm_100 (device is sm_89 or sm_120)") << op;
     EXPECT_EQ(rows[i + 2].devices, (std::vector<std::string>{"sm_90", "sm_100"})) << op;
     EXPECT_TRUE(rows[i + 2].supported) << op;
     EXPECT_EQ(rows[i + 2].kernels, std::vector<std::string>{"hopper." + op}) << op;
   }
+}
+
+// Three devices refusing alike are listed as "a, b or c" in their shared reason.
+TEST(ConfigCapabilities, ThreeDevicesSharingAReasonAreListedInIt) {
+  ProbeGrid grid = default_probe_grid();
+  DeviceInfo sm86;
+  sm86.kind = DeviceKind::kCuda;
+  sm86.sm = 86;
+  sm86.name = "sm_86";
+  grid.devices.push_back(sm86);
+  const std::vector<CapabilityRow> rows = probe_capabilities(kHopper, grid);
+  ASSERT_EQ(rows.size(), 3 * std::size(kAllOps));
+  EXPECT_EQ(rows[1].devices, (std::vector<std::string>{"sm_89", "sm_120", "sm_86"}));
+  EXPECT_EQ(rows[1].rejection, "built for sm_90 and sm_100 (device is sm_89, sm_120 or sm_86)");
 }
 
 // The matrix is read off select(): every point it claims is accepted, every point outside is not.
