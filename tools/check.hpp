@@ -117,13 +117,14 @@ inline std::string topk_row_problem(const float* logits, std::int64_t visible, c
 
 // topk_row_problem against the reference's logits of a row (all `visible` of them) whose answer
 // the GPU chose from float32 logits of its own: a near tie may go either way within twice the
-// indexer check's bound on a logit (1e-5 + 1e-4 x the row's largest |logit|).
+// indexer check's bound on a logit (1e-4 absolute or 1e-5 relative; here 1e-4 + 1e-5 x the row's
+// largest |logit|, which covers either).
 inline std::string topk_row_problem_near(const std::vector<float>& want, const std::int32_t* table, int page_size,
                                          const std::int32_t* slots, std::int64_t k) {
   double largest = 0;
   for (float v : want) largest = std::max(largest, std::abs(static_cast<double>(v)));
   return topk_row_problem(want.data(), static_cast<std::int64_t>(want.size()), table, page_size, slots, k,
-                          2.0 * (1e-5 + 1e-4 * largest));
+                          2.0 * (1e-4 + 1e-5 * largest));
 }
 
 }  // namespace latentkv::tools

@@ -728,12 +728,12 @@ TEST(StepTopkCheck, EachRequestIsCheckedWithItsOwnPagesAndRows) {
 }
 
 TEST(StepTopkCheck, ReferenceLogitsAllowANearTieOfTwiceTheIndexerBound) {
-  // Largest |logit| 10: a near tie may go either way by 2 x (1e-5 + 1e-4 x 10) = 2.02e-3.
+  // Largest |logit| 10: a near tie may go either way by 2 x (1e-4 + 1e-5 x 10) = 4e-4.
   const std::vector<std::int32_t> table = {0};  // page 0: slot = position
   const std::vector<std::int32_t> chosen = {0, 2};
-  // 5.0 left out for 4.9985, 1.5e-3 above it: within; for 4.9975, 2.5e-3 above: beyond.
-  EXPECT_EQ(topk_row_problem_near({10.0f, 5.0f, 4.9985f, 1.0f}, table.data(), 4, chosen.data(), 2), "");
-  EXPECT_NE(topk_row_problem_near({10.0f, 5.0f, 4.9975f, 1.0f}, table.data(), 4, chosen.data(), 2).find("left out"),
+  // 5.0 left out for 4.9997, 3e-4 below it: within; for 4.9995, 5e-4 below: beyond.
+  EXPECT_EQ(topk_row_problem_near({10.0f, 5.0f, 4.9997f, 1.0f}, table.data(), 4, chosen.data(), 2), "");
+  EXPECT_NE(topk_row_problem_near({10.0f, 5.0f, 4.9995f, 1.0f}, table.data(), 4, chosen.data(), 2).find("left out"),
             std::string::npos);
 }
 
