@@ -11,9 +11,8 @@
 //  * Limits every backend checks before it runs (src/core/validate.cpp): H 1 .. kMaxHeads (128),
 //    indexer heads 1 .. kMaxIndexerHeads (64), q_len 1 .. kMaxDecodeQLen (4), k and index columns
 //    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
-//    contiguous and on the call's device, fewer than 2^31 slots in a pool and tokens in a block
-//    table, at most kMaxLogitsColumns (2^30) logits columns (on a GPU the indexer prefill's
-//    block-table capacity too: its logits rows reach that far). On a GPU a dense decode or an
+//    contiguous and on the call's device, fewer than 2^31 slots in a pool, at most kMaxTableTokens
+//    (2^30) tokens in a block table and kMaxLogitsColumns (2^30) logits columns. On a GPU a dense decode or an
 //    indexer call takes at most 65,535 requests and a sparse decode 65,535 query tokens (B x q_len)
 //    (the prefills run in slices of 65,535 new tokens; the top-k has no such limit), and a call
 //    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned (cudaMalloc gives
@@ -47,6 +46,9 @@ inline constexpr int kMaxDecodeQLen = 4;
 inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
 inline constexpr std::int64_t kMaxLogitsColumns = std::int64_t{1} << 30;  // indexer logits and top-k: max_len
+// A block table's capacity (max_pages x page_size tokens): the GPU kernels hold token positions and
+// lengths in int32, and round them up by a split's or a tile's tokens on the way.
+inline constexpr std::int64_t kMaxTableTokens = std::int64_t{1} << 30;
 
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token). A GPU backend
 // leaves a token with a slot outside the pool or a NaN or inf in its latent or key unwritten in both

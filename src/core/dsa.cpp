@@ -125,10 +125,9 @@ void check_shapes(const DsaDecodeParams& p) {
     throw Error(std::string(kOp), "max_len", std::to_string(p.max_len),
                 "0 .. 2^30 (the logits' columns, as the indexer and top-k take them; 0: table capacity)");
   }
-  if (p.max_len == 0 && p.block_table.size(1) > kMaxLogitsColumns / p.cache.page_size) {
+  if (p.block_table.size(1) > kMaxTableTokens / p.cache.page_size) {  // as every step checks it, before planning
     throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
-                "max_pages * page_size <= 2^30 (with max_len 0 the logits' columns are the table's capacity; "
-                "page_size " + std::to_string(p.cache.page_size) + ")");
+                "max_pages * page_size <= 2^30 (page_size " + std::to_string(p.cache.page_size) + ")");
   }
   check_rows_fit(kOp, p.q, b * q_len, (logits_columns(p) + p.topk) * 4, "f32 logits and i32 top-k slots");
 }

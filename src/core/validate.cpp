@@ -318,12 +318,13 @@ void expect_paging(std::string_view op, const TensorView& block_table, const Ten
   expect_view(op, "seq_lens", seq_lens, {DType::kI32}, {batch}, {"B"}, device);
 }
 
-// The block table's capacity (max_pages x page_size tokens) within int32, as lengths and the GPU's
-// token positions are.
+// The block table's capacity (max_pages x page_size tokens) at most kMaxTableTokens (2^30): lengths
+// and the GPU's token positions are int32, and stay so when a kernel rounds them up by a tile or a
+// split.
 void expect_capacity(std::string_view op, const TensorView& block_table, std::int64_t page_size) {
-  if (block_table.size(1) > INT32_MAX / page_size) {
+  if (block_table.size(1) > kMaxTableTokens / page_size) {
     fail(op, "block_table", describe(block_table),
-         "max_pages * page_size < 2^31 (page_size " + std::to_string(page_size) + ")");
+         "max_pages * page_size <= 2^30 (page_size " + std::to_string(page_size) + ")");
   }
 }
 

@@ -837,14 +837,19 @@ TEST(BadInput, ViewsOnAnotherDevice) {
                            "q", "device kind 7 (not cpu or cuda)"));
 }
 
-// A block table whose capacity (max_pages x page_size) passes 2^31 tokens is refused by its shape,
+// A block table whose capacity (max_pages x page_size) passes 2^30 tokens is refused by its shape,
 // before any of its entries is read (the view claims more rows than its memory holds).
-TEST(BadInput, BlockTableCapacityBeyondInt32) {
+// (ReferenceScratchBeyondHostMemoryIsNamed below takes a table of exactly 2^30.)
+TEST(BadInput, BlockTableCapacityBeyond2To30) {
   DecodeCase c;
   MlaDecodeParams p = c.params();
-  p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, std::int64_t{1} << 30});  // x 4 tokens
-  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "block_table", std::to_string(std::int64_t{1} << 30)));
-  EXPECT_TRUE(c.outputs_untouched());
+  for (const std::int64_t pages : {(std::int64_t{1} << 28) + 1, std::int64_t{1} << 30}) {  // x 4 tokens
+    p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, pages});
+    EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "block_table", std::to_string(pages)));
+    EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("max_pages * page_size <= 2^30 (page_size 4)"),
+              std::string::npos);
+    EXPECT_TRUE(c.outputs_untouched());
+  }
 }
 
 // Whether this build runs under AddressSanitizer (LKV_SANITIZE) or ThreadSanitizer, whose allocators
@@ -895,7 +900,7 @@ TEST(BadInput, ReferenceScratchBeyondHostMemoryIsNamed) {
   options.lengths = {4, 3};
   Rng rng = test_rng();
   PagedFixture f = make_paged_fixture(options, rng);
-  constexpr std::int64_t kColumns = (std::int64_t{1} << 19) - 1;  // x 4096 tokens: capacity 2^31 - 4096
+  constexpr std::int64_t kColumns = std::int64_t{1} << 18;  // x 4096 tokens: capacity 2^30, the largest
   std::vector<std::int32_t> table(2 * kColumns, f.block_table[0]);
   std::vector<std::int32_t> lens = {4, static_cast<std::int32_t>(kColumns * 4096)};
   HostTensor q = random_bf16(rng, {2, 1, 4, kQkDim});
@@ -917,9 +922,9 @@ TEST(BadInput, ReferenceScratchBeyondHostMemoryIsNamed) {
 
   const AddressSpaceCap cap;
   ASSERT_TRUE(cap.active()) << "could not cap the address space";
-  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "seq_lens[1]", "2147479552"));
+  EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "seq_lens[1]", "1073741824"));
   EXPECT_TRUE(is_sentinel(o) && is_sentinel(lse));
-  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(xp); }, "indexer_prefill", "seq_lens[1]", "2147479552"));
+  EXPECT_TRUE(throws_error([&] { cpu::indexer_prefill(xp); }, "indexer_prefill", "seq_lens[1]", "1073741824"));
   EXPECT_TRUE(is_sentinel(rows));
   EXPECT_NE(error_of([&] { cpu::mla_decode(p); }).find("could not be allocated"), std::string::npos);
 }

@@ -44,6 +44,8 @@ constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{256} << 20;
 // groups of 1 / 2 / 4 took 5473.8 / 5361.2 / 4704.7 us.
 constexpr int kGroupTokens = kMaxDecodeQLen;
 
+// The chunks' logits columns: at most kMaxTableTokens (validated), which is kMaxLogitsColumns.
+static_assert(kMaxTableTokens <= kMaxLogitsColumns, "a chunk's logits rows span the table's capacity");
 std::int64_t capacity_of(const IndexerPrefillParams& p) {
   return p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
 }
@@ -180,11 +182,6 @@ PrefillRows requests_of(const IndexerPrefillParams& p) {
 void check_indexer_prefill_call(const IndexerPrefillParams& p) {
   check_fault_record(p.fault, kOp);
   if (p.q.size(0) == 0) return;  // nothing to select, no scratch needed
-  if (capacity_of(p) > kMaxLogitsColumns) {  // the chunks' logits: a column for every position it reaches
-    throw Error(kOp, "block_table", std::to_string(p.block_table.size(1)) + " pages of " +
-                                        std::to_string(p.cache.page_size) + " tokens",
-                "a capacity of at most 2^30 tokens (the GPU's logits rows hold one column per position)");
-  }
   check_has_requests(requests_of(p), kOp);
   check_aligned(kOp, "q", p.q.data, 16);  // the indexer reads 16-byte rows
   // The chunks' indexer launches read the keys as 16-byte pieces, or 4-byte words on pages of a size
