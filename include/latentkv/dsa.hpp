@@ -29,7 +29,11 @@ struct DsaDecodeParams {
   TensorView lse;          // [B, q_len, H] f32
   float softmax_scale = 0.0f;
   int topk = kMaxTopk;     // index_topk: slots each query row attends to (rows seeing fewer take all)
-  int max_len = 0;         // logits columns, >= every L_b, at most 2^30; 0 = the block table's capacity
+  // Logits columns, >= every L_b, at most 2^30; 0 = the block table's capacity. For a graph replayed
+  // as lengths grow, leave it 0 (or at the largest length the graph will see): a length above it at
+  // run time is read on the device, where it cannot be refused, so that row's newest tokens go
+  // unscored and unselected; `fault`, when given, records it (DeviceFaultCode::kSeqLenColumns).
+  int max_len = 0;
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
   // True when the workspace was zeroed once after it was allocated and has been used since only by

@@ -452,6 +452,28 @@ TEST(GpuMlaDecodeExact, ConstantValuesGiveThatValue) {
   for (std::int64_t i = 0; i < o.numel(); ++i) ASSERT_EQ(o.get(i), 0.75) << "element " << i;
 }
 
+// Queries far below one (largest |value| about 1e-36) attend as in the reference (almost uniformly):
+// the kernels that lift a query row into f16 by a power of two (8 heads: narrow; 64 on sm_90: wgmma)
+// must not lift it by an infinite one; 32 heads take bf16 queries as they are.
+TEST(GpuMlaDecodeExact, TinyQueriesAttendAsInTheReference) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {1, 70, 900};
+  opt.with_indexer = false;
+  PagedFixture f = make_paged_fixture(opt, rng);
+  for (int heads : {8, 32, 64}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576}, 1e-36);
+    const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+    DeviceDecode d(f, q, 0.0625f);
+    run_on_kernel(d, "auto");
+    EXPECT_EQ(d.fault.message(), "") << "a fault noted for good input";
+    EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
+    EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+  }
+}
+
 // A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024
 // are refused, by plan() and by the call; so is a workspace that is not 16-byte aligned (a caller's
 // sub-allocation: the split partials are read and written in 16-byte pieces), before anything is

@@ -39,7 +39,8 @@ inline std::string pacing_note(const Timing& t, Launch launch = Launch::kQueued)
 
 // Times `call(warmup + i)` for i = 0 .. iters-1, each between two events, after `warmup` untimed
 // calls (call(0) .. call(warmup - 1)) and a read of twice the L2's size: what the set-up and the
-// warm-up left in the L2 serves no timed call.
+// warm-up left in the L2 serves no timed call. (What one timed call leaves may serve the next: the
+// callers keep them apart by rotating inputs, or say that they do not.)
 Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t stream,
                   Launch launch = Launch::kQueued);
 

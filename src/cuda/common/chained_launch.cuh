@@ -13,7 +13,9 @@
 //     kernel's CTAs then wait on the GPU rather than in the launch queue. Before that point they
 //     would only take SM room from this one.
 // Elsewhere (sm_89, or a device without the feature) both calls are no-ops and the launch is an
-// ordinary one.
+// ordinary one. So is a launch of code compiled for sm_89 (its PTX compiled at load time for a newer
+// GPU, in a build without that GPU's architecture): its calls were compiled out, and a kernel
+// launched chained that never waits could read what the previous kernel is still writing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,9 +38,18 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// Whether the current device can start a kernel before the previous one ends (compute capability
-// 9.0 and later).
-inline bool chained_launch_supported(const char* op) { return current_device_sm(op) >= 90; }
+// Whether `kernel` may start on the current device before the previous kernel ends: the device is
+// of compute capability 9.0 or later and the kernel's code was compiled for one (so that it holds
+// the wait). Asked once per kernel and device.
+template <class Kernel>
+bool chained_launch_supported(Kernel* kernel, const char* op) {
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), current_device(op)};
+  return once_per_key(key, [&] {
+    cudaFuncAttributes attributes{};
+    check(cudaFuncGetAttributes(&attributes, kernel), op, "cudaFuncGetAttributes");
+    return current_device_sm(op) >= 90 && attributes.ptxVersion >= 90;
+  });
+}
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), chained to the previous kernel of the
 // stream where the device supports it; `cooperative` adds the cooperative-launch attribute (grid
@@ -48,7 +59,7 @@ void launch_chained(const char* op, void (*kernel)(Params...), dim3 grid, dim3 b
                     cudaStream_t stream, bool cooperative, Args&&... args) {
   cudaLaunchAttribute attrs[2]{};
   unsigned count = 0;
-  if (chained_launch_supported(op)) {
+  if (chained_launch_supported(kernel, op)) {
     attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[count].val.programmaticStreamSerializationAllowed = 1;
     ++count;

@@ -15,8 +15,13 @@
 
 namespace latentkv::cuda {
 
+// Throws unless `status` is cudaSuccess. The error is first taken off the thread's last-error
+// state, where a failed runtime call also leaves it: otherwise the next launch check
+// (LKV_CUDA_CHECK_LAUNCH) would report it again as its own, under another op's name. (An error the
+// context keeps, such as a kernel fault, fails every later call anyway.)
 inline void check(cudaError_t status, const char* op, const char* what) {
   if (status != cudaSuccess) {
+    (void)cudaGetLastError();
     throw Error(op, std::string(what) + " failed: " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
   }
 }

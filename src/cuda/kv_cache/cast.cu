@@ -55,8 +55,11 @@ __global__ void __launch_bounds__(kThreads) gather_cast_kernel(const std::uint8_
                                                                std::uint8_t* dst, std::int32_t* dst_block_table) {
   const int b = blockIdx.y;
   const std::int64_t capacity = static_cast<std::int64_t>(max_pages) * page_size;
-  if (blockIdx.x == 0) {
-    for (int p = threadIdx.x; p < max_pages; p += kThreads) dst_block_table[b * max_pages + p] = b * max_pages + p;
+  if (blockIdx.x == 0) {  // identity, but -1 (unread, as in the fp8 decode) where the source page is outside the pool
+    for (int p = threadIdx.x; p < max_pages; p += kThreads) {
+      const std::int32_t page = block_table[b * max_pages + p];
+      dst_block_table[b * max_pages + p] = page >= 0 && page < num_pages ? b * max_pages + p : -1;
+    }
   }
   const std::int64_t len = min(static_cast<std::int64_t>(seq_lens[b]), capacity);
   const std::int64_t total = len * kPiecesPerToken;

@@ -579,6 +579,10 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
 }  // namespace
 }  // namespace mla
 
+// Planned for the block table's capacity, not today's lengths (read on the device), so that one plan
+// serves a graph replayed as they grow. The price: requests far shorter than the capacity (a 4K
+// request in a 160K table) get the capacity's splits, most of them without a tile, whose partials
+// the combine still reads; a caller who knows a smaller bound may pass num_splits.
 Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* op) {
   const std::int64_t capacity = p.block_table.size(1) * static_cast<std::int64_t>(p.cache.page_size);
   return mla::plan_splits(static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1) * p.q.size(2)), capacity,

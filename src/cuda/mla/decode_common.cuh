@@ -69,22 +69,28 @@ __device__ __forceinline__ uint2 merged_bf16x4(const float4& acc, float total) {
 
 // One query row's 512 latent dims held 16 per lane across a warp (w0, w1: 16 bf16) as f16 in
 // `packed`, the whole row scaled by a power of two so that its largest magnitude lies in [2^12,
-// 2^13); returns the factor that undoes the scaling (0 for an all-zero row). The kernels that take
-// f16 queries (decode_narrow.cu, decode_wgmma.cu) multiply their latent scores by it.
+// 2^13), or by 2^126 at most (a row whose largest magnitude is below 2^-114 stays below 2^12: a
+// larger factor would be infinite, and the row's zeros would turn into NaN); returns the factor that
+// undoes the scaling (0 for an all-zero row). The kernels that take f16 queries (decode_narrow.cu,
+// decode_wgmma.cu) multiply their latent scores by it.
 __device__ __forceinline__ float latent_row_to_f16(const uint4& w0, const uint4& w1, std::uint32_t (&packed)[8]) {
   float v[16];
   float amax = unpack_bf16x16(w0, w1, v);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  int e = 0;
-  if (amax > 0.0f) frexpf(amax, &e);
-  const float up = amax > 0.0f ? ldexpf(1.0f, 13 - e) : 1.0f;  // exact power of two
+  int shift = 0;
+  if (amax > 0.0f) {
+    int e = 0;
+    frexpf(amax, &e);
+    shift = min(13 - e, 126);
+  }
+  const float up = ldexpf(1.0f, shift);  // exact power of two
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const __half2 h = __floats2half2_rn(v[2 * k] * up, v[2 * k + 1] * up);
     packed[k] = *reinterpret_cast<const std::uint32_t*>(&h);
   }
-  return amax > 0.0f ? ldexpf(1.0f, e - 13) : 0.0f;
+  return amax > 0.0f ? ldexpf(1.0f, -shift) : 0.0f;
 }
 
 struct DecodeArgs {

@@ -40,7 +40,7 @@
 // partials exchanged. (Two score accumulators, so that block 2g's fold overlaps block 2g + 1's
 // products, were measured on an H200: H 128 B 64 decode 611 -> 618 us, sparse prefill H 128 10.07 ->
 // 9.99 ms, dense prefill H 64 79.4 -> 78.5 ms, with more spills; not kept - docs/benchmarks.md,
-// twentieth session of 2026-12-03.) Shared memory: 226,328 bytes (with the alignment slack), so
+// twentieth session of 2026-12-03.) Shared memory: 226,332 bytes (with the alignment slack), so
 // sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
@@ -259,9 +259,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       sc[3 * kTile] = v.w;
     }
     // Tokens that some row does not see (decode_common.cuh), from `first` on: their non-finite V
-    // values and scales zeroed, each by the thread that wrote it, and the token's slot poisoned so
-    // that the rows that do see it get a NaN score (the mask below).
+    // values zeroed (lane l takes 4-byte word l of each such row of the warp's block, which another
+    // lane of the warp converted: hence the warp sync), their scales by the lanes that stored them,
+    // and the token's slot poisoned so that the rows that do see it get a NaN score (the mask below).
     if constexpr (kHidden) {
+      __syncwarp();
       const int tile_begin = begin + tile * kTile;
       if (const int first = max(*hidden_from_s - tile_begin, 0); first < kTile) {
         const int last = min(end - tile_begin, kTile);
