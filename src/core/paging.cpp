@@ -6,6 +6,7 @@
 #include <string>
 
 #include "latentkv/error.hpp"
+#include "latentkv/ops.hpp"
 
 namespace latentkv {
 
@@ -57,9 +58,13 @@ void PageAllocator::grow(RequestId request, std::int64_t n_tokens) {
                     " more tokens: the pool is exhausted (" + std::to_string(free_pages()) + " of " +
                     std::to_string(num_pages_) + " pages free, " + std::to_string(needed) + " needed)");
   }
-  if (r.length + n_tokens > INT32_MAX) {  // lengths are int32 in the ops' seq_lens
+  // The request's pages as one block-table row: at most kMaxTableTokens (2^30) tokens, as the ops
+  // take them (the pages hold fewer than 2^31 slots, so the product cannot overflow).
+  const std::int64_t table_pages = kMaxTableTokens / page_size_;
+  if (static_cast<std::int64_t>(r.pages.size()) + needed > table_pages) {
     throw Error("page_allocator.grow", "n_tokens", std::to_string(n_tokens),
-                "at most " + std::to_string(INT32_MAX - r.length) + " more tokens (request lengths stay below 2^31)");
+                "at most " + std::to_string(table_pages * page_size_ - r.length) +
+                    " more tokens (a request's pages hold at most 2^30 tokens, the ops' block-table limit)");
   }
   for (std::int64_t i = 0; i < needed; ++i) {
     const std::int32_t page = free_.back();

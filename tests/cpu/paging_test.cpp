@@ -121,12 +121,22 @@ TEST(PageAllocator, HugeGrowthIsRefusedWithoutOverflow) {
   EXPECT_EQ(a.length(r1), 0);
   EXPECT_TRUE(throws_error([&] { a.slot(r1, 1000000); }, "page_allocator.slot", "position", "1000000"));
 
-  // The largest pool, one page of 2^31 - 1 slots: a request's length stays below 2^31 (seq_lens are int32).
-  PageAllocator big(1, std::numeric_limits<std::int32_t>::max());
+  // A request's pages hold at most 2^30 tokens, the ops' block-table limit, however many are free:
+  // 3 pages of 2^29 tokens, of which one request takes 2.
+  PageAllocator big(3, 1 << 29);
   const RequestId r = big.add_request();
-  big.grow(r, std::numeric_limits<std::int32_t>::max());
-  EXPECT_TRUE(throws_error([&] { big.grow(r, 1); }, "page_allocator.grow", "n_tokens", "1"));
-  EXPECT_EQ(big.length(r), std::numeric_limits<std::int32_t>::max());
+  big.grow(r, (std::int64_t{1} << 30) - 5);
+  EXPECT_TRUE(throws_error([&] { big.grow(r, 6); }, "page_allocator.grow", "n_tokens", "6"));
+  EXPECT_NE(error_of([&] { big.grow(r, 6); }).find("at most 5 more tokens (a request's pages hold at most 2^30 tokens"),
+            std::string::npos);
+  big.grow(r, 5);
+  EXPECT_EQ(big.length(r), std::int64_t{1} << 30);
+  EXPECT_EQ(big.free_pages(), 1);
+  // A page larger than 2^30 tokens can hold no request's tokens.
+  PageAllocator one_page(1, std::numeric_limits<std::int32_t>::max());
+  const RequestId h = one_page.add_request();
+  EXPECT_NE(error_of([&] { one_page.grow(h, 1); }).find("at most 0 more tokens"), std::string::npos);
+  EXPECT_EQ(one_page.free_pages(), 1);
 }
 
 TEST(PageAllocator, BlockTableMatrixPadsWithMinusOne) {
