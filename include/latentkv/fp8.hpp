@@ -14,6 +14,10 @@ inline constexpr float kFp8E4M3Max = 448.0f;
 // bfloat16 stored as its 16-bit pattern; encode rounds to nearest even, keeps NaN a quiet NaN.
 std::uint16_t bf16_encode(float x);
 float bf16_decode(std::uint16_t bits);
+// A double rounded once, straight to the nearest bf16 (even on a tie), as the float64 reference
+// stores its bf16 outputs. (Through float first, a value just off a bf16 tie could become the tie
+// and then round the wrong way.)
+std::uint16_t bf16_encode_double(double x);
 
 enum class ScaleMode {
   kPow2,   // scale = 2^ceil(log2(amax / 448)), the default (DeepSeek's deployed form)

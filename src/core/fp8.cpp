@@ -57,6 +57,17 @@ std::uint16_t bf16_encode(float x) {
   return static_cast<std::uint16_t>((bits + rounding) >> 16);
 }
 
+std::uint16_t bf16_encode_double(double x) {
+  const float f = static_cast<float>(x);
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
+  // f halfway between two bf16 values where x is not: x lies on one side, and rounds to it.
+  if (std::isfinite(f) && (bits & 0xFFFFu) == 0x8000u && static_cast<double>(f) != x) {
+    const bool away_from_zero = std::fabs(x) > std::fabs(static_cast<double>(f));
+    return static_cast<std::uint16_t>((bits >> 16) + (away_from_zero ? 1u : 0u));
+  }
+  return bf16_encode(f);
+}
+
 float bf16_decode(std::uint16_t bits) { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
 
 float fp8_block_scale(float amax, ScaleMode mode) {

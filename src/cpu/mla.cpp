@@ -55,7 +55,7 @@ void store_outputs(const TensorView& o, const TensorView& lse, std::int64_t row,
   switch (o.dtype) {
     case DType::kBF16: {
       auto* out = o.as<std::uint16_t>() + o_base;  // [heads, 512]
-      for (std::int64_t j = 0; j < o_count; ++j) out[j] = bf16_encode(static_cast<float>(o_row[j]));
+      for (std::int64_t j = 0; j < o_count; ++j) out[j] = bf16_encode_double(o_row[j]);
       break;
     }
     case DType::kF32: {

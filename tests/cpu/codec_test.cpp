@@ -136,6 +136,32 @@ TEST(Bf16Codec, RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(bf16_decode(bf16_encode(std::bit_cast<float>(0x7F800001u)))));
 }
 
+// From a double, rounded once: values within a float ulp of a bf16 tie go to their own side.
+TEST(Bf16Codec, DoublesRoundOnceToNearestEven) {
+  const double one = 1.0, ulp = std::ldexp(1.0, -7);  // bf16 spacing at 1
+  const double tiny = std::ldexp(1.0, -40);          // far below a float ulp at 1 (2^-23)
+  EXPECT_EQ(bf16_encode_double(one + ulp / 2), 0x3F80);         // the tie itself: even
+  EXPECT_EQ(bf16_encode_double(one + ulp / 2 + tiny), 0x3F81);  // through float: the tie, then 0x3F80
+  EXPECT_EQ(bf16_encode(static_cast<float>(one + ulp / 2 + tiny)), 0x3F80);
+  EXPECT_EQ(bf16_encode_double(one + ulp / 2 - tiny), 0x3F80);
+  EXPECT_EQ(bf16_encode_double(one + 3 * ulp / 2 - tiny), 0x3F81);  // below the tie whose even side is 0x3F82
+  EXPECT_EQ(bf16_encode_double(-(one + ulp / 2 + tiny)), 0xBF81);
+  EXPECT_EQ(bf16_encode_double(-(one + 3 * ulp / 2 - tiny)), 0xBF81);
+  EXPECT_EQ(bf16_encode_double(1.0039062500009095), 0x3F81);
+  // Past the largest bf16's half step: infinity, as for floats.
+  EXPECT_EQ(bf16_encode_double(static_cast<double>(std::numeric_limits<float>::max())), 0x7F80);
+  EXPECT_EQ(bf16_encode_double(std::numeric_limits<double>::infinity()), 0x7F80);
+  EXPECT_EQ(bf16_encode_double(-0.0), 0x8000);
+  EXPECT_TRUE(std::isnan(bf16_decode(bf16_encode_double(std::numeric_limits<double>::quiet_NaN()))));
+  // Elsewhere it agrees with the float path: every bf16 value, and points between neighbours.
+  for (std::uint32_t b = 0; b < 0x7F80; b += 7) {
+    const double x = bf16_decode(static_cast<std::uint16_t>(b));
+    ASSERT_EQ(bf16_encode_double(x), b);
+    const double between = 0.25 * x + 0.75 * static_cast<double>(bf16_decode(static_cast<std::uint16_t>(b + 1)));
+    ASSERT_EQ(bf16_encode_double(between), b + 1) << "pattern 0x" << std::hex << b;
+  }
+}
+
 TEST(Bf16Codec, EncodeInvertsDecodeForEveryPattern) {
   for (std::uint32_t b = 0; b < 0x10000; ++b) {
     const float x = bf16_decode(static_cast<std::uint16_t>(b));

@@ -33,11 +33,13 @@ struct SparseCase {
   std::vector<std::int64_t> lengths;
   std::string backend = "cuda";  // or a cast baseline: cast_full, gather_cast
   int splits = 0;                // 0: the backend's plan
+  bool fault_record = true;      // false: the kernels' instances without checks (a call given no record)
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
-            << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string());
+            << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string())
+            << (c.fault_record ? "" : "_norecord");
 }
 
 // Index rows [B, q_len, cols]: each query token's visible slots shuffled, at most cols of them, one
@@ -68,7 +70,7 @@ struct SparseRun {
   std::string fault;  // the record's message, "" when it holds none
 };
 SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const HostTensor& q, const HostTensor& indices,
-                     int splits = 0) {
+                     int splits = 0, bool fault_record = true) {
   const auto& shape = q.shape();  // [B, q_len, H, 576]
   SparseRun r;
   r.o = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
@@ -83,7 +85,7 @@ SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const Hos
   p.o = r.o.view_of(d_o.get(), Device::cuda());
   p.lse = r.lse.view_of(d_lse.get(), Device::cuda());
   p.softmax_scale = 0.0625f;
-  p.fault = fault.get();
+  p.fault = fault_record ? fault.get() : nullptr;
   const Backend& backend = *find_backend(backend_name);
   const DeviceInfo device = detect_device();
   p.num_splits = splits;
@@ -117,7 +119,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
   poison_unlisted_slots(f, indices);
   const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
-  const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits);
+  const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits, c.fault_record);
   EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output())) << r.num_splits << " splits";
   EXPECT_TRUE(compare("lse", r.lse, ref.lse, Tolerance::lse()));
   if (c.backend == "cuda") EXPECT_EQ(r.fault, "") << "a fault noted for good input (-1 entries, a duplicate)";
@@ -200,6 +202,16 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 8, 1, 64, 64, {}},
       {fp8, 8, 1, 64, 64, {}, "gather_cast"},
       {fp8, 8, 1, 64, 64, {}, "cast_full"},
+      // Rows that do not fill the wgmma kernel's 64-row blocks (a sparse row block is one query
+      // token's heads): 40 and 96 heads.
+      {fp8, 40, 1, 128, 64, {3, 300}},
+      {fp8, 96, 2, 256, 17, {2, 600}},
+      // Calls given no fault record: the kernels' instances without checks.
+      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 0, false},
+      {fp8, 16, 2, 200, 17, {2, 150, 700}, "cuda", 0, false},
+      {fp8, 128, 1, 256, 64, {500, 20}, "cuda", 0, false},
+      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4, false},
+      {bf16, 8, 1, 128, 64, {0, 77, 400}, "cuda", 0, false},
   };
 }
 
