@@ -571,46 +571,59 @@ TEST(GpuMlaDecodePlan, NoPagesGiveEmptyRows) {
 }
 
 // One decode step captured once in a CUDA graph and replayed as the lengths grow: the kernels read
-// the lengths from device memory, never from the host.
+// the lengths from device memory, never from the host. On each kernel family: 16 heads (narrow,
+// splits merged in the kernel), 32 (mma.sync, 32 rows), 64 and 128 (wgmma on sm_90, the combine
+// kernel), 16 x q_len 2 given no fault record (the instances without checks).
 TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
   LKV_REQUIRE_GPU();
-  Rng rng = test_rng();
-  PagedFixtureOptions opt;
-  opt.lengths = {700, 1500};  // the cache holds the final lengths; the step starts shorter
-  opt.with_indexer = false;
-  PagedFixture f = make_paged_fixture(opt, rng);
-  HostTensor q = random_bf16(rng, {f.batch(), 1, 16, 576});
-  DeviceDecode d(f, q, 0.0625f, {300, 1});
-  const Backend& backend = *find_backend("cuda");
-  const DeviceInfo device = detect_device();
-  d.plan(backend, device);
-  const MlaDecodeParams& p = d.params;
+  struct Config {
+    int heads, q_len;
+    bool fault_record;
+  };
+  for (const Config c : {Config{16, 1, true}, Config{32, 1, true}, Config{64, 1, true}, Config{128, 1, true},
+                         Config{16, 2, false}}) {
+    SCOPED_TRACE("H " + std::to_string(c.heads) + ", q_len " + std::to_string(c.q_len) +
+                 (c.fault_record ? "" : ", no fault record"));
+    Rng rng = test_rng();
+    PagedFixtureOptions opt;
+    opt.lengths = {700, 1500};  // the cache holds the final lengths; the step starts shorter
+    opt.with_indexer = false;
+    PagedFixture f = make_paged_fixture(opt, rng);
+    HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
+    DeviceDecode d(f, q, 0.0625f, {300, 2});
+    if (!c.fault_record) d.params.fault = nullptr;
+    const Backend& backend = *find_backend("cuda");
+    const DeviceInfo device = detect_device();
+    d.plan(backend, device);
+    const MlaDecodeParams& p = d.params;
 
-  cudaStream_t stream;
-  LKV_CUDA_OK(cudaStreamCreate(&stream));
-  run(backend, p, {stream}, device);  // warm-up outside the capture (first-call attribute set-up)
-  LKV_CUDA_OK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  LKV_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  run(backend, p, {stream}, device);
-  LKV_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  LKV_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-
-  for (const std::vector<std::int32_t>& step : {std::vector<std::int32_t>{300, 1}, {301, 2}, {699, 1499}, {700, 1500}}) {
-    d.lens.upload(step.data(), step.size() * sizeof(std::int32_t));
-    d.fill_sentinels();
-    LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
+    cudaStream_t stream;
+    LKV_CUDA_OK(cudaStreamCreate(&stream));
+    run(backend, p, {stream}, device);  // warm-up outside the capture (first-call attribute set-up)
     LKV_CUDA_OK(cudaStreamSynchronize(stream));
-    d.download();
-    f.seq_lens = step;  // the host side of the reference follows the same lengths
-    const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
-    EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
-    EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    LKV_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run(backend, p, {stream}, device);
+    LKV_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    LKV_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+    for (const std::vector<std::int32_t>& step : {std::vector<std::int32_t>{300, 2}, {301, 3}, {699, 1499}, {700, 1500}}) {
+      d.lens.upload(step.data(), step.size() * sizeof(std::int32_t));
+      d.fill_sentinels();
+      LKV_CUDA_OK(cudaGraphLaunch(exec, stream));
+      LKV_CUDA_OK(cudaStreamSynchronize(stream));
+      d.download();
+      f.seq_lens = step;  // the host side of the reference follows the same lengths
+      const AttentionOutputs ref = reference_mla_decode(f, q, 0.0625f);
+      EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output())) << "lengths " << step[0] << ", " << step[1];
+      EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+    }
+    if (c.fault_record) EXPECT_EQ(d.fault.message(), "") << "a fault noted for good input";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 }  // namespace
