@@ -460,16 +460,19 @@ TEST(GpuIndexerPrefillBadInput, WorkspaceAndChunk) {
   EXPECT_TRUE(throws_error([&] { run(*find_backend("cuda"), p); }, "indexer_prefill", "chunk_tokens", "-1"));
   LKV_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(is_sentinel(d.download())) << "a rejected call wrote slots";
-  p = d.params;
-  p.chunk_tokens = 1;  // smaller chunks than planned need less scratch: accepted
-  EXPECT_NO_THROW(run(*find_backend("cuda"), p));
-  LKV_CUDA_OK(cudaDeviceSynchronize());
-  p.chunk_tokens = 0;  // the default chunk of these shapes is the plan's: accepted too
-  EXPECT_NO_THROW(run(*find_backend("cuda"), p));
-  LKV_CUDA_OK(cudaDeviceSynchronize());
-  const HostTensor got = d.download();
+  // Smaller chunks than planned need less scratch: accepted; and the default chunk of these shapes
+  // is the plan's: accepted too. Each run's slots checked, from sentinels.
   const std::vector<PrefillRow> rows = prefill_rows(in.f, in.cu);
-  EXPECT_TRUE(check_prefill_slots(in.f, rows, reference_prefill_logits(in.f, in.q, in.w, rows), got));
+  const std::vector<std::vector<float>> want = reference_prefill_logits(in.f, in.q, in.w, rows);
+  for (const int chunk : {1, 0}) {
+    SCOPED_TRACE("chunk_tokens " + std::to_string(chunk));
+    d.fill_sentinels();
+    p = d.params;
+    p.chunk_tokens = chunk;
+    EXPECT_NO_THROW(run(*find_backend("cuda"), p));
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_TRUE(check_prefill_slots(in.f, rows, want, d.download()));
+  }
 }
 
 }  // namespace
