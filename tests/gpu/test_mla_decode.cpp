@@ -570,6 +570,45 @@ TEST(GpuMlaDecodePlan, NoPagesGiveEmptyRows) {
   }
 }
 
+// A block-table page outside the pool, in a call given no fault record (bad device data the call
+// cannot refuse), is not read: its tokens drop out of the softmax, on the fp8 kernels and in both
+// cast baselines (the dense gather_cast marks such a page unread in its own table), so the result
+// is the reference's sparse attention over the request's other tokens.
+TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {300, 1000};
+  opt.with_indexer = false;
+  PagedFixture f = make_paged_fixture(opt, rng);
+  constexpr std::int64_t kBadPage = 3, kCols = 1000;  // request 1's tokens 192 .. 255
+  HostTensor indices(DType::kI32, {f.batch(), 1, kCols});
+  for (std::int64_t b = 0; b < f.batch(); ++b) {
+    std::vector<std::int32_t> row = f.slots(b, f.seq_lens[static_cast<std::size_t>(b)]);
+    if (b == 1) row.erase(row.begin() + kBadPage * f.page_size, row.begin() + (kBadPage + 1) * f.page_size);
+    row.resize(kCols, -1);
+    std::copy(row.begin(), row.end(), indices.data<std::int32_t>() + b * kCols);
+  }
+  f.block_table[static_cast<std::size_t>(f.max_pages + kBadPage)] = static_cast<std::int32_t>(f.num_pages() + 3);
+  for (const int heads : {8, 64}) {
+    HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
+    const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
+    for (const char* name : {"cuda", "gather_cast", "cast_full"}) {
+      SCOPED_TRACE(std::string(name) + ", H " + std::to_string(heads));
+      DeviceDecode d(f, q, 0.0625f);
+      d.params.fault = nullptr;
+      const Backend& backend = *find_backend(name);
+      const DeviceInfo device = detect_device();
+      d.plan(backend, device);
+      run(backend, d.params, {}, device);
+      LKV_CUDA_OK(cudaDeviceSynchronize());
+      d.download();
+      EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
+      EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+    }
+  }
+}
+
 // One decode step captured once in a CUDA graph and replayed as the lengths grow: the kernels read
 // the lengths from device memory, never from the host. On each kernel family: 16 heads (narrow,
 // splits merged in the kernel), 32 (mma.sync, 32 rows), 64 and 128 (wgmma on sm_90, the combine
