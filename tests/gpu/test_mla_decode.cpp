@@ -20,6 +20,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/version.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
 #include "support/paged_fixture.hpp"
@@ -568,6 +569,43 @@ TEST(GpuMlaDecodePlan, NoPagesGiveEmptyRows) {
     EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
     EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
   }
+}
+
+// The row counts the cases above pick to reach each kernel do reach it on this GPU: up to 16 fp8 rows
+// the narrow kernel (8 or 16 rows), then the mma.sync kernel of 32 rows a CTA, and from 33 rows the
+// wgmma kernel where the library holds sm_90a code, the GPU is an sm_90 and LATENTKV_MLA_KERNEL
+// leaves it on; bf16 caches the mma.sync kernel. (So that a suite run on another GPU or build says
+// which paths it did not run, rather than passing without them.)
+TEST(GpuMlaDecodeKernels, RowCountsTakeTheirKernels) {
+  LKV_REQUIRE_GPU();
+  const DeviceInfo device = detect_device();
+  const char* forced = std::getenv(kMlaKernelVariable);
+  const bool wgmma = device.sm == 90 && std::string(library_build()).find("sm_90a") != std::string::npos &&
+                     (forced == nullptr || std::string(forced).empty() || std::string(forced) == "auto");
+  const auto kernel = [&](int heads, int q_len, KvDtype dtype, Op op = Op::kMlaDecode) {
+    Problem p;
+    p.op = op;
+    p.kv_dtype = dtype;
+    p.heads = heads;
+    p.q_len = q_len;
+    p.page_size = 64;
+    p.topk = 2048;
+    p.device = device;
+    const Selection s = find_backend("cuda")->select(p);
+    return s ? s.kernel->name : "refused: " + s.reason;
+  };
+  const KvDtype fp8 = KvDtype::kFp8E4M3, bf16 = KvDtype::kBf16;
+  EXPECT_EQ(kernel(8, 1, fp8), "mla_decode_narrow<fp8, 8 rows>");
+  EXPECT_EQ(kernel(12, 1, fp8), "mla_decode_narrow<fp8, 16 rows>");
+  EXPECT_EQ(kernel(4, 4, fp8), "mla_decode_narrow<fp8, 16 rows>");
+  EXPECT_EQ(kernel(32, 1, fp8), "mla_decode<fp8, 32 rows/cta>");
+  EXPECT_EQ(kernel(24, 2, fp8), wgmma ? "mla_decode_wgmma<fp8, 64 rows/cta>" : "mla_decode<fp8, 32 rows/cta>");
+  EXPECT_EQ(kernel(128, 1, fp8), wgmma ? "mla_decode_wgmma<fp8, 64 rows/cta>" : "mla_decode<fp8, 32 rows/cta>");
+  EXPECT_EQ(kernel(8, 1, bf16), "mla_decode<bf16, 16 rows/cta>");
+  EXPECT_EQ(kernel(24, 1, bf16), "mla_decode<bf16, 32 rows/cta>");
+  EXPECT_EQ(kernel(96, 1, fp8, Op::kSparseMlaDecode),
+            wgmma ? "sparse_mla_decode_wgmma<fp8, 64 rows/cta>" : "sparse_mla_decode<fp8, 32 rows/cta>");
+  if (!wgmma) GTEST_SKIP() << "the wgmma kernel is not this run's (sm_" << device.sm << ", " << library_build() << ")";
 }
 
 // A block-table page outside the pool, in a call given no fault record (bad device data the call
