@@ -37,9 +37,11 @@ struct DsaDecodeParams {
   void* workspace = nullptr;  // plan_dsa_decode(...).workspace_bytes of scratch on the op's device
   std::size_t workspace_bytes = 0;
   // True when the workspace was zeroed once after it was allocated and has been used since only by
-  // dsa_decode calls of the same shapes (and plan): the indexer's counters in it then stay zero
-  // from call to call, and the indexer step takes them cleared (IndexerLogitsParams::
-  // workspace_cleared). False: any content.
+  // dsa_decode calls (of any batch size, each under a plan_dsa_decode plan for its shapes, graphs
+  // included): the indexer's counters, first in the workspace and planned for the most requests a
+  // call takes, then stay zero from call to call, and the indexer step takes them cleared
+  // (IndexerLogitsParams::workspace_cleared). False: any content. (Two calls in flight at once, on
+  // two streams, need two workspaces.)
   bool workspace_cleared = false;
   // Optional, device memory on a GPU backend (latentkv/device_fault.hpp): given to all three steps,
   // so that the record notes what the reference's dsa_decode refuses, a NaN logit included (the
@@ -67,8 +69,8 @@ struct DsaSteps {
 };
 
 struct DsaPlan {
-  std::size_t workspace_bytes = 0;  // all of it: logits, slots, then the three plans' scratch
-  Plan indexer;                     // the indexer backend's scratch (its claim counters on the GPU)
+  std::size_t workspace_bytes = 0;  // all of it: the indexer's scratch, logits, slots, the other two plans' scratch
+  Plan indexer;                     // the indexer's scratch (claim counters on the GPU), for kMaxGpuRequests requests
   Plan topk;                        // the top-k backend's own schedule and scratch
   Plan sparse;                      // the sparse decode's split schedule and scratch
   // The indexer step clears the top-k's row state (IndexerLogitsParams::clear), so that the top-k

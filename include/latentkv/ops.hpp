@@ -46,6 +46,8 @@ inline constexpr int kMaxDecodeQLen = 4;
 inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
 inline constexpr std::int64_t kMaxLogitsColumns = std::int64_t{1} << 30;  // indexer logits and top-k: max_len
+// The most requests a GPU dense decode or indexer call takes (one grid row each).
+inline constexpr std::int64_t kMaxGpuRequests = 65535;
 // A block table's capacity (max_pages x page_size tokens): the GPU kernels hold token positions and
 // lengths in int32, and round them up by a split's or a tile's tokens on the way.
 inline constexpr std::int64_t kMaxTableTokens = std::int64_t{1} << 30;

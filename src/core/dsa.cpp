@@ -38,9 +38,14 @@ void check_workspace_apart(std::string_view op, const Params& p, detail::MemoryS
                             detail::span_of("seq_lens", p.seq_lens, false), extra});
 }
 
-// Where each intermediate lives in the workspace.
+// Where each intermediate lives in the workspace. The indexer's scratch comes first: it is the one
+// piece that keeps state from call to call (its claim counters, which workspace_cleared takes as
+// zero), and it is planned for the most requests an indexer call takes (plan_dsa_decode), so it
+// lies at the same bytes under every plan, whatever the batch: calls of different batch sizes, or
+// graphs captured each with its own plan, may share one workspace, and no step's logits, slots or
+// scratch ever cover those counters.
 struct Layout {
-  std::size_t logits = 0, slots = 0, indexer = 0, topk = 0, sparse = 0, end = 0;
+  std::size_t indexer = 0, logits = 0, slots = 0, topk = 0, sparse = 0, end = 0;
 };
 
 std::int64_t logits_columns(const DsaDecodeParams& p) {
@@ -135,10 +140,10 @@ void check_shapes(const DsaDecodeParams& p) {
 Layout layout_of(const DsaDecodeParams& p, const DsaPlan& plan) {
   const auto rows = static_cast<std::size_t>(p.q.size(0) * p.q.size(1));
   Layout l;
-  l.logits = 0;
+  l.indexer = 0;
+  l.logits = align_up(l.indexer + plan.indexer.workspace_bytes);
   l.slots = align_up(l.logits + rows * static_cast<std::size_t>(logits_columns(p)) * sizeof(float));
-  l.indexer = align_up(l.slots + rows * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
-  l.topk = align_up(l.indexer + plan.indexer.workspace_bytes);
+  l.topk = align_up(l.slots + rows * static_cast<std::size_t>(p.topk) * sizeof(std::int32_t));
   l.sparse = align_up(l.topk + plan.topk.workspace_bytes);
   l.end = align_up(l.sparse + plan.sparse.workspace_bytes);
   return l;
@@ -184,12 +189,23 @@ DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base)
 
 DsaBackends same_backend(const Backend& backend) { return {&backend, &backend, &backend, &backend, &backend}; }
 
+// The indexer step's views with `requests` rows and no data: what its scratch is planned for.
+IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) {
+  for (TensorView* v : {&s.q, &s.weights, &s.block_table, &s.seq_lens, &s.logits}) {
+    v->shape[0] = requests;  // row-major: the strides stay those of the other dims
+    v->data = nullptr;
+  }
+  return s;
+}
+
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
   check_backends(backends);
   check_shapes(p);
   DsaPlan plan;
   DsaSteps s = steps_at(p, layout_of(p, plan), nullptr);
-  plan.indexer = backends.indexer_logits->plan(s.indexer, device);
+  // For the most requests a call takes, not this call's B (Layout says why).
+  plan.indexer =
+      backends.indexer_logits->plan(with_requests(s.indexer, std::max(p.q.size(0), kMaxGpuRequests)), device);
   plan.topk = backends.topk->plan(s.topk, device);
   plan.sparse = backends.sparse_decode->plan(s.sparse, device);
   plan.workspace_bytes = layout_of(p, plan).end;

@@ -482,6 +482,47 @@ TEST(DsaDecodeLayout, EveryStepsScratchInsideThePlanAndApart) {
   EXPECT_TRUE(s.topk.workspace_cleared);
 }
 
+// An indexer whose scratch grows with the batch (a counter per request, as on the GPU), otherwise
+// the reference.
+class PerRequestIndexer final : public Backend {
+ public:
+  std::string_view name() const override { return "per_request_indexer"; }
+  std::string_view description() const override { return "test-only: the reference, 16 bytes of indexer scratch a request"; }
+  int preference() const override { return 0; }
+  Selection select(const Problem& problem) const override { return reference().select(problem); }
+  Plan plan(const OpArgs& args, const DeviceInfo&) const override {
+    Plan plan;
+    if (const auto* indexer = std::get_if<IndexerLogitsParams>(&args)) {
+      plan.workspace_bytes = plan.cleared_bytes = 16 * static_cast<std::size_t>(indexer->q.size(0));
+    }
+    return plan;
+  }
+};
+
+// The indexer's scratch (the one piece kept from call to call) comes first in the workspace and is
+// planned for the most requests a call takes, so that calls of any batch size, each under its own
+// plan, find the counters at the same bytes and never write logits, slots or scratch over them.
+TEST(DsaDecodeLayout, IndexerScratchComesFirstSizedForTheMostRequests) {
+  const PerRequestIndexer backend;
+  HostDsa three(test_rng(), 4, {9, 3, 5}, 1, 4, 4, 8), one(test_rng(), 4, {7}, 1, 4, 4, 8);
+  const std::size_t counters = 16 * static_cast<std::size_t>(kMaxGpuRequests);
+  for (HostDsa* d : {&three, &one}) {
+    d->replan(same_backend(backend));
+    EXPECT_EQ(d->plan.indexer.workspace_bytes, counters);
+    const DsaSteps s = dsa_steps(d->params, d->plan);
+    EXPECT_EQ(s.indexer.workspace, d->workspace.data());
+    EXPECT_EQ(s.indexer.workspace_bytes, counters);
+    std::vector<WorkspaceRange> ranges = decode_ranges(*d, s);
+    ranges.erase(ranges.begin() + 2);  // the indexer's own
+    for (const WorkspaceRange& r : ranges) {
+      if (r.bytes > 0) EXPECT_GE(r.offset, counters) << r.name;  // (the top-k and the sparse step plan none)
+    }
+    EXPECT_TRUE(disjoint(decode_ranges(*d, s)));
+    d->params.workspace_cleared = true;
+    EXPECT_NO_THROW(dsa_decode(same_backend(backend), d->params, d->plan, {}, kCpu));
+  }
+}
+
 // The indexer takes its counters cleared only when the caller says the workspace is, and only when
 // its plan can take them so (cleared_bytes > 0).
 TEST(DsaDecodeLayout, IndexerTakesItsCountersClearedOnlyWhenTheCallerSays) {

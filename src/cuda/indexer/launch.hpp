@@ -11,7 +11,7 @@
 namespace latentkv::cuda {
 
 // Requests per indexer_logits call: one grid row each.
-inline constexpr int kMaxIndexerBatch = 65535;
+inline constexpr int kMaxIndexerBatch = static_cast<int>(kMaxGpuRequests);
 
 // logits [B, q_len, max_len]: for visible t, sum_h w_h relu(q_h . k_t) kscale_t; -inf elsewhere.
 // Arguments must be validated; lengths and block tables are read on the device. The plan's

@@ -13,7 +13,7 @@
 namespace latentkv::cuda {
 
 // Query tokens per decode call (B, or B x q_len for sparse decode): one grid row (y or z) each.
-inline constexpr int kMaxDecodeBatch = 65535;
+inline constexpr int kMaxDecodeBatch = static_cast<int>(kMaxGpuRequests);
 
 // The split-KV schedule for these shapes on a device with `multiprocessors` SMs (or p.num_splits,
 // when it asks for a count). Depends on the batch, rows (q_len x heads) and block-table capacity
