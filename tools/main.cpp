@@ -1,6 +1,7 @@
 // `latentkv`: the command-line program. Each subcommand lives in its own file.
 #include <cstdio>
 #include <exception>
+#include <iostream>
 #include <new>
 #include <string>
 #include <vector>
@@ -67,9 +68,25 @@ int parse_error(CLI::App& app, const CLI::ParseError& e) {
   return latentkv::tools::kExitUsage;
 }
 
+// A run that printed its output to a stream it could not write (a full disk, a closed pipe's
+// reader gone, /dev/full) did not succeed: said, and exit 1 instead of 0.
+int checked_output(int code) {
+  std::cout.flush();
+  const bool failed = std::fflush(stdout) != 0 || std::ferror(stdout) != 0 || !std::cout;
+  if (!failed || code != 0) return code;
+  std::fprintf(stderr, "error: the output could not be written to standard output (a full disk or device?)\n");
+  return latentkv::tools::kExitFailure;
+}
+
+int run(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) { return checked_output(run(argc, argv)); }
+
+namespace {
+
+int run(int argc, char** argv) {
   // A misspelt LATENTKV_* variable would otherwise be ignored without a word.
   for (const std::string& line : latentkv::unread_environment_warnings(latentkv::process_environment_names())) {
     std::fprintf(stderr, "warning: %s\n", line.c_str());
@@ -102,3 +119,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace

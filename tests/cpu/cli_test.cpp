@@ -117,6 +117,20 @@ TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
   EXPECT_THAT(r.out, Not(HasSubstr("warning")));
 }
 
+// Output that could not be written (here to /dev/full, a device that is always full) is a failure,
+// said on stderr, not a success.
+TEST_F(Cli, OutputThatCannotBeWrittenFails) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  for (const char* command : {"info", "config --json"}) {
+    SCOPED_TRACE(command);
+    const std::string line = shell_quote(LKV_CLI_PATH) + " " + command + " >/dev/full 2>" + shell_quote(path("stderr"));
+    const int status = std::system(line.c_str());
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    EXPECT_THAT(read_file(path("stderr")), HasSubstr("error: the output could not be written to standard output"));
+  }
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
