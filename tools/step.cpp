@@ -19,6 +19,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli_checks.hpp"
@@ -319,6 +320,14 @@ bool plot_report(const StepReport& report, const std::string& json_path, const s
   return drawn;
 }
 
+// Whether two paths name one file (which need not exist yet).
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec_a, ec_b;
+  const std::filesystem::path pa = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec_a), ec_a);
+  const std::filesystem::path pb = std::filesystem::weakly_canonical(std::filesystem::absolute(b, ec_b), ec_b);
+  return ec_a || ec_b ? a == b : pa == pb;
+}
+
 bool any_failed(const StepReport& r) {
   for (const StrategyResult& s : r.strategies) {
     if (s.status.rfind("FAIL", 0) == 0) return true;
@@ -359,6 +368,14 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
   // Everything about the command line that can be wrong, the output files included, checked before
   // anything runs: exit code 2 when it is.
   or_usage_error([&] {
+    const std::pair<const char*, const std::string*> files[] = {
+        {"--json", &o.json}, {"--plot", &o.plot}, {"--from-json", &o.from_json}};
+    for (const auto& [option, file] : files) {
+      if (cmd.count(option) > 0 && file->empty()) throw Error("step", option, "''", "a file name");
+    }
+    if (!o.json.empty() && !o.plot.empty() && same_file(o.json, o.plot)) {
+      throw Error("step", "--plot", o.plot, "another file than --json's (the picture would overwrite the report)");
+    }
     if (!o.plot.empty()) {
       const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
       if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");

@@ -131,6 +131,19 @@ TEST_F(Cli, OutputThatCannotBeWrittenFails) {
   }
 }
 
+// An empty file name, or a picture asked into the report's own file, is a usage error before the run.
+TEST_F(Cli, EmptyOrSharedOutputFilesAreRefused) {
+  for (const char* option : {"--json", "--plot", "--from-json"}) {
+    const Result r = run(kSmallStep, {option, ""});
+    EXPECT_EQ(r.exit_code, 2) << option;
+    EXPECT_THAT(r.err, HasSubstr(std::string("argument '") + option + "' = '': expected a file name"));
+  }
+  const Result same = run(kSmallStep, {"--json", path("r.svg"), "--plot", (dir_ / "." / "r.svg").string()});
+  EXPECT_EQ(same.exit_code, 2);
+  EXPECT_THAT(same.err, HasSubstr("expected another file than --json's"));
+  EXPECT_FALSE(fs::exists(path("r.svg")));
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
