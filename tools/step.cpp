@@ -337,6 +337,8 @@ bool any_failed(const StepReport& r) {
 
 // Reads a saved report; what is not one is a usage error.
 StepReport load_report(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw Error("step", "--from-json", path, "a file (this is a directory)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("step", "--from-json", path, "a readable file");
   std::ostringstream text;

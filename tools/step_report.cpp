@@ -458,6 +458,7 @@ StepReport parse_report_json(std::string_view text) {
   StepReport r;
   try {
     const json j = json::parse(text);
+    if (!j.is_object()) throw std::invalid_argument("a JSON object at the top, not " + std::string(j.type_name()));
     r.command = j.at("command").get<std::string>();
     if (j.contains("latentkv") && !j.at("latentkv").is_null()) r.latentkv = j.at("latentkv").get<std::string>();
     r.device = j.at("device").get<std::string>();
@@ -532,7 +533,17 @@ StepReport parse_report_json(std::string_view text) {
       r.strategies.push_back(std::move(st));
     }
   } catch (const json::exception& e) {
-    throw std::invalid_argument(e.what());  // nlohmann's text names the key or the position
+    // nlohmann's text, which names the key or the position, without its "[json.exception...] ". Built
+    // with JSON_DIAGNOSTICS it starts with the value's path, "(/shape/batch) type must be number, but
+    // is string", said here as "/shape/batch: type must be number, but is string".
+    std::string what = e.what();
+    if (what.rfind("[json.exception.", 0) == 0 && what.find("] ") != std::string::npos) {
+      what = what.substr(what.find("] ") + 2);
+    }
+    if (what.rfind("(/", 0) == 0 && what.find(") ") != std::string::npos) {
+      what = what.substr(1, what.find(") ") - 1) + ": " + what.substr(what.find(") ") + 2);
+    }
+    throw std::invalid_argument(what);
   }
   analyze_step(r);
   return r;

@@ -547,6 +547,28 @@ TEST(StepReportJson, RejectsWhatIsNotAReport) {
   EXPECT_EQ(parse_report_json(versioned.dump()).latentkv, "");
 }
 
+// What is wrong in a report is named by its JSON path, without nlohmann's exception tag.
+TEST(StepReportJson, AWrongFieldIsNamedByItsPath) {
+  const auto error_of = [](const std::string& text) {
+    try {
+      parse_report_json(text);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json j = nlohmann::json::parse(report_json(measured_report()));
+  j["shape"]["batch"] = "2";
+  EXPECT_EQ(error_of(j.dump()), "/shape/batch: type must be number, but is string");
+  j = nlohmann::json::parse(report_json(measured_report()));
+  j["shape"].erase("tp");
+  EXPECT_EQ(error_of(j.dump()), "/shape: key 'tp' not found");
+  j = nlohmann::json::parse(report_json(measured_report()));
+  j["strategies"][0]["ops"][1]["us"] = "x";
+  EXPECT_EQ(error_of(j.dump()), "/strategies/0/ops/1/us: type must be number, but is string");
+  EXPECT_EQ(error_of("[]"), "a JSON object at the top, not array");
+}
+
 TEST(StepReportJson, ValuesNeverMeasuredAreNullWhereTheTableHasADash) {
   StepReport r = measured_report();  // a cast_full, a strategy not timed
   r.copy_gbps = r.read_gbps = r.matrix_tflops = 0;  // as on the CPU: no ceilings, so no floors
