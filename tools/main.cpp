@@ -1,4 +1,6 @@
 // `latentkv`: the command-line program. Each subcommand lives in its own file.
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -78,6 +80,28 @@ int checked_output(int code) {
   return latentkv::tools::kExitFailure;
 }
 
+// The configuration's variables (LATENTKV_CONFIG, LATENTKV_MODEL, LATENTKV_PAGE_SIZE, ...) are read
+// by `latentkv config` and by programs that resolve a configuration, not by the commands that take
+// their shape from their own options (step, bench, demo): one set for such a command is said, with
+// the option that does the same where the command has one, rather than ignored without a word.
+// (The kernel overrides and LATENTKV_PYTHON are read by every command.)
+void warn_configuration_unread(const CLI::App& command) {
+  const std::vector<std::string> set = latentkv::process_environment_names();
+  for (const std::string& name : latentkv::environment_variables()) {
+    if (name == latentkv::kMlaKernelVariable || name == latentkv::kIndexerKernelVariable ||
+        name == latentkv::kPythonVariable || std::find(set.begin(), set.end(), name) == set.end()) {
+      continue;
+    }
+    std::string option = "--" + name.substr(std::string(latentkv::kEnvironmentPrefix).size());
+    std::transform(option.begin(), option.end(), option.begin(),
+                   [](char c) { return c == '_' ? '-' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
+    const bool has_option = command.get_option_no_throw(option) != nullptr;
+    std::fprintf(stderr, "warning: %s is set, but `latentkv %s` does not read the configuration's variables%s\n",
+                 name.c_str(), command.get_name().c_str(),
+                 has_option ? ("; its " + option + " option sets the same").c_str() : " (it is ignored here)");
+  }
+}
+
 int run(int argc, char** argv);
 
 }  // namespace
@@ -99,6 +123,10 @@ int run(int argc, char** argv) {
   latentkv::tools::add_config_command(app);
   latentkv::tools::add_info_command(app);
   latentkv::tools::add_bench_command(app);
+  for (const char* name : {"step", "demo", "bench"}) {
+    CLI::App* command = app.get_subcommand(name);
+    command->preparse_callback([command](std::size_t) { warn_configuration_unread(*command); });
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -144,6 +144,23 @@ TEST_F(Cli, EmptyOrSharedOutputFilesAreRefused) {
   EXPECT_FALSE(fs::exists(path("r.svg")));
 }
 
+// The configuration's variables set for a command that takes its shape from its options are said,
+// with the option to use; the kernel overrides, read by every command, are not; `config` reads them.
+TEST_F(Cli, ConfigurationVariablesACommandDoesNotReadAreSaid) {
+  const std::vector<std::string> environment = {"LATENTKV_PAGE_SIZE=32", "LATENTKV_SPARSE_DECODE=reference",
+                                                "LATENTKV_MLA_KERNEL=auto"};
+  const Result step = run(kSmallStep, {}, environment);
+  EXPECT_EQ(step.exit_code, 0) << step.err;
+  EXPECT_THAT(step.err, HasSubstr("warning: LATENTKV_PAGE_SIZE is set, but `latentkv step` does not read the "
+                                  "configuration's variables; its --page-size option sets the same"));
+  EXPECT_THAT(step.err, HasSubstr("warning: LATENTKV_SPARSE_DECODE is set, but `latentkv step` does not read the "
+                                  "configuration's variables (it is ignored here)"));
+  EXPECT_THAT(step.err, Not(HasSubstr("LATENTKV_MLA_KERNEL")));
+  const Result config = run({"config"}, {}, environment);
+  EXPECT_EQ(config.exit_code, 0) << config.err;
+  EXPECT_EQ(config.err, "");
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
