@@ -22,12 +22,13 @@
 #include "latentkv/config.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/model.hpp"
+#include "text.hpp"
 
 namespace latentkv::tools {
 
 namespace {
 
-constexpr int kWrapColumns = 110;
+constexpr std::size_t kWrapColumns = 110;
 constexpr std::size_t kMaxKernelsShown = 3;
 
 struct ConfigCommandState {
@@ -43,27 +44,9 @@ std::string pad(std::string text, std::size_t width) {
   return text;
 }
 
-// Wraps `text` at word boundaries; continuation lines start with `indent`.
+// Wraps `text` at word boundaries within kWrapColumns; continuation lines start with `indent`.
 std::string wrap(const std::string& text, std::size_t first_column, const std::string& indent) {
-  std::istringstream words(text);
-  std::string word, out;
-  std::size_t column = first_column;
-  bool line_start = true;
-  while (words >> word) {
-    if (!line_start && column + 1 + word.size() > kWrapColumns) {
-      out += "\n" + indent;
-      column = indent.size();
-      line_start = true;
-    }
-    if (!line_start) {
-      out += ' ';
-      ++column;
-    }
-    out += word;
-    column += word.size();
-    line_start = false;
-  }
-  return out;
+  return wrap_words(text, first_column, indent, kWrapColumns);
 }
 
 std::string ints_text(const std::vector<int>& values) {

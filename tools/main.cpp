@@ -4,11 +4,13 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
 #include "commands.hpp"
+#include "help_format.hpp"
 #include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
 #include "latentkv/version.hpp"
@@ -118,6 +120,7 @@ int run(int argc, char** argv) {
   CLI::App app{"latentkv: FP8-native MLA and DeepSeek Sparse Attention over paged caches"};
   app.set_version_flag("--version", std::string("latentkv ") + latentkv::library_description());
   app.require_subcommand(1);
+  app.formatter(std::make_shared<latentkv::tools::WrappedHelp>());  // before the subcommands, which take it over
   latentkv::tools::add_step_command(app);
   latentkv::tools::add_demo_command(app);
   latentkv::tools::add_config_command(app);

@@ -161,6 +161,27 @@ TEST_F(Cli, ConfigurationVariablesACommandDoesNotReadAreSaid) {
   EXPECT_EQ(config.err, "");
 }
 
+// Help fits 100 columns: descriptions wrap under their column (an option's own name and its list
+// of values may be longer, on a line of their own).
+TEST_F(Cli, HelpIsWrappedToAHundredColumns) {
+  for (const char* command : {"", "step", "demo", "config", "info", "bench"}) {
+    std::vector<std::string> args;
+    if (*command != '\0') args.emplace_back(command);
+    args.emplace_back("--help");
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 0) << command;
+    std::istringstream lines(r.out);
+    int wrapped = 0;
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("  -", 0) == 0 && line.find("  ", 3) == std::string::npos) continue;  // a name alone
+      if (line.rfind("Usage: ", 0) == 0) continue;  // the program's path, as it was run
+      EXPECT_LE(line.size(), 100u) << command << ": " << line;
+      wrapped += line.rfind(std::string(30, ' '), 0) == 0;
+    }
+    if (std::string(command) == "step") EXPECT_GT(wrapped, 5) << "step's long descriptions continue under their column";
+  }
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
