@@ -91,6 +91,7 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
       ->check(integer_in(1, 1024));
   cmd.add_option("--kv-dtype", o.kv_dtype, "Cache dtype")
       ->capture_default_str()
+      ->transform(CLI::Transformer({{"fp8", "fp8_e4m3"}}))
       ->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
   cmd.add_option("--backends", o.backends, "Backends to time, comma separated")->capture_default_str()->delimiter(',');
   cmd.add_option("--warmup", o.warmup, "Untimed calls first")->capture_default_str()->check(integer_in(0, 100000));

@@ -364,6 +364,7 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
   cmd->add_flag("--explain", state->explain, "also print the capability matrix of every registered backend");
   cmd->add_flag("--json", state->json, "print the resolved configuration as JSON");
   cmd->add_option("--device", state->device, "resolve for the detected device, or for the cpu")
+      ->transform(CLI::Transformer({{"auto", "detected"}}))
       ->check(CLI::IsMember({"detected", "cpu"}))
       ->capture_default_str();
   cmd->callback([state, io = std::move(io)] { run_config_command(*state, io); });

@@ -182,6 +182,20 @@ TEST_F(Cli, HelpIsWrappedToAHundredColumns) {
   }
 }
 
+// The commands take each other's names for the same values: `config --device auto` (step's word
+// for the detected device) and `bench --kv-dtype fp8` (config's short name of fp8_e4m3).
+TEST_F(Cli, CommandsTakeEachOthersNamesForTheSameValues) {
+  const Result config = run({"config", "--device", "auto", "--json"});
+  EXPECT_EQ(config.exit_code, 0) << config.err;
+  // Refused for another option, checked after the values were read, and on any machine before a GPU runs.
+  const Result bench = run({"bench", "--kv-dtype", "fp8", "--op", "topk", "--context-min", "5"});
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_THAT(bench.err, HasSubstr("argument '--op' = topk: expected mla_decode with --context-min"));
+  const Result bad = run({"bench", "--kv-dtype", "fp9"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--kv-dtype: fp9 not in {fp8_e4m3,bf16}"));
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
