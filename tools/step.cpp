@@ -240,8 +240,8 @@ std::string chosen_python_error(const std::string& python, const std::string& pr
          "try python3 on the PATH, then /usr/bin/python3)";
 }
 
-// Before a run with --plot: a LATENTKV_PYTHON that cannot be run is a usage error (whether
-// matplotlib is there is found when drawing: without it the run's data is kept for a redraw).
+// Before a run with --plot: a LATENTKV_PYTHON that cannot be run is a usage error (and then
+// check_plot_python: whether an interpreter imports matplotlib).
 void check_chosen_python() {
   const std::string python = chosen_python();
   if (python.empty()) return;
@@ -250,19 +250,38 @@ void check_chosen_python() {
   }
 }
 
+// The interpreters --plot tries, in order: $LATENTKV_PYTHON alone when set, else python3 on the
+// PATH, then the system's /usr/bin/python3.
+std::vector<std::string> plot_pythons() {
+  const std::string chosen = chosen_python();
+  if (!chosen.empty()) return {chosen};
+  std::vector<std::string> pythons = {"python3"};
+  if (access("/usr/bin/python3", X_OK) == 0) pythons.push_back("/usr/bin/python3");
+  return pythons;
+}
+
+// Before a run with --plot: one of the interpreters imports matplotlib, or the run would end with
+// its data and no picture. (A saved report, --from-json, is drawn at once and says so there.)
+void check_plot_python(const std::string& plot) {
+  for (const std::string& python : plot_pythons()) {
+    const std::string probe = "command -v " + shell_quote(python) + " >/dev/null 2>&1 && " + shell_quote(python) +
+                              " -c 'import matplotlib' </dev/null >/dev/null 2>&1";
+    const int status = std::system(probe.c_str());
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
+  }
+  throw Error("step", "--plot", plot,
+              "a python3 that imports matplotlib (tried " + join(plot_pythons(), ", ") +
+                  "): install python3-matplotlib or `python3 -m pip install matplotlib`, set LATENTKV_PYTHON, or "
+                  "run with --json alone and draw later with --from-json");
+}
+
 // Runs the embedded plotting script as `python - <json> <out>` with each candidate interpreter until
 // one has matplotlib: $LATENTKV_PYTHON alone when set, else python3 on the PATH, then the system's
 // /usr/bin/python3 (Debian's python3-matplotlib lives there when the PATH's python3 is another one).
 // Returns false after saying why and how to fix it; `kept` is the file of the run's data to redraw.
 bool draw_plot(const std::string& json_path, const std::string& out_path, const std::string& kept) {
   const std::string chosen = chosen_python();
-  std::vector<std::string> pythons;
-  if (!chosen.empty()) {
-    pythons.push_back(chosen);
-  } else {
-    pythons = {"python3"};
-    if (access("/usr/bin/python3", X_OK) == 0) pythons.push_back("/usr/bin/python3");
-  }
+  const std::vector<std::string> pythons = plot_pythons();
   bool any_python = false;
   for (const std::string& python : pythons) {
     const std::string command = "command -v " + shell_quote(python) + " >/dev/null 2>&1 || exit 127; exec " +
@@ -383,6 +402,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
       if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");
       check_output_path("step", "--plot", o.plot);
       check_chosen_python();
+      if (o.from_json.empty()) check_plot_python(o.plot);
     }
     if (!o.json.empty()) check_output_path("step", "--json", o.json);
     if (!o.from_json.empty()) {

@@ -196,6 +196,17 @@ TEST_F(Cli, CommandsTakeEachOthersNamesForTheSameValues) {
   EXPECT_THAT(bad.err, HasSubstr("--kv-dtype: fp9 not in {fp8_e4m3,bf16}"));
 }
 
+// A run with --plot and no python3 that imports matplotlib is refused before it runs (not after,
+// with the data and no picture).
+TEST_F(Cli, PlotWithoutMatplotlibIsRefusedBeforeTheRun) {
+  const std::string without = script("python-without-matplotlib", "cat >/dev/null; exit 1");
+  const Result r = run(kSmallStep, {"--plot", path("p.svg")}, {"LATENTKV_PYTHON=" + without});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("argument '--plot' = " + path("p.svg") + ": expected a python3 that imports "
+                               "matplotlib (tried " + without + ")"));
+  EXPECT_EQ(r.out, "") << "nothing ran";
+}
+
 TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
   const std::string line = std::string("latentkv ") + LATENTKV_VERSION + " (" + latentkv::library_build() + ")\n";
   const Result version = run({"--version"});
