@@ -6,6 +6,7 @@
 #include <iostream>
 #include <memory>
 #include <new>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,31 @@ std::string plain_message(std::string message) {
   return message;
 }
 
+// CLI11's "The following arguments were not expected: 2 --batch" (the words last first) said in the
+// order given, and plainly where the first is an option: one of the command's own that came before
+// the subcommand's name (`latentkv --batch 2 step`), or one the command does not have.
+std::string extras_message(const CLI::App& command, const std::string& what) {
+  std::string lead = "were not expected: ";
+  std::size_t at = what.find(lead);
+  if (at == std::string::npos) at = what.find(lead = "was not expected: ");  // one word
+  if (at == std::string::npos) return plain_message(what);
+  std::vector<std::string> words;
+  std::istringstream in(what.substr(at + lead.size()));
+  for (std::string w; in >> w;) words.insert(words.begin(), w);
+  std::string given;
+  for (const std::string& w : words) given += (given.empty() ? "" : " ") + w;
+  const std::string& first = words.empty() ? given : words.front();
+  const std::string name = command.get_name();
+  if (first.rfind("-", 0) == 0) {
+    const std::string option = first.substr(0, first.find('='));
+    if (command.get_option_no_throw(option) != nullptr) {
+      return "'" + given + "' came before the subcommand; options go after it: latentkv " + name + " " + given + " ...";
+    }
+    return "unknown option '" + option + "'" + (given == option ? "" : " (in '" + given + "')");
+  }
+  return (words.size() == 1 ? "argument not expected: " : "arguments not expected: ") + given;
+}
+
 // A command line CLI11 could not read, said as every other usage error is (docs/configuration.md,
 // "Exit codes"): "error: <subcommand>: <what>" on stderr, then where the options are listed; for
 // `latentkv config` the line in between says that the configuration was rejected, as its own errors
@@ -60,7 +86,10 @@ int parse_error(CLI::App& app, const CLI::ParseError& e) {
   // The subcommand whose options were being read, when CLI11 had got that far.
   const std::vector<CLI::App*> parsed = app.get_subcommands();
   const std::string sub = parsed.empty() ? "" : parsed.back()->get_name();
-  const std::string message = sub.empty() ? missing_subcommand(app) : sub + ": " + plain_message(e.what());
+  std::string message = sub.empty() ? missing_subcommand(app) : sub + ": " + plain_message(e.what());
+  if (!sub.empty() && dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+    message = sub + ": " + extras_message(*parsed.back(), e.what());
+  }
   const std::string help = "latentkv" + (sub.empty() ? std::string() : " " + sub) + " --help";
   std::fprintf(stderr, "error: %s\n", message.c_str());
   if (sub == "config") {

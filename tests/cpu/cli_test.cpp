@@ -468,10 +468,25 @@ TEST_F(Cli, StepHelpListsWhatIsAccepted) {
   EXPECT_THAT(text, HasSubstr("on the CPU twice the batch's pages"));
 }
 
+// Words the parser had no use for are given in the order typed: an option of the command typed
+// before its name is said to go after it; an option it does not have is named as unknown.
+TEST_F(Cli, ArgumentsNotExpectedAreSaidInTheOrderTyped) {
+  const Result before = run({"--batch", "2", "step"});
+  EXPECT_EQ(before.exit_code, 2);
+  EXPECT_EQ(before.err.rfind("error: step: '--batch 2' came before the subcommand; options go after it: latentkv "
+                             "step --batch 2 ...\n", 0), 0u) << before.err;
+  const Result unknown = run({"demo", "--json", "x.json"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_EQ(unknown.err.rfind("error: demo: unknown option '--json' (in '--json x.json')\n", 0), 0u) << unknown.err;
+  const Result words = run({"info", "one", "two"});
+  EXPECT_EQ(words.exit_code, 2);
+  EXPECT_EQ(words.err.rfind("error: info: arguments not expected: one two\n", 0), 0u) << words.err;
+}
+
 TEST_F(Cli, ParserErrorsReadAsEveryOtherUsageError) {
   const Result config = run({"config", "--bogus"});
   EXPECT_EQ(config.exit_code, 2);
-  EXPECT_EQ(config.err.rfind("error: config: the following argument was not expected: --bogus\n", 0), 0u) << config.err;
+  EXPECT_EQ(config.err.rfind("error: config: unknown option '--bogus'\n", 0), 0u) << config.err;
   EXPECT_THAT(config.err, HasSubstr("(configuration rejected"));
   EXPECT_THAT(config.err, HasSubstr("`latentkv config --help`"));
   const Result missing = run({"step", "--tp"});
