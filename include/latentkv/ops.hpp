@@ -138,7 +138,9 @@ struct TopkParams {
   TensorView logits;            // [B, q_len, max_len] f32, as written by the indexer
   TensorView block_table;       // [B, max_pages] i32
   TensorView seq_lens;          // [B] i32
-  int page_size = kDefaultPageSize;
+  // The caches' page size, which turns positions into slots. No default: the top-k sees no cache to
+  // take it from, and a wrong one would give wrong slots without an error (0 is refused).
+  int page_size = 0;
   int k = kMaxTopk;             // 1 .. 2048
   TensorView slots;             // [B, q_len, k] i32 physical slots; -1 pads rows with fewer than k visible
   // Device scratch from Backend::plan() (the GPU selection keeps per-row histograms there).

@@ -520,7 +520,7 @@ void validate_shapes(const TopkParams& p, Device device) {
   const std::int64_t b = p.logits.size(0), q_len = p.logits.size(1);
   expect_range(op, "logits.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
-  if (p.page_size < 1) fail(op, "page_size", std::to_string(p.page_size), ">= 1");
+  if (p.page_size < 1) fail(op, "page_size", std::to_string(p.page_size), ">= 1 (the caches' page size: set it)");
   expect_paging(op, p.block_table, p.seq_lens, b, device);
   expect_capacity(op, p.block_table, p.page_size);
   expect_columns(op, p.logits);

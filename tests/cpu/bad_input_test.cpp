@@ -1250,8 +1250,10 @@ TEST(BadInput, TopkPageSizeAndPages) {
   HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
   TopkParams p = c.topk_params(logits, slots, 4);
   p.block_table = TensorView::contiguous(c.table.data(), DType::kI32, {2, c.f.max_pages});
-  p.page_size = 0;
+  p.page_size = TopkParams{}.page_size;  // none by default: the caller must say
+  EXPECT_EQ(p.page_size, 0);
   EXPECT_TRUE(throws_error([&] { cpu::topk(p); }, "topk", "page_size", "0"));
+  EXPECT_NE(error_of([&] { cpu::topk(p); }).find("the caches' page size: set it"), std::string::npos);
   EXPECT_TRUE(is_sentinel(slots));
 
   p.page_size = c.f.page_size;  // 4
