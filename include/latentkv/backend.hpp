@@ -38,7 +38,10 @@ struct DeviceInfo {
   std::string name = "cpu";
   int multiprocessors = 0;
 };
-// The current CUDA device (cudaGetDevice) when the library was built with CUDA and one is present, else the CPU.
+// The current CUDA device (cudaGetDevice) when the library was built with CUDA and one is present, else
+// the CPU: also when the CUDA runtime cannot be used (no driver, or one too old for it), so that a
+// configuration resolved for it picks the CPU reference. Asks the runtime on every call: a program
+// that calls ops often passes the DeviceInfo it detected once (run(), plan_dsa_decode(), ...).
 DeviceInfo detect_device();
 
 // What a kernel must handle, known before any tensor exists (from the configuration) or read off an
@@ -59,7 +62,10 @@ Op op_of(const OpArgs& args);
 Problem problem_of(const OpArgs& args, const DeviceInfo& device);
 
 struct ExecContext {
-  void* stream = nullptr;  // cudaStream_t for CUDA backends; unused on the CPU
+  // cudaStream_t for CUDA backends; unused on the CPU. The default, null, is CUDA's legacy default
+  // stream, which waits for (and holds up) the device's other blocking streams: an engine passes
+  // the stream its step runs on.
+  void* stream = nullptr;
 };
 
 // A runnable kernel: its name (for printing), its launcher, and the launcher's own checks of a call.
