@@ -20,7 +20,8 @@
 //    call writes (outputs, the caches of an append, workspace and clear, fault; the workspace as
 //    workspace_bytes long) shares no byte with any other of its arguments.
 //  * num_splits and workspace come from Backend::plan() for the call's shapes: a GPU call refuses
-//    num_splits 0 (plan() fills it in) and a workspace smaller than the plan's.
+//    num_splits 0 (plan() fills it in) and a workspace smaller than the plan's; every backend
+//    refuses a num_splits outside 0 .. kMaxSplits.
 //  * o is bf16 in the GPU backends; the reference also writes f32 or f64 outputs for testing.
 //  * lse is the natural log of sum_t exp(s_t) over the attended tokens; -inf when none.
 //  * Bad values (a slot, page or length outside what the pool and block table hold, a NaN or inf
@@ -46,6 +47,8 @@ inline constexpr int kMaxDecodeQLen = 4;
 inline constexpr int kMaxIndexerHeads = 64;
 inline constexpr int kMaxTopk = 2048;
 inline constexpr std::int64_t kMaxLogitsColumns = std::int64_t{1} << 30;  // indexer logits and top-k: max_len
+// The most KV splits a decode or prefill call takes (num_splits).
+inline constexpr int kMaxSplits = 1024;
 // The most requests a GPU dense decode or indexer call takes (one grid row each).
 inline constexpr std::int64_t kMaxGpuRequests = 65535;
 // A block table's capacity (max_pages x page_size tokens): the GPU kernels hold token positions and

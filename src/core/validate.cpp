@@ -264,6 +264,13 @@ void expect_range(std::string_view op, std::string_view arg, std::int64_t value,
   }
 }
 
+// The split count asked of a plan or set from one: 0 (the plan's choice) to kMaxSplits, whichever
+// backend runs the call (the reference ignores it; a GPU call also refuses 0, which plan() fills in),
+// so that a count the GPU would refuse fails on the CPU too.
+void expect_splits(std::string_view op, int num_splits) {
+  expect_range(op, "num_splits", num_splits, 0, kMaxSplits, " (0: the plan's choice)");
+}
+
 void expect_scale(std::string_view op, float scale) {
   if (!(std::isfinite(scale) && scale > 0.0f)) {
     char text[32];  // every digit a float needs: -1e-09 must not read as -0.000000
@@ -458,6 +465,7 @@ void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
   expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
                     MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
@@ -478,6 +486,7 @@ void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) 
   expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
                     MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
@@ -542,6 +551,7 @@ void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outp
   expect_view(op, "o", p.o, o_types(outputs), {b, q_len, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {b, q_len, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
                     MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
@@ -559,6 +569,7 @@ void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs out
   expect_view(op, "o", p.o, o_types(outputs), {t, h, kLatentDim}, {}, device);
   expect_view(op, "lse", p.lse, lse_types(outputs), {t, h}, {}, device);
   expect_scale(op, p.softmax_scale);
+  expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
                     MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),

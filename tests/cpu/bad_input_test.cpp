@@ -837,6 +837,22 @@ TEST(BadInput, ViewsOnAnotherDevice) {
                            "q", "device kind 7 (not cpu or cuda)"));
 }
 
+// A split count outside 0 .. kMaxSplits, which a GPU call refuses, is refused by the reference too
+// (which needs none), so that the CPU catches it; 0 and 1024 pass.
+TEST(BadInput, SplitCountsOutsideWhatAGpuTakes) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  for (const int bad : {-3, kMaxSplits + 1}) {
+    p.num_splits = bad;
+    EXPECT_TRUE(throws_error([&] { cpu::mla_decode(p); }, "mla_decode", "num_splits", std::to_string(bad)));
+    EXPECT_TRUE(c.outputs_untouched());
+  }
+  for (const int good : {0, kMaxSplits}) {
+    p.num_splits = good;
+    EXPECT_NO_THROW(cpu::mla_decode(p)) << good;
+  }
+}
+
 // A block table whose capacity (max_pages x page_size) passes 2^30 tokens is refused by its shape,
 // before any of its entries is read (the view claims more rows than its memory holds).
 // (ReferenceScratchBeyondHostMemoryIsNamed below takes a table of exactly 2^30.)

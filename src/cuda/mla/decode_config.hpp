@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "latentkv/ops.hpp"
+
 namespace latentkv::cuda::mla {
 
 inline constexpr int kTileTokens = 32;
@@ -74,6 +76,6 @@ constexpr std::int64_t short_split_count(std::int64_t grid_base, std::int64_t ti
 // Sparse rows hold at most 2048 tokens: with 128 per split one request ran on 16 CTAs (19.0 us for
 // top-k 2048 at B 1 on the H200); one tile per split spreads it over 64 CTAs: 13.2 us.
 inline constexpr int kMinTokensPerSparseSplit = 32;
-inline constexpr int kMaxSplits = 1024;  // the combine step keeps one weight per split in shared memory
+inline constexpr int kMaxSplits = ::latentkv::kMaxSplits;  // the combine step keeps one weight per split in shared memory
 
 }  // namespace latentkv::cuda::mla
