@@ -305,7 +305,7 @@ int run_example(bool require_gpu) {
                 "lse of its last row, head 0: %.5f\n",
                 b, kChunk, static_cast<long long>(kPromptLengths[b] - kChunk + 1),
                 static_cast<long long>(kPromptLengths[b]),
-                std::string(slot_name(rc.route(/*prefill=*/true, kPromptLengths[b]))).c_str(),
+                std::string(slot_name(rc.route(Phase::kPrefill, kPromptLengths[b]))).c_str(),
                 chunk_lse.host[static_cast<std::size_t>(last_row * heads)]);
   }
 
@@ -313,7 +313,7 @@ int run_example(bool require_gpu) {
   // dense_prefill slot serves them exactly. Request 1's chunk through that slot's backend must give
   // its dsa_prefill rows again (two computations, each within SPEC's bound: twice the bound apart).
   {
-    const std::size_t request = 1;  // rc.route(true, 1200) is Slot::kDensePrefill
+    const std::size_t request = 1;  // rc.route(Phase::kPrefill, 1200) is Slot::kDensePrefill
     const Backend& dense_backend = *rc.slot(Slot::kDensePrefill).backend;
     Buffer<std::int32_t> one_request(memory, 2);  // cu_new_tokens of a one-request call
     one_request.host = {0, kChunk};

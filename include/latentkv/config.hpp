@@ -55,6 +55,8 @@ std::string_view slot_name(Slot slot);  // "dense_prefill", "dense_decode", "spa
 Op slot_op(Slot slot);                   // kMlaPrefill, kMlaDecode, kSparseMlaPrefill, kSparseMlaDecode
 bool slot_is_sparse(Slot slot);
 bool slot_is_decode(Slot slot);
+// Which half of serving a query row belongs to: the new tokens of a prompt, or a decode step's.
+enum class Phase : std::uint8_t { kPrefill, kDecode };
 
 inline constexpr std::string_view kAutoBackend = "auto";
 inline constexpr std::string_view kDefaultModel = "glm5";
@@ -176,8 +178,10 @@ struct ResolvedConfig {
   const OpResolution& supporting_op(Op op) const;
   // What dsa_decode and dsa_prefill run: the indexer and top-k ops resolved here and the sparse slots.
   DsaBackends dsa_backends() const;
-  // The slot that serves a query row seeing `visible_tokens` tokens: dense only where that is exact.
-  Slot route(bool prefill, std::int64_t visible_tokens) const;
+  // The slot that serves a query row of `phase` seeing `visible_tokens` tokens: dense only where
+  // that is exact. (A phase, not a bool: route(visible, true) would compile and route wrongly.)
+  Slot route(Phase phase, std::int64_t visible_tokens) const;
+  Slot route(bool, std::int64_t) const = delete;
   // The rule above in words, for printing.
   std::string dense_rule() const;
 };

@@ -874,7 +874,8 @@ Problem slot_problem(const AttentionConfig& config, Slot slot, const DeviceInfo&
   return p;
 }
 
-Slot ResolvedConfig::route(bool prefill, std::int64_t visible_tokens) const {
+Slot ResolvedConfig::route(Phase phase, std::int64_t visible_tokens) const {
+  const bool prefill = phase == Phase::kPrefill;
   if (visible_tokens <= dense_max_visible_tokens) return prefill ? Slot::kDensePrefill : Slot::kDenseDecode;
   return prefill ? Slot::kSparsePrefill : Slot::kSparseDecode;
 }

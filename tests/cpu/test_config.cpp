@@ -802,11 +802,11 @@ TEST(ConfigReject, ConfigErrorIsALatentkvError) {
 TEST(Config, DenseSlotsServeOnlyRowsWithinIndexTopk) {
   const ResolvedConfig r = resolve_config(with_flags({}), cpu());
   EXPECT_EQ(r.dense_max_visible_tokens, 2048);
-  EXPECT_EQ(r.route(false, 0), Slot::kDenseDecode);
-  EXPECT_EQ(r.route(false, 2048), Slot::kDenseDecode);
-  EXPECT_EQ(r.route(false, 2049), Slot::kSparseDecode);
-  EXPECT_EQ(r.route(true, 2048), Slot::kDensePrefill);
-  EXPECT_EQ(r.route(true, 495000), Slot::kSparsePrefill);
+  EXPECT_EQ(r.route(Phase::kDecode, 0), Slot::kDenseDecode);
+  EXPECT_EQ(r.route(Phase::kDecode, 2048), Slot::kDenseDecode);
+  EXPECT_EQ(r.route(Phase::kDecode, 2049), Slot::kSparseDecode);
+  EXPECT_EQ(r.route(Phase::kPrefill, 2048), Slot::kDensePrefill);
+  EXPECT_EQ(r.route(Phase::kPrefill, 495000), Slot::kSparsePrefill);
   const std::string rule = r.dense_rule();
   EXPECT_THAT(rule, HasSubstr("glm5 is a DSA model"));
   EXPECT_THAT(rule, HasSubstr("at most 2048 tokens"));
