@@ -18,9 +18,9 @@
 namespace latentkv {
 
 struct DsaDecodeParams {
-  TensorView q;            // [B, q_len, H, 576] bf16, absorbed queries
+  TensorView q;            // [B, q_len, H, 576] bf16, absorbed queries (as MlaDecodeParams::q: RoPE applied)
   TensorView q_idx;        // [B, q_len, Hi, 128] fp8 e4m3, indexer queries
-  TensorView weights;      // [B, q_len, Hi] f32, indexer head weights (q scale folded in)
+  TensorView weights;      // [B, q_len, Hi] f32, indexer head weights (as IndexerLogitsParams::weights)
   LatentCache cache;       // main cache, read only
   IndexerCache indexer;    // indexer key cache, read only; same page size and pool as `cache`
   TensorView block_table;  // [B, max_pages] i32, shared by both caches

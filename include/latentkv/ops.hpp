@@ -61,7 +61,7 @@ inline constexpr std::int64_t kMaxTableTokens = std::int64_t{1} << 30;
 // reference keeps the last token, a GPU may mix the two).
 struct AppendParams {
   LatentCache cache;            // written at `slots`
-  TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values
+  TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values (RoPE already applied)
   TensorView slots;             // [n] i32: physical slot of each token, or -1
   IndexerCache indexer;         // optional (data == nullptr skips it); same page_size and pool size
   TensorView indexer_keys;      // [n, 128] bf16, already rotated; required with `indexer`
@@ -71,7 +71,9 @@ struct AppendParams {
 
 // Dense MLA decode: each query token attends to every cached token it can see.
 struct MlaDecodeParams {
-  TensorView q;                 // [B, q_len, H, 576] bf16, absorbed queries (latent part, then rope)
+  // [B, q_len, H, 576] bf16, absorbed queries: the latent part (W_UK folded in), then the 64 rope
+  // dims with RoPE already applied, as the cache's rope dims are. The op applies no rotation.
+  TensorView q;
   LatentCache cache;            // read only
   TensorView block_table;       // [B, max_pages] i32 page ids
   TensorView seq_lens;          // [B] i32, L_b (new tokens included)
@@ -109,7 +111,10 @@ struct MlaPrefillParams {
 // Lightning-indexer logits: logit_t = sum_h w_h * relu(q_h . k_t) * kscale_t over visible t.
 struct IndexerLogitsParams {
   TensorView q;                 // [B, q_len, Hi, 128] fp8 e4m3
-  TensorView weights;           // [B, q_len, Hi] f32, q scale and constants folded in
+  // [B, q_len, Hi] f32, each head's weight w_h of logit_t = sum_h w_h relu(q_h . k_t) kscale_t, with
+  // everything else the model multiplies a head's term by folded in (q_idx's fp8 scale, the model's
+  // constant factors): the op multiplies by nothing more.
+  TensorView weights;
   IndexerCache cache;           // read only
   TensorView block_table;       // [B, max_pages] i32
   TensorView seq_lens;          // [B] i32
@@ -164,7 +169,7 @@ struct TopkParams {
 // scratch of a chunk (Backend::plan says how much).
 struct IndexerPrefillParams {
   TensorView q;                 // [T, Hi, 128] fp8 e4m3, the requests' new tokens back to back
-  TensorView weights;           // [T, Hi] f32, q scale and constants folded in
+  TensorView weights;           // [T, Hi] f32, as IndexerLogitsParams::weights
   TensorView cu_new_tokens;     // [B + 1] i32, request b's new tokens are rows [cu[b], cu[b+1])
   IndexerCache cache;           // read only; the new tokens' keys already appended
   TensorView block_table;       // [B, max_pages] i32
