@@ -194,8 +194,10 @@ int run_example(bool require_gpu) {
   const int max_pages = static_cast<int>(pages_for(longest));
   Buffer<std::uint8_t> cache_bytes(memory, static_cast<std::size_t>(num_pages * page_size) * kv_token_bytes(kv_dtype));
   Buffer<std::uint8_t> indexer_bytes(memory, static_cast<std::size_t>(num_pages * page_size) * kIndexerTokenBytes);
-  const LatentCache cache{static_cast<std::uint8_t*>(cache_bytes.data), kv_dtype, num_pages, page_size, device};
-  const IndexerCache indexer{static_cast<std::uint8_t*>(indexer_bytes.data), num_pages, page_size, device};
+  const LatentCache cache{.data = static_cast<std::uint8_t*>(cache_bytes.data), .dtype = kv_dtype,
+                          .num_pages = num_pages, .page_size = page_size, .device = device};
+  const IndexerCache indexer{.data = static_cast<std::uint8_t*>(indexer_bytes.data), .num_pages = num_pages,
+                             .page_size = page_size, .device = device};
   // Where the GPU kernels note a bad value they skipped (latentkv/device_fault.hpp); the reference throws.
   Buffer<DeviceFault> fault(memory, 1);  // zeroed: no fault
   DeviceFault* const fault_record = memory.gpu ? static_cast<DeviceFault*>(fault.data) : nullptr;
@@ -469,7 +471,8 @@ int run_example(bool require_gpu) {
     std::vector<double> o_ref(o.host.size()), lse_ref(lse.host.size());
     SparseMlaDecodeParams check;
     check.q = TensorView::contiguous(q.host.data(), DType::kBF16, {batch, 1, heads, kQkDim});
-    check.cache = LatentCache{cache_bytes.host.data(), kv_dtype, num_pages, page_size, Device::cpu()};
+    check.cache = LatentCache{.data = cache_bytes.host.data(), .dtype = kv_dtype, .num_pages = num_pages,
+                              .page_size = page_size, .device = Device::cpu()};
     check.indices = TensorView::contiguous(chosen.data(), DType::kI32, {batch, 1, model.index_topk});
     check.o = TensorView::contiguous(o_ref.data(), DType::kF64, {batch, 1, heads, kLatentDim});  // the reference
     check.lse = TensorView::contiguous(lse_ref.data(), DType::kF64, {batch, 1, heads});          // writes f64 too
