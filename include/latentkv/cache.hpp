@@ -43,7 +43,7 @@ struct LatentCache {
   std::size_t token_bytes() const { return kv_token_bytes(dtype); }
   std::int64_t num_slots() const { return num_pages * page_size; }
   std::size_t bytes() const { return static_cast<std::size_t>(num_slots()) * token_bytes(); }
-  std::uint8_t* token(std::int64_t slot) const { return data + slot * token_bytes(); }
+  std::uint8_t* token(std::int64_t slot) const { return data + static_cast<std::size_t>(slot) * token_bytes(); }
 };
 
 // The indexer key cache: per page, page_size x 128 fp8 bytes, then page_size float32 scales.
@@ -57,10 +57,11 @@ struct IndexerCache {
   std::size_t page_bytes() const { return static_cast<std::size_t>(page_size) * kIndexerTokenBytes; }
   std::size_t bytes() const { return static_cast<std::size_t>(num_pages) * page_bytes(); }
   std::uint8_t* key(std::int64_t slot) const {  // 128 fp8 codes
-    return data + (slot / page_size) * page_bytes() + (slot % page_size) * kIndexerDim;
+    return data + static_cast<std::size_t>(slot / page_size) * page_bytes() +
+           static_cast<std::size_t>(slot % page_size) * kIndexerDim;
   }
   float* scale_ptr(std::int64_t slot) const {  // may be unaligned only if data is
-    return reinterpret_cast<float*>(data + (slot / page_size) * page_bytes() +
+    return reinterpret_cast<float*>(data + static_cast<std::size_t>(slot / page_size) * page_bytes() +
                                     static_cast<std::size_t>(page_size) * kIndexerDim) +
            slot % page_size;
   }
