@@ -83,7 +83,8 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
       ->capture_default_str()
       ->check(integer_in(1, kIntMax));
   cmd.add_option("--page-size", o.page_size, "Tokens per page")->capture_default_str()->check(integer_in(1, kIntMax));
-  cmd.add_option("--topk", o.topk, "Selected tokens per query (sparse ops, topk, indexer_prefill, dsa_decode, dsa_prefill)")
+  cmd.add_option("--topk", o.topk,
+                 "Selected tokens per query (sparse ops, topk, indexer_prefill, dsa_decode, dsa_prefill)")
       ->capture_default_str()
       ->check(integer_in(1, 2048));
   cmd.add_option("--splits", o.splits,

@@ -22,8 +22,8 @@ class WrappedHelp : public CLI::Formatter {
   }
   std::string make_subcommand(const CLI::App* sub) const override {
     std::stringstream out;
-    CLI::detail::format_help(out, sub->get_display_name(true), wrap_lines(sub->get_description(), description_columns()),
-                             get_column_width());
+    const std::string description = wrap_lines(sub->get_description(), description_columns());
+    CLI::detail::format_help(out, sub->get_display_name(true), description, get_column_width());
     return out.str();
   }
   // The command's own description, above its usage line.

@@ -124,8 +124,9 @@ void warn_configuration_unread(const CLI::App& command) {
       continue;
     }
     std::string option = "--" + name.substr(std::string(latentkv::kEnvironmentPrefix).size());
-    std::transform(option.begin(), option.end(), option.begin(),
-                   [](char c) { return c == '_' ? '-' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
+    std::transform(option.begin(), option.end(), option.begin(), [](char c) {
+      return c == '_' ? '-' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    });
     const bool has_option = command.get_option_no_throw(option) != nullptr;
     std::fprintf(stderr, "warning: %s is set, but `latentkv %s` does not read the configuration's variables%s\n",
                  name.c_str(), command.get_name().c_str(),
@@ -133,14 +134,7 @@ void warn_configuration_unread(const CLI::App& command) {
   }
 }
 
-int run(int argc, char** argv);
-
-}  // namespace
-
-int main(int argc, char** argv) { return checked_output(run(argc, argv)); }
-
-namespace {
-
+// The program, given its command line; returns the exit code.
 int run(int argc, char** argv) {
   // A misspelt LATENTKV_* variable would otherwise be ignored without a word.
   for (const std::string& line : latentkv::unread_environment_warnings(latentkv::process_environment_names())) {
@@ -181,3 +175,5 @@ int run(int argc, char** argv) {
 }
 
 }  // namespace
+
+int main(int argc, char** argv) { return checked_output(run(argc, argv)); }

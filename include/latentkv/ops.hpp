@@ -12,8 +12,9 @@
 //    indexer heads 1 .. kMaxIndexerHeads (64), q_len 1 .. kMaxDecodeQLen (4), k and index columns
 //    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
 //    contiguous and on the call's device, fewer than 2^31 slots in a pool, at most kMaxTableTokens
-//    (2^30) tokens in a block table and kMaxLogitsColumns (2^30) logits columns. On a GPU a dense decode or an
-//    indexer call takes at most 65,535 requests and a sparse decode 65,535 query tokens (B x q_len)
+//    (2^30) tokens in a block table and kMaxLogitsColumns (2^30) logits columns. On a GPU a dense
+//    decode or an indexer call takes at most kMaxGpuRequests (65,535) requests and a sparse decode
+//    65,535 query tokens (B x q_len)
 //    (the prefills run in slices of 65,535 new tokens; the top-k has no such limit), and a call
 //    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned (cudaMalloc gives
 //    256; the indexer prefill and the DSA calls want their workspace 256-byte aligned). What a
