@@ -76,12 +76,13 @@ struct DeviceOutputs {
   }
 };
 
-// Plans `p` on the cuda backend, hands it the planned workspace and a fault record, runs it and
-// waits for it; `fault` gets the record's message ("" for none).
+// Plans `p` on `backend_name` (the cuda backend unless a cast baseline is asked for), hands it the
+// planned workspace and a fault record, runs it and waits for it; `fault` gets the record's message
+// ("" for none).
 template <typename Params>
-Plan plan_and_run(Params& p, std::string& fault) {
-  const Backend* found = find_backend("cuda");
-  if (found == nullptr) throw std::runtime_error("this build has no backend named cuda");
+Plan plan_and_run(Params& p, std::string& fault, const std::string& backend_name = "cuda") {
+  const Backend* found = find_backend(backend_name);
+  if (found == nullptr) throw std::runtime_error("this build has no backend named " + backend_name);
   const Backend& cuda = *found;
   const DeviceInfo device = detect_device();
   const Plan plan = cuda.plan(p, device);
@@ -135,7 +136,8 @@ GpuOutputs gpu_mla_prefill(const PagedFixture& f, const HostTensor& q, const std
 }
 
 // Sparse prefill of q [T, H, 576] over indices [T, topk] on the GPU.
-GpuOutputs gpu_sparse_prefill(const PagedFixture& f, const HostTensor& q, const HostTensor& indices) {
+GpuOutputs gpu_sparse_prefill(const PagedFixture& f, const HostTensor& q, const HostTensor& indices,
+                              const std::string& backend = "cuda") {
   DeviceBuffer cache(f.cache_bytes), d_q(q.raw(), q.bytes()), d_idx(indices.raw(), indices.bytes());
   DeviceOutputs out(q.shape()[0], q.shape()[1]);
   SparseMlaPrefillParams p;
@@ -146,7 +148,7 @@ GpuOutputs gpu_sparse_prefill(const PagedFixture& f, const HostTensor& q, const 
   p.lse = out.lse_view();
   p.softmax_scale = kScale;
   std::string fault;
-  const Plan plan = plan_and_run(p, fault);
+  const Plan plan = plan_and_run(p, fault, backend);
   out.download();
   return {std::move(out.o), std::move(out.lse), plan, std::move(fault)};
 }
@@ -359,11 +361,13 @@ struct SparseCase {
   int page_size;
   Batch batch;
   int empty_every = 0;  // > 0: rows r with r % empty_every == empty_every - 1 become all -1
+  std::string backend = "cuda";  // or a cast baseline: gather_cast, cast_full
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_k" << c.topk << "_ps" << c.page_size << "_" << c.batch;
   if (c.empty_every) os << "_empty" << c.empty_every;
+  if (c.backend != "cuda") os << "_" << c.backend;
   return os;
 }
 
@@ -386,7 +390,7 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
   poison_unlisted_slots(f, indices);  // NaN in every slot no row selects
 
   const AttentionOutputs ref = reference_sparse_prefill(f, q, indices, kScale);
-  const GpuOutputs got = gpu_sparse_prefill(f, q, indices);
+  const GpuOutputs got = gpu_sparse_prefill(f, q, indices, c.backend);
   EXPECT_TRUE(compare("o", got.o, ref.o, Tolerance::bf16_output())) << got.plan.num_splits << " splits";
   EXPECT_TRUE(compare("lse", got.lse, ref.lse, Tolerance::lse())) << got.plan.num_splits << " splits";
   // Empty rows exactly: o = 0 and lse = -inf (not a NaN, not the sentinel, not a tiny number).
@@ -544,6 +548,10 @@ std::vector<SparseCase> sparse_cases() {
   v.push_back({bf16, 8, 64, 64, ragged, 6});
   v.push_back({bf16, 8, 2048, 17, long_ragged});
   v.push_back({bf16, 128, 64, 64, {{0, 50}, {3, 9}}});
+  // The cast baselines (the selected fp8 tokens, or the whole pool, cast to bf16 first).
+  v.push_back({fp8, 8, 64, 64, ragged, 4, "gather_cast"});
+  v.push_back({fp8, 16, 2048, 17, long_ragged, 7, "cast_full"});
+  v.push_back({fp8, 128, 64, 64, {{0, 100}, {3, 20}}, 5, "gather_cast"});
   return v;
 }
 
