@@ -120,6 +120,16 @@ class DeviceDsa {
     params_.workspace_cleared = true;
     steps_ = dsa_steps(params_, plan_);
   }
+  // Calls from now on in `other`'s workspace, taken cleared as `other` takes it (a workspace shared
+  // by calls of two batch sizes, each under its own plan, as graphs captured per batch size share
+  // one); it must hold this call's plan.
+  void share_workspace(const DeviceDsa& other) {
+    ASSERT_LE(plan_.workspace_bytes, other.workspace_.bytes());
+    params_.workspace = other.workspace_.get();
+    params_.workspace_bytes = other.workspace_.bytes();
+    params_.workspace_cleared = other.params_.workspace_cleared;
+    steps_ = dsa_steps(params_, plan_);
+  }
   // o moved to `data` (for a call that must be refused: the steps' views follow).
   void move_o(void* data) {
     params_.o.data = data;
@@ -349,6 +359,47 @@ TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
         d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
     EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
         << "the indexer's counters were left nonzero";
+  }
+}
+
+// Calls of two batch sizes (16 and 4 requests, each under its own plan) in one workspace zeroed once:
+// the indexer's counters lie first and are planned for the most requests, so that neither call's
+// logits land on them (dsa.cpp, Layout), and each call passes the three stages and leaves them zero.
+TEST(GpuDsaDecodeClaims, BatchesOfTwoSizesShareOneClearedWorkspace) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  std::vector<std::int64_t> lengths;
+  for (int b = 0; b < 16; ++b) lengths.push_back(70000 + 2001 * b);
+  PagedFixture big_f = make_fixture(64, lengths, rng);
+  PagedFixture small_f = make_fixture(64, {90000, 71000, 80500, 99000}, rng);
+  const DsaInputs big_in = random_inputs(rng, big_f.batch(), 1, 8, 8);
+  const DsaInputs small_in = random_inputs(rng, small_f.batch(), 1, 8, 8);
+  DeviceDsa big(big_f, big_in, kMaxTopk, 0), small(small_f, small_in, kMaxTopk, 0);
+  big.clear_workspace();
+  small.share_workspace(big);
+  ASSERT_TRUE(small.steps().indexer.workspace_cleared);
+  ASSERT_EQ(small.steps().indexer.workspace, big.steps().indexer.workspace) << "the counters at one place";
+  const auto call = [](DeviceDsa& d, PagedFixture& f, const DsaInputs& in) {
+    d.fill_sentinels();
+    d.run();
+    check_cuda(cudaDeviceSynchronize());
+    check_stages(f, in, d.download(), kMaxTopk);
+    const std::vector<std::uint8_t> counters =
+        d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
+        << "the indexer's counters were left nonzero";
+  };
+  {
+    SCOPED_TRACE("16 requests");
+    call(big, big_f, big_in);
+  }
+  {
+    SCOPED_TRACE("4 requests, after 16");
+    call(small, small_f, small_in);
+  }
+  {
+    SCOPED_TRACE("16 requests, after 4");
+    call(big, big_f, big_in);
   }
 }
 
