@@ -15,8 +15,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <latch>
 #include <limits>
 #include <ostream>
@@ -360,6 +362,60 @@ TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
     EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
         << "the indexer's counters were left nonzero";
   }
+}
+
+// The sparse step reads only the slots the top-k chose. Every main-cache slot a request holds whose
+// reference logit lies clearly below each of its rows' k-th largest (by twice the logits' bound
+// twice over, so that no near tie can bring it back) is poisoned with NaN: the call must pass its
+// three stages with every output finite (a poisoned slot read would be NaN in the reference too).
+TEST(GpuDsaDecodeStages, TokensNoRowSelectsAreNotRead) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {9000, 2900, 100}, rng);  // about 5,600 tokens no row may choose
+  constexpr int kQLen = 2;
+  const DsaInputs in = random_inputs(rng, f.batch(), kQLen, 8, 32);
+  const std::int64_t columns = static_cast<std::int64_t>(f.max_pages) * f.page_size;
+  const HostTensor logits = reference_indexer_logits(f, in.q_idx, in.weights, columns);
+  HostTensor kept(DType::kI32, {f.batch(), kQLen, columns});  // each row's slots that may be chosen
+  std::fill_n(kept.data<std::int32_t>(), kept.numel(), -1);
+  std::int64_t held_not_kept = 0;
+  for (std::int64_t b = 0; b < f.batch(); ++b) {
+    const std::int64_t length = f.seq_lens[static_cast<std::size_t>(b)];
+    std::vector<bool> kept_by_a_row(static_cast<std::size_t>(length), false);
+    for (int i = 0; i < kQLen; ++i) {
+      const std::int64_t visible = length - kQLen + i + 1, row = b * kQLen + i;
+      std::vector<float> values(static_cast<std::size_t>(visible));
+      double largest = 0;
+      for (std::int64_t t = 0; t < visible; ++t) {
+        values[static_cast<std::size_t>(t)] = logits.data<float>()[row * columns + t];
+        largest = std::max(largest, std::abs(static_cast<double>(values[static_cast<std::size_t>(t)])));
+      }
+      double floor = -std::numeric_limits<double>::infinity();  // rows seeing at most k tokens keep them all
+      if (visible > kMaxTopk) {
+        std::vector<float> sorted = values;
+        std::nth_element(sorted.begin(), sorted.begin() + (kMaxTopk - 1), sorted.end(), std::greater<float>());
+        floor = sorted[kMaxTopk - 1] - 4.0 * (1e-4 + 1e-5 * largest);
+      }
+      for (std::int64_t t = 0; t < visible; ++t) {
+        if (values[static_cast<std::size_t>(t)] < floor) continue;
+        kept.data<std::int32_t>()[row * columns + t] = static_cast<std::int32_t>(f.slot(b, t));
+        kept_by_a_row[static_cast<std::size_t>(t)] = true;
+      }
+    }
+    held_not_kept += std::count(kept_by_a_row.begin(), kept_by_a_row.end(), false);
+  }
+  ASSERT_GT(held_not_kept, 3000) << "tokens the requests hold and no row may choose";
+  poison_unlisted_slots(f, kept);
+
+  DeviceDsa d(f, in, kMaxTopk, 0);
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  const DsaResult got = d.download();
+  check_stages(f, in, got, kMaxTopk);
+  for (std::int64_t e = 0; e < got.o.numel(); ++e) ASSERT_TRUE(std::isfinite(got.o.get(e))) << "o element " << e;
+  for (std::int64_t e = 0; e < got.lse.numel(); ++e) ASSERT_TRUE(std::isfinite(got.lse.get(e))) << "lse element " << e;
+  EXPECT_EQ(d.fault(), "");
 }
 
 // Calls of two batch sizes (16 and 4 requests, each under its own plan) in one workspace zeroed once:
