@@ -37,9 +37,11 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// One step's line, out at once (a long demo piped to a file shows each step as it ends).
 void print_step(const char* step, const std::string& what, double bytes_read, double seconds) {
   std::printf("  %-18s %-66s read %9.2f MB  (%.3f s on the CPU reference)\n", step, what.c_str(), bytes_read / 1e6,
               seconds);
+  std::fflush(stdout);
 }
 
 // Fails before anything is allocated when the demo cannot fit in host memory: the caches of the
@@ -106,6 +108,7 @@ void run_demo(const DemoOptions& o) {
   append.indexer_keys = tv(keys.data(), DType::kBF16, {n, 128});
   append.slots = tv(slots.data(), DType::kI32, {n});
   std::printf("\nsteps:\n");
+  std::fflush(stdout);
   auto t0 = std::chrono::steady_clock::now();
   run(ref, append);
   print_step("append", std::to_string(n) + " tokens -> " + std::to_string(kFp8TokenBytes) + " + " +
