@@ -338,29 +338,40 @@ TEST(GpuDsaDecodeChecks, AMisalignedOutputQueuesNoStep) {
   }
 }
 
-// Requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the
-// counters in the workspace. Zeroed once and taken cleared, the workspace serves call after call: the
-// second counts on the first to leave the counters zero, and it must too.
+// 16 requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the
+// counters in the workspace.
+std::vector<std::int64_t> claiming_lengths() {
+  std::vector<std::int64_t> lengths;
+  for (int b = 0; b < 16; ++b) lengths.push_back(70000 + 2001 * b);
+  return lengths;
+}
+
+// One call on a workspace taken cleared: it passes the three stages and leaves the indexer's
+// counters zero, as the next call counts on.
+void run_on_cleared_workspace(DeviceDsa& d, PagedFixture& f, const DsaInputs& in) {
+  d.fill_sentinels();
+  d.run();
+  check_cuda(cudaDeviceSynchronize());
+  check_stages(f, in, d.download(), kMaxTopk);
+  const std::vector<std::uint8_t> counters =
+      d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
+      << "the indexer's counters were left nonzero";
+}
+
+// Zeroed once and taken cleared, the workspace serves call after call: the second counts on the
+// first to leave the counters zero, and it must too.
 TEST(GpuDsaDecodeClaims, ClearedWorkspaceServesCallAfterCall) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
-  std::vector<std::int64_t> lengths;
-  for (int b = 0; b < 16; ++b) lengths.push_back(70000 + 2001 * b);
-  PagedFixture f = make_fixture(64, lengths, rng);
+  PagedFixture f = make_fixture(64, claiming_lengths(), rng);
   const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 8);
   DeviceDsa d(f, in, kMaxTopk, 0);
   d.clear_workspace();
   ASSERT_TRUE(d.steps().indexer.workspace_cleared);
   for (int call = 1; call <= 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call) + " on the cleared workspace");
-    d.fill_sentinels();
-    d.run();
-    check_cuda(cudaDeviceSynchronize());
-    check_stages(f, in, d.download(), kMaxTopk);
-    const std::vector<std::uint8_t> counters =
-        d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
-    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
-        << "the indexer's counters were left nonzero";
+    run_on_cleared_workspace(d, f, in);
   }
 }
 
@@ -424,9 +435,7 @@ TEST(GpuDsaDecodeStages, TokensNoRowSelectsAreNotRead) {
 TEST(GpuDsaDecodeClaims, BatchesOfTwoSizesShareOneClearedWorkspace) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
-  std::vector<std::int64_t> lengths;
-  for (int b = 0; b < 16; ++b) lengths.push_back(70000 + 2001 * b);
-  PagedFixture big_f = make_fixture(64, lengths, rng);
+  PagedFixture big_f = make_fixture(64, claiming_lengths(), rng);
   PagedFixture small_f = make_fixture(64, {90000, 71000, 80500, 99000}, rng);
   const DsaInputs big_in = random_inputs(rng, big_f.batch(), 1, 8, 8);
   const DsaInputs small_in = random_inputs(rng, small_f.batch(), 1, 8, 8);
@@ -435,27 +444,17 @@ TEST(GpuDsaDecodeClaims, BatchesOfTwoSizesShareOneClearedWorkspace) {
   small.share_workspace(big);
   ASSERT_TRUE(small.steps().indexer.workspace_cleared);
   ASSERT_EQ(small.steps().indexer.workspace, big.steps().indexer.workspace) << "the counters at one place";
-  const auto call = [](DeviceDsa& d, PagedFixture& f, const DsaInputs& in) {
-    d.fill_sentinels();
-    d.run();
-    check_cuda(cudaDeviceSynchronize());
-    check_stages(f, in, d.download(), kMaxTopk);
-    const std::vector<std::uint8_t> counters =
-        d.workspace_bytes(d.steps().indexer.workspace, d.steps().indexer.workspace_bytes);
-    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](std::uint8_t x) { return x == 0; }))
-        << "the indexer's counters were left nonzero";
-  };
   {
     SCOPED_TRACE("16 requests");
-    call(big, big_f, big_in);
+    run_on_cleared_workspace(big, big_f, big_in);
   }
   {
     SCOPED_TRACE("4 requests, after 16");
-    call(small, small_f, small_in);
+    run_on_cleared_workspace(small, small_f, small_in);
   }
   {
     SCOPED_TRACE("16 requests, after 4");
-    call(big, big_f, big_in);
+    run_on_cleared_workspace(big, big_f, big_in);
   }
 }
 
