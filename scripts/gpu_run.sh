@@ -6,7 +6,8 @@
 #
 # BENCH_FILTER (an extended regex) runs only the benchmarks whose names match, and BENCH_ARGS adds
 # options to each (say --launch paced); SANITIZE_FILTER (a gtest filter) narrows the sanitizer runs;
-# GTEST_FILTER narrows the GPU tests. LOG_TAG names this invocation's logs (logs$LOG_TAG.tgz), so
+# GTEST_FILTER narrows the GPU tests; SHARDS (default 4) is how many googletest shards of the tests and
+# of each sanitizer run at once on the one GPU. LOG_TAG names this invocation's logs (logs$LOG_TAG.tgz), so
 # that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come
 # back.
 # Header-only dependencies travel in .deps/ (see scripts/deps.sh --carry) since that machine reaches no
@@ -21,11 +22,31 @@ L="$OUT/logs$TAG"
 mkdir -p "$L"
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
+SHARDS=${SHARDS:-4}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test bench)
 status=0
 
 log() { echo "== $(date -u +%H:%M:%S)$TAG $*" | tee -a "$OUT/summary.txt"; }
+
+# sharded NAME WRAPPER -- TEST_BINARY ARGS...: the googletest binary in $SHARDS shards at once on the
+# one GPU (the whole suite one after another takes about 7 minutes), each shard's log in
+# $L/NAME.<shard>.log and its results in $L/NAME.<shard>.json, WRAPPER (say compute-sanitizer and its
+# options, or nothing) before each; the shards' last lines go to the summary. Fails if any shard does.
+sharded() {
+  local name=$1 wrapper=$2; shift 3
+  local i pids=() rc=0
+  for ((i = 0; i < SHARDS; i++)); do
+    GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i $wrapper "$@" --gtest_output=json:"$L/$name.$i.json" \
+      >"$L/$name.$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || rc=1; done
+  for ((i = 0; i < SHARDS; i++)); do
+    echo "$name shard $i: $(grep -hE '^\[  (PASSED|FAILED|SKIPPED) ' "$L/$name.$i.log" | tr '\n' ' ')"
+  done | tee -a "$OUT/summary.txt"
+  return $rc
+}
 
 for step in "${steps[@]}"; do
   case "$step" in
@@ -39,18 +60,16 @@ for step in "${steps[@]}"; do
       log "build ok"
       ;;
     test)
-      log "GPU and CPU tests"
-      "$BUILD/tests/latentkv_gpu_tests" --gtest_output=json:"$L/gpu_tests.json" >"$L/gpu_tests.log" 2>&1 \
-        || { status=1; log "GPU tests FAILED"; grep -E "^\[  FAILED|Failure|error|Expected|Which is|worst" "$L/gpu_tests.log" | head -60; }
-      tail -3 "$L/gpu_tests.log" | tee -a "$OUT/summary.txt"
+      log "GPU tests ($SHARDS shards at once)"
+      sharded gpu_tests "" -- "$BUILD/tests/latentkv_gpu_tests" \
+        || { status=1; log "GPU tests FAILED"; grep -hE "^\[  FAILED|Failure|error|Expected|Which is|worst" "$L"/gpu_tests.*.log | head -60; }
       # The mma.sync kernels that serve sm_89, sm_100 and sm_120 where sm_90 runs wgmma: the MLA and
       # indexer tests again.
       log "MLA and indexer tests on the mma.sync kernels (LATENTKV_MLA_KERNEL=mma LATENTKV_INDEXER_KERNEL=mma)"
-      LATENTKV_MLA_KERNEL=mma LATENTKV_INDEXER_KERNEL=mma "$BUILD/tests/latentkv_gpu_tests" \
+      LATENTKV_MLA_KERNEL=mma LATENTKV_INDEXER_KERNEL=mma \
+        sharded gpu_tests_mma "" -- "$BUILD/tests/latentkv_gpu_tests" \
         --gtest_filter='*GpuMla*:*GpuSparse*:*GpuPrefill*:*GpuIndexer*:*GpuDsa*' \
-        >"$L/gpu_tests_mma.log" 2>&1 \
-        || { status=1; log "GPU tests (mma.sync) FAILED"; grep -E "^\[  FAILED|Failure|Expected|worst" "$L/gpu_tests_mma.log" | head -30; }
-      tail -3 "$L/gpu_tests_mma.log" | tee -a "$OUT/summary.txt"
+        || { status=1; log "GPU tests (mma.sync) FAILED"; grep -hE "^\[  FAILED|Failure|Expected|worst" "$L"/gpu_tests_mma.*.log | head -30; }
       ctest --test-dir "$BUILD" -L cpu -j"$JOBS" --output-on-failure >"$L/cpu_tests.log" 2>&1 || { status=1; log "CPU tests FAILED"; }
       tail -3 "$L/cpu_tests.log" | tee -a "$OUT/summary.txt"
       # The installed package's example (examples/dsa_layer.cpp): one layer's prefill and decode on the
@@ -60,14 +79,14 @@ for step in "${steps[@]}"; do
       grep -E " at tp [0-9]+ on |prefill|step [0-9]+ \(|check of the last step|^[0-9]+: error|FAILED" "$L/package_test.log" | tee -a "$OUT/summary.txt"
       ;;
     sanitize)
-      log "compute-sanitizer memcheck + racecheck on the GPU tests"
+      log "compute-sanitizer memcheck + racecheck on the GPU tests ($SHARDS shards at once)"
       filter=${SANITIZE_FILTER:-*}
-      compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
-        >"$L/memcheck.log" 2>&1 || { status=1; log "memcheck FAILED"; }
-      tail -4 "$L/memcheck.log" | tee -a "$OUT/summary.txt"
-      compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
-        >"$L/racecheck.log" 2>&1 || { status=1; log "racecheck FAILED"; }
-      tail -4 "$L/racecheck.log" | tee -a "$OUT/summary.txt"
+      for tool in memcheck racecheck; do
+        sharded "$tool" "compute-sanitizer --tool $tool --error-exitcode 9" -- \
+          "$BUILD/tests/latentkv_gpu_tests" --gtest_filter="$filter" \
+          || { status=1; log "$tool FAILED"; grep -hE "^\[  FAILED|ERROR SUMMARY: [1-9]|HAZARD|Invalid" "$L"/"$tool".*.log | head -20; }
+        grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$L"/"$tool".*.log | tee -a "$OUT/summary.txt"
+      done
       ;;
     profile)
       # PROFILE_OP (default mla_decode) and PROFILE_KERNELS (an ncu kernel regex, default decode_kernel):
