@@ -200,10 +200,12 @@ void check_stages(PagedFixture& f, const DsaInputs& in, const DsaResult& got, in
   EXPECT_TRUE(compare("lse", got.lse, want.lse, Tolerance::lse())) << "stage (c)";
 }
 
-PagedFixture make_fixture(int page_size, const std::vector<std::int64_t>& lengths, Rng& rng) {
+PagedFixture make_fixture(int page_size, const std::vector<std::int64_t>& lengths, Rng& rng,
+                          KvDtype kv_dtype = KvDtype::kFp8E4M3) {
   PagedFixtureOptions opt;
   opt.page_size = page_size;
   opt.lengths = lengths;
+  opt.kv_dtype = kv_dtype;
   return make_paged_fixture(opt, rng);
 }
 
@@ -217,12 +219,14 @@ struct DsaCase {
   int topk;
   std::vector<std::int64_t> lengths;
   int spare_columns = -1;  // logits columns past the longest request; -1: max_len 0 (the table's capacity)
+  KvDtype kv_dtype = KvDtype::kFp8E4M3;  // the main cache's (the indexer cache is always fp8)
 };
 
 std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
   os << "H" << c.heads << "_q" << c.q_len << "_Hi" << c.indexer_heads << "_ps" << c.page_size << "_k" << c.topk << "_B"
      << c.lengths.size();
   if (c.spare_columns >= 0) os << "_spare" << c.spare_columns;
+  if (c.kv_dtype == KvDtype::kBf16) os << "_bf16";
   return os;
 }
 
@@ -232,7 +236,7 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   LKV_REQUIRE_GPU();
   const DsaCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_fixture(c.page_size, c.lengths, rng);
+  PagedFixture f = make_fixture(c.page_size, c.lengths, rng, c.kv_dtype);
   const DsaInputs in = random_inputs(rng, f.batch(), c.q_len, c.heads, c.indexer_heads);
   const int max_len = c.spare_columns < 0 ? 0 : static_cast<int>(f.max_len()) + c.spare_columns;
 
@@ -513,6 +517,9 @@ std::vector<DsaCase> dsa_cases() {
       {8, 2, 32, 17, 100, {0, 2, 18, 333}},
       {16, 1, 32, 1, 64, {1, 65, 200}, 3},
       {8, 4, 32, 64, 256, {3, 4, 700}},
+      // A bf16 main cache (1152 B a token) under the same fp8 indexer: the sparse step's bf16 kernels.
+      {8, 1, 32, 64, 2048, {0, 1, 65, 2049, 5000}, -1, KvDtype::kBf16},
+      {128, 2, 64, 17, 256, {3, 300}, 2, KvDtype::kBf16},
   };
 }
 

@@ -63,8 +63,8 @@ struct DsaPrefillInputs {
 };
 
 DsaPrefillInputs make_inputs(const PrefillBatch& batch, int page_size, int heads, int indexer_heads, Rng& rng,
-                             double w_lo = -1.0) {
-  PagedFixture f = make_prefill_fixture(batch, page_size, rng);
+                             double w_lo = -1.0, KvDtype kv_dtype = KvDtype::kFp8E4M3) {
+  PagedFixture f = make_prefill_fixture(batch, page_size, rng, kv_dtype);
   std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
   HostTensor q = random_bf16(rng, {cu.back(), heads, kQkDim});
   HostTensor q_idx = random_fp8(rng, {cu.back(), indexer_heads, kIndexerDim}, 2.0);
@@ -244,11 +244,12 @@ struct DsaPrefillCase {
   int topk;
   PrefillBatch batch;
   std::int64_t row_step = 1;  // the attention of every row_step-th row checked against the reference
+  KvDtype kv_dtype = KvDtype::kFp8E4M3;  // the main cache's (the indexer cache is always fp8)
 };
 
 std::ostream& operator<<(std::ostream& os, const DsaPrefillCase& c) {
   os << c.name << " (H " << c.heads << ", Hi " << c.indexer_heads << ", page " << c.page_size << ", topk " << c.topk
-     << ", new tokens {";
+     << (c.kv_dtype == KvDtype::kBf16 ? ", bf16 cache" : "") << ", new tokens {";
   for (std::size_t b = 0; b < c.batch.new_tokens.size(); ++b) {
     os << (b ? ", " : "") << c.batch.new_tokens[b] << " over " << c.batch.prefixes[b];
   }
@@ -304,7 +305,7 @@ TEST_P(GpuDsaPrefill, StagesMatchReference) {
   LKV_REQUIRE_GPU();
   const DsaPrefillCase& c = GetParam();
   Rng rng = test_rng();
-  DsaPrefillInputs in = make_inputs(c.batch, c.page_size, c.heads, c.indexer_heads, rng);
+  DsaPrefillInputs in = make_inputs(c.batch, c.page_size, c.heads, c.indexer_heads, rng, -1.0, c.kv_dtype);
   ASSERT_GT(in.f.max_len(), c.topk) << "the case's indexer must select";
   ASSERT_TRUE(unread_slots_poisoned(in.f));
 
@@ -325,6 +326,9 @@ std::vector<DsaPrefillCase> selection_cases() {
       {"H64_Hi64_k128", 64, 64, 64, 128, {{300, 0, 63}, {12, 30, 9}}},
       // deepseek-v3.2 on one GPU: rows over 2100 cached tokens next to a short prompt.
       {"H128_Hi64_k2048", 128, 64, 64, kMaxTopk, {{2100, 0}, {2, 3}}},
+      // A bf16 main cache (1152 B a token) under the same fp8 indexer: the sparse step's bf16 kernels.
+      {"glm5_tp8_ragged_k64_page17_bf16", 8, 32, 17, 64, {{0, 90, 200}, {1, 37, 21}}, 1, KvDtype::kBf16},
+      {"H128_Hi64_k256_bf16", 128, 64, 64, 256, {{300, 0}, {4, 9}}, 1, KvDtype::kBf16},
   };
 }
 
