@@ -277,20 +277,32 @@ std::string format_report(const StepReport& r) {
   }
   for (const std::string& note : r.notes) appendf(out, "note: %s\n", note.c_str());
 
-  appendf(out, "\n%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", "strategy", "path", "decode",
-      ("step " + unit).c_str(), ("p10..p90 " + unit).c_str(), "tok/s/stream", ("floor " + unit).c_str(), "gap",
-      "vs cast", "check");
+  // The CPU reference's tables leave out the columns only a GPU run fills (floor, gap, the speed-up over
+  // cast_full, % copy, % bf16, launches): there they would be dashes and widen the tables past 140
+  // columns.
+  const bool gpu_columns = !r.cpu_reference;
+  const auto strategy_row = [&](const std::string& name, const char* path, const std::string& backend,
+                                const std::string& step, const std::string& spread, const std::string& rate_text,
+                                const std::string& floor, const std::string& gap, const std::string& vs_cast,
+                                const std::string& check) {
+    appendf(out, "%-18s %-6s %-11s %10s %19s %12s", name.c_str(), path, backend.c_str(), step.c_str(), spread.c_str(),
+            rate_text.c_str());
+    if (gpu_columns) appendf(out, " %10s %7s %8s", floor.c_str(), gap.c_str(), vs_cast.c_str());
+    appendf(out, "  %s\n", check.c_str());
+  };
+  out += "\n";
+  strategy_row("strategy", "path", "decode", "step " + unit, "p10..p90 " + unit, "tok/s/stream", "floor " + unit, "gap",
+               "vs cast", "check");
   for (const StrategyResult& s : r.strategies) {
     const char* path = s.dense ? (sh.dense_is_exact() ? "dense" : "dense*") : "sparse";
     if (!s.timed) {
-      appendf(out, "%-18s %-6s %-11s %10s %19s %12s %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
-          "-", "-", "-", "-", "-", "-", s.status.c_str());
+      strategy_row(s.name, path, s.backend, "-", "-", "-", "-", "-", "-", s.status);
       continue;
     }
-    const std::string spread = t(s.step_p10_us) + ".." + t(s.step_p90_us);
-    appendf(out, "%-18s %-6s %-11s %10s %19s %12.1f %10s %7s %8s  %s\n", s.name.c_str(), path, s.backend.c_str(),
-        t(s.step_us).c_str(), spread.c_str(), s.tokens_per_s_stream, s.floor_us > 0 ? t(s.floor_us).c_str() : "-",
-        times(s.gap).c_str(), times(s.speedup_vs_cast_full).c_str(), s.status.c_str());
+    char per_stream[32];
+    std::snprintf(per_stream, sizeof per_stream, "%.1f", s.tokens_per_s_stream);
+    strategy_row(s.name, path, s.backend, t(s.step_us), t(s.step_p10_us) + ".." + t(s.step_p90_us), per_stream,
+                 s.floor_us > 0 ? t(s.floor_us) : "-", times(s.gap), times(s.speedup_vs_cast_full), s.status);
   }
   if (!sh.dense_is_exact()) {
     for (const StrategyResult& s : r.strategies) {
@@ -309,17 +321,27 @@ std::string format_report(const StepReport& r) {
         s.name.c_str(), s.dense ? "dense" : "sparse", s.backend.c_str(), t(s.step_us).c_str(), unit.c_str(), sh.layers,
         sh.layers == 1 ? "" : "s", t(s.step_us / std::max(sh.layers, 1)).c_str(), unit.c_str(), s.tokens_per_s_stream,
         s.tokens_per_s_batch);
-    appendf(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n", "op", (unit + "/step").c_str(), "share",
-        "moved", "GB/s", "% copy", "TFLOP/s", "% bf16", ("floor " + unit).c_str(), "gap", "launches", "kernel");
+    // op, time, share, moved, GB/s, [% copy], TFLOP/s, [% bf16, floor, gap, launches], kernel
+    const auto op_row = [&](const std::string& name, const std::string& time, const std::string& share,
+                            const std::string& moved, const std::string& gbps, const std::string& pct_copy,
+                            const std::string& tflops, const std::string& pct_bf16, const std::string& floor,
+                            const std::string& gap, const std::string& launches, const std::string& kernel) {
+      appendf(out, "  %-16s %10s %7s %9s %8s", name.c_str(), time.c_str(), share.c_str(), moved.c_str(), gbps.c_str());
+      if (gpu_columns) appendf(out, " %7s", pct_copy.c_str());
+      appendf(out, " %8s", tflops.c_str());
+      if (gpu_columns) {
+        appendf(out, " %7s %10s %8s %8s", pct_bf16.c_str(), floor.c_str(), gap.c_str(), launches.c_str());
+      }
+      appendf(out, "  %s\n", kernel.c_str());
+    };
+    op_row("op", unit + "/step", "share", "moved", "GB/s", "% copy", "TFLOP/s", "% bf16", "floor " + unit, "gap",
+           "launches", "kernel");
     for (const OpResult& op : s.ops) {
       const bool measured = op.us > 0;  // as analyze_step and report_json have it
-      appendf(out, "  %-16s %10s %7s %9s %8s %7s %8s %7s %10s %8s %8s  %s\n",
-          std::string(step_op_name(op.op)).c_str(), measured ? t(op.us).c_str() : "-",
-          share_text(op.share, measured && s.step_us > 0).c_str(), human_bytes(op.work.bytes).c_str(),
-          rate(op.gbps).c_str(), percent(op.pct_of_copy, measured && r.copy_gbps > 0).c_str(), rate(op.tflops).c_str(),
-          percent(op.pct_of_matrix, measured && r.matrix_tflops > 0 && op.work.flops > 0).c_str(),
-          op.floor_us > 0 ? t(op.floor_us).c_str() : "-", times(op.gap).c_str(), launch_count(op.launches).c_str(),
-          op.kernel.c_str());
+      op_row(std::string(step_op_name(op.op)), measured ? t(op.us) : "-", share_text(op.share, measured && s.step_us > 0),
+             human_bytes(op.work.bytes), rate(op.gbps), percent(op.pct_of_copy, measured && r.copy_gbps > 0),
+             rate(op.tflops), percent(op.pct_of_matrix, measured && r.matrix_tflops > 0 && op.work.flops > 0),
+             op.floor_us > 0 ? t(op.floor_us) : "-", times(op.gap), launch_count(op.launches), op.kernel);
     }
     const double rest = s.step_us - s.ops_us;
     char signed_rest[40];

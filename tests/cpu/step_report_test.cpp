@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -326,6 +327,32 @@ TEST(StepAnalysis, WithoutCeilingsThereAreNoFloors) {
   const std::string text = format_report(r);
   EXPECT_NE(text.find("floors: none measured"), std::string::npos) << text;
   EXPECT_NE(text.find("step ms"), std::string::npos) << text;  // the CPU reference's times are in ms
+}
+
+// The CPU reference's tables leave out the columns only a GPU run fills; a GPU run's keep them.
+TEST(StepReportText, TheCpuReferencesTablesHoldOnlyItsColumns) {
+  StepReport r = measured_report();
+  r.copy_gbps = r.read_gbps = r.matrix_tflops = 0;
+  r.cpu_reference = true;
+  analyze_step(r);
+  const std::string text = format_report(r);
+  EXPECT_EQ(words_of_line(text, "strategy "),
+            (std::vector<std::string>{"strategy", "path", "decode", "step", "ms", "p10..p90", "ms", "tok/s/stream", "check"}))
+      << text;
+  EXPECT_EQ(words_of_line(text, "  op "), (std::vector<std::string>{"op", "ms/step", "share", "moved", "GB/s", "TFLOP/s",
+                                                                    "kernel"}))
+      << text;
+  const std::vector<std::string> indexer = words_of_line(text, "  indexer_logits ");
+  ASSERT_EQ(indexer.size(), 8u) << text;  // op, ms, share, moved (2 words), GB/s, TFLOP/s, kernel
+  EXPECT_EQ(indexer.back(), r.strategies[0].ops[1].kernel) << text;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("repro: ", 0) != 0 && line.rfind("model's rule: ", 0) != 0) EXPECT_LE(line.size(), 130u) << line;
+  }
+
+  StepReport gpu = measured_report();
+  analyze_step(gpu);
+  EXPECT_EQ(words_of_line(format_report(gpu), "  op ").size(), 15u);  // "% copy", "% bf16", "floor us": 2 words each
 }
 
 TEST(StepReportText, TablesNameTheFloorsAndEveryStrategy) {
