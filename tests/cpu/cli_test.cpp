@@ -220,7 +220,7 @@ TEST_F(Cli, VersionIsTheLibrarysAndSaysWhatItWasBuiltFor) {
 #ifdef LKV_WITH_CUDA
   EXPECT_THAT(build, ::testing::StartsWith("CUDA backends for "));
 #else
-  EXPECT_EQ(build, "CPU reference only (built without CUDA)");
+  EXPECT_EQ(build, "CPU reference only, built without CUDA");
 #endif
 }
 
