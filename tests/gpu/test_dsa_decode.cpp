@@ -108,6 +108,7 @@ class DeviceDsa {
   }
 
   const DsaSteps& steps() const { return steps_; }
+  const DsaPlan& plan() const { return plan_; }
   // The message of what the calls so far noted in their fault record, "" for nothing.
   std::string fault() const { return fault_.message(); }
 
@@ -448,6 +449,10 @@ TEST(GpuDsaDecodeClaims, BatchesOfTwoSizesShareOneClearedWorkspace) {
   small.share_workspace(big);
   ASSERT_TRUE(small.steps().indexer.workspace_cleared);
   ASSERT_EQ(small.steps().indexer.workspace, big.steps().indexer.workspace) << "the counters at one place";
+  // Planned for the most requests whatever the call's batch: per call (16 and 4 requests) the two
+  // would differ, though rounding up to the workspace's alignment could still hide it below.
+  ASSERT_EQ(small.plan().indexer.workspace_bytes, big.plan().indexer.workspace_bytes);
+  ASSERT_EQ(small.steps().indexer.logits.data, big.steps().indexer.logits.data) << "the logits after the counters";
   {
     SCOPED_TRACE("16 requests");
     run_on_cleared_workspace(big, big_f, big_in);

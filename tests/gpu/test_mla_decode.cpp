@@ -213,7 +213,8 @@ std::vector<DecodeCase> cases() {
   // Calls given no fault record run the kernels' instances without checks (and, in the narrow
   // kernel, with their own residency): each kernel family once, the combine kernel too.
   v.push_back({"cuda", fp8, 8, 1, 64, mixed, 0, false});
-  v.push_back({"cuda", fp8, 16, 2, 64, {2, 9, 301, 5000}, 0, false});
+  v.push_back({"cuda", fp8, 8, 2, 64, {2, 9, 301, 5000}, 0, false});   // 16 rows: the narrow kernel's
+  v.push_back({"cuda", fp8, 16, 1, 64, {1, 9, 301, 5000}, 0, false});  // 16-row instances, both grids
   v.push_back({"cuda", fp8, 32, 1, 17, mixed, 0, false});
   v.push_back({"cuda", fp8, 128, 1, 64, {1, 200, 65}, 0, false});
   v.push_back({"cuda", fp8, 64, 2, 64, {2, 700}, 0, false});
@@ -627,17 +628,30 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
     row.resize(kCols, -1);
     std::copy(row.begin(), row.end(), indices.data<std::int32_t>() + b * kCols);
   }
-  f.block_table[static_cast<std::size_t>(f.max_pages + kBadPage)] = static_cast<std::int32_t>(f.num_pages() + 3);
+  // The bad page is the first past the pool, in memory the device buffer holds and NaN-poisons (a
+  // kernel that read it would meet NaN, not the zeros of fresh memory or the end of the buffer).
+  const std::int32_t bad = static_cast<std::int32_t>(f.num_pages());
+  f.block_table[static_cast<std::size_t>(f.max_pages + kBadPage)] = bad;
+  std::vector<std::uint8_t> past_pool = f.cache_bytes;
+  past_pool.resize(f.cache_bytes.size() + 2 * static_cast<std::size_t>(f.page_size) * kv_token_bytes(f.kv_dtype));
+  for (std::size_t at = f.cache_bytes.size(); at < past_pool.size(); at += kv_token_bytes(f.kv_dtype)) {
+    poison_latent_token(past_pool.data() + at, f.kv_dtype);
+  }
   for (const int heads : {8, 64}) {
     HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
     const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
     for (const char* name : {"cuda", "gather_cast", "cast_full"}) {
       SCOPED_TRACE(std::string(name) + ", H " + std::to_string(heads));
       DeviceDecode d(f, q, 0.0625f);
+      d.cache = DeviceBuffer(past_pool);
+      d.params.cache = f.cache(d.cache.get<std::uint8_t>(), Device::cuda());  // the pool: f.num_pages() pages
       d.params.fault = nullptr;
       const Backend& backend = *find_backend(name);
       const DeviceInfo device = detect_device();
       d.plan(backend, device);
+      // NaN in the workspace (bf16 and f32 0xFF..): gather_cast's rows of the page it skips must not
+      // be read either.
+      LKV_CUDA_OK(cudaMemset(d.workspace.get(), 0xFF, d.workspace.bytes()));
       run(backend, d.params, {}, device);
       LKV_CUDA_OK(cudaDeviceSynchronize());
       d.download();
@@ -648,19 +662,24 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
 }
 
 // One decode step captured once in a CUDA graph and replayed as the lengths grow: the kernels read
-// the lengths from device memory, never from the host. On each kernel family: 16 heads (narrow,
-// splits merged in the kernel), 32 (mma.sync, 32 rows), 64 and 128 (wgmma on sm_90, the combine
-// kernel), 16 x q_len 2 given no fault record (the instances without checks).
+// the lengths from device memory, never from the host. On each kernel family: 16 heads (narrow; its
+// splits merged by the combine kernel, or, 8 forced, in the kernel), 32 (mma.sync, 32 rows), 64 and
+// 128 (wgmma on sm_90, the combine kernel), and given no fault record (the instances without
+// checks) 8 x q_len 2 (narrow, merged in the kernel) and 16 x q_len 2 (mma.sync).
 TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
   LKV_REQUIRE_GPU();
   struct Config {
     int heads, q_len;
     bool fault_record;
+    int splits = 0;  // 0: the plan's
   };
-  for (const Config c : {Config{16, 1, true}, Config{32, 1, true}, Config{64, 1, true}, Config{128, 1, true},
-                         Config{16, 2, false}}) {
+  // The plan (by capacity: 1600 tokens, 50 splits) leaves the merge to the combine kernel; 8 forced
+  // splits are merged in the narrow kernel, launched cooperatively on the balanced grid.
+  for (const Config c : {Config{16, 1, true}, Config{16, 1, true, 8}, Config{32, 1, true}, Config{64, 1, true},
+                         Config{128, 1, true}, Config{8, 2, false, 8}, Config{16, 2, false}}) {
     SCOPED_TRACE("H " + std::to_string(c.heads) + ", q_len " + std::to_string(c.q_len) +
-                 (c.fault_record ? "" : ", no fault record"));
+                 (c.fault_record ? "" : ", no fault record") +
+                 (c.splits > 0 ? ", " + std::to_string(c.splits) + " splits" : std::string()));
     Rng rng = test_rng();
     PagedFixtureOptions opt;
     opt.lengths = {700, 1500};  // the cache holds the final lengths; the step starts shorter
@@ -671,7 +690,7 @@ TEST(GpuMlaDecodeGraph, ReplaysFollowDeviceLengths) {
     if (!c.fault_record) d.params.fault = nullptr;
     const Backend& backend = *find_backend("cuda");
     const DeviceInfo device = detect_device();
-    d.plan(backend, device);
+    d.plan(backend, device, c.splits);
     const MlaDecodeParams& p = d.params;
 
     cudaStream_t stream;
