@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -83,6 +84,40 @@ class DeviceBuffer {
  private:
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+};
+
+// Device memory holding `host`'s bytes between two guard regions of a fixed pattern, for a call that
+// must not write outside what it was given (a slot of -1, -2 or one past the pool lands just before
+// or after the cache): get() is the start of the bytes, to_host() returns them alone, and
+// guards_intact() says whether both guards still hold the pattern.
+class GuardedBuffer {
+ public:
+  static constexpr std::size_t kGuardBytes = 64 * 1024;  // more than a token or an indexer page, either side
+  static constexpr std::uint8_t kPattern = 0x5A;
+
+  explicit GuardedBuffer(const std::vector<std::uint8_t>& host) : bytes_(host.size()), buffer_(host.size() + 2 * kGuardBytes) {
+    std::vector<std::uint8_t> all(buffer_.bytes(), kPattern);
+    std::memcpy(all.data() + kGuardBytes, host.data(), host.size());
+    buffer_.upload(all.data(), all.size());
+  }
+  template <typename T = void>
+  T* get() const { return reinterpret_cast<T*>(buffer_.get<std::uint8_t>() + kGuardBytes); }
+  std::vector<std::uint8_t> to_host() const {
+    const std::vector<std::uint8_t> all = buffer_.to_host<std::uint8_t>();
+    return {all.begin() + static_cast<std::ptrdiff_t>(kGuardBytes),
+            all.begin() + static_cast<std::ptrdiff_t>(kGuardBytes + bytes_)};
+  }
+  bool guards_intact() const {
+    const std::vector<std::uint8_t> all = buffer_.to_host<std::uint8_t>();
+    for (std::size_t i = 0; i < kGuardBytes; ++i) {
+      if (all[i] != kPattern || all[kGuardBytes + bytes_ + i] != kPattern) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::size_t bytes_;
+  DeviceBuffer buffer_;
 };
 
 // A zeroed fault record (latentkv/device_fault.hpp) to give a call, and what the calls left in it.

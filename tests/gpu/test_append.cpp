@@ -23,7 +23,7 @@ using AppendCase = std::tuple<KvDtype, ScaleMode, int /*page_size*/>;
 
 // An append of n tokens (latents [n, 576], keys [n, 128], slots [n], all on the device) into the
 // fixture's caches held at `cache` and `indexer`.
-AppendParams device_append(const PagedFixture& f, const DeviceBuffer& cache, const DeviceBuffer& indexer,
+AppendParams device_append(const PagedFixture& f, const GuardedBuffer& cache, const GuardedBuffer& indexer,
                            const DeviceBuffer& latents, const DeviceBuffer& keys, const DeviceBuffer& slots,
                            std::int64_t n) {
   AppendParams p;
@@ -53,7 +53,7 @@ TEST_P(GpuAppend, BytesEqualTheReference) {
   poison_latent_cache(fresh_cache, dtype);
   std::vector<std::uint8_t> fresh_indexer(f.indexer_bytes.size());
   poison_indexer_cache(fresh_indexer, page_size);
-  DeviceBuffer d_cache(fresh_cache), d_indexer(fresh_indexer);
+  GuardedBuffer d_cache(fresh_cache), d_indexer(fresh_indexer);
 
   std::vector<std::int32_t> slots;
   for (std::int64_t b = 0; b < f.batch(); ++b) {
@@ -74,8 +74,10 @@ TEST_P(GpuAppend, BytesEqualTheReference) {
   run(*find_backend("cuda"), p);
   LKV_CUDA_OK(cudaDeviceSynchronize());
 
-  const auto cache = d_cache.to_host<std::uint8_t>();
-  const auto indexer = d_indexer.to_host<std::uint8_t>();
+  const auto cache = d_cache.to_host();
+  const auto indexer = d_indexer.to_host();
+  EXPECT_TRUE(d_cache.guards_intact()) << "the append wrote outside the main cache (the slot -1 token?)";
+  EXPECT_TRUE(d_indexer.guards_intact()) << "the append wrote outside the indexer cache (the slot -1 token?)";
   ASSERT_EQ(cache.size(), f.cache_bytes.size());
   std::size_t first_diff = cache.size();
   for (std::size_t i = 0; i < cache.size() && first_diff == cache.size(); ++i) {
@@ -169,7 +171,8 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
     const std::string named = bad.named;
     const std::int64_t index = named == "slots" ? n : named == "latent" ? n * 576 + lowest_latent : n * 128 + bad.key_nan;
     // Freshly poisoned caches for each case: the good tokens must be written by this call.
-    DeviceBuffer d_cache(cache), d_indexer(indexer), d_latents(latents), d_keys(keys), d_slots(slots);
+    GuardedBuffer d_cache(cache), d_indexer(indexer);
+    DeviceBuffer d_latents(latents), d_keys(keys), d_slots(slots);
     LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
 
     AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, n + 1);
@@ -182,12 +185,14 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
     EXPECT_TRUE(throws_error([&] { throw_device_fault(fault); }, "append", named + " element " + std::to_string(index),
                              bad.value));
     if (named == "slots") EXPECT_EQ(fault.bound, num_slots);
-    EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == f.cache_bytes) << "the main cache is not the good tokens' alone";
-    EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == f.indexer_bytes) << "the indexer cache is not the good tokens' alone";
+    EXPECT_TRUE(d_cache.to_host() == f.cache_bytes) << "the main cache is not the good tokens' alone";
+    EXPECT_TRUE(d_indexer.to_host() == f.indexer_bytes) << "the indexer cache is not the good tokens' alone";
+    EXPECT_TRUE(d_cache.guards_intact()) << "the append wrote outside the main cache";
+    EXPECT_TRUE(d_indexer.guards_intact()) << "the append wrote outside the indexer cache";
   }
 
   // Good tokens alone leave the record empty.
-  DeviceBuffer d_cache(cache), d_indexer(indexer);
+  GuardedBuffer d_cache(cache), d_indexer(indexer);
   DeviceBuffer d_latents(std::vector<std::uint16_t>(f.latents.begin(), f.latents.begin() + n * 576));
   DeviceBuffer d_keys(std::vector<std::uint16_t>(f.keys.begin(), f.keys.begin() + n * 128)), d_slots(good);
   LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
@@ -199,8 +204,8 @@ TEST_P(GpuAppendFaults, RefusedTokensAreLeftUnwrittenAndRecorded) {
   d_fault.download(&fault, sizeof fault);
   EXPECT_EQ(fault.code, 0);
   EXPECT_NO_THROW(throw_device_fault(fault));
-  EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == f.cache_bytes) << "the main cache is not the good tokens'";
-  EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == f.indexer_bytes) << "the indexer cache is not the good tokens'";
+  EXPECT_TRUE(d_cache.to_host() == f.cache_bytes) << "the main cache is not the good tokens'";
+  EXPECT_TRUE(d_indexer.to_host() == f.indexer_bytes) << "the indexer cache is not the good tokens'";
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuAppendFaults, ::testing::Values(KvDtype::kFp8E4M3, KvDtype::kBf16),
@@ -268,7 +273,8 @@ TEST_P(GpuAppendLargeValues, AsTheReference) {
       refused = e.what();
     }
 
-    DeviceBuffer d_cache(poisoned_cache), d_indexer(poisoned_indexer), d_latents(latent), d_keys(key), d_slots(slots);
+    GuardedBuffer d_cache(poisoned_cache), d_indexer(poisoned_indexer);
+    DeviceBuffer d_latents(latent), d_keys(key), d_slots(slots);
     DeviceBuffer d_fault(sizeof(DeviceFault));
     LKV_CUDA_OK(cudaMemset(d_fault.get(), 0, sizeof(DeviceFault)));
     AppendParams p = device_append(f, d_cache, d_indexer, d_latents, d_keys, d_slots, 1);
@@ -279,8 +285,8 @@ TEST_P(GpuAppendLargeValues, AsTheReference) {
     DeviceFault fault;
     d_fault.download(&fault, sizeof fault);
     EXPECT_EQ(error_of([&] { throw_device_fault(fault); }), refused);
-    EXPECT_TRUE(d_cache.to_host<std::uint8_t>() == host_cache) << "main cache differs from the reference's";
-    EXPECT_TRUE(d_indexer.to_host<std::uint8_t>() == host_indexer) << "indexer cache differs from the reference's";
+    EXPECT_TRUE(d_cache.to_host() == host_cache) << "main cache differs from the reference's";
+    EXPECT_TRUE(d_indexer.to_host() == host_indexer) << "indexer cache differs from the reference's";
   }
 }
 

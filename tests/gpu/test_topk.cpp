@@ -1,15 +1,17 @@
 // GPU top-k against the CPU reference (SPEC section 4.5): per query row, the physical slots of the
 // k largest visible logits in any order, ties broken either way (checked as in topk_check.hpp).
-// Logits past each row's visible positions are NaN (the kernel may load them, never use them), the
-// slots are sentinel-filled with a guard of sentinels after them, the workspace starts as garbage
-// (the kernel must not count on zeroed scratch), page tables are shuffled. Every case runs twice: on that
-// workspace, then with the row state cleared beforehand and TopkParams::workspace_cleared set (as
-// dsa_decode's indexer leaves it), the rest of the workspace still garbage.
+// Logits past each row's visible positions are +inf, or NaN in a few cases (the kernel may load
+// them, never use them), the slots are sentinel-filled with a guard of sentinels after them, the
+// workspace starts as garbage (the kernel must not count on zeroed scratch), page tables are
+// shuffled. Every case runs twice: on that workspace, then with the row state cleared beforehand and
+// TopkParams::workspace_cleared set (as dsa_decode's indexer leaves it), the rest of the workspace
+// still garbage.
 //
-// Cases: a 128K-token row, a batch of 64 x 32K, 160 rows of up to 32K (a grid that is not resident
-// at once: the two-kernel path), lengths around k, causal rows (q_len 2-4), page
-// sizes 1, 17 and 64, k 1, 7 and 2048, masses of ties, -inf logits among the visible ones, more
-// equal logits at the threshold than the kernel's candidate list holds, and spare logits columns.
+// Cases: a 128K-token row, a batch of 64 x 32K (the cooperative kernel; with spare columns, the
+// two-kernel path), 160 rows of up to 32K (a grid that is not resident at once: the two-kernel
+// path), lengths around k, causal rows (q_len 2-4), page sizes 1, 17 and 64, k 1, 7 and 2048, masses
+// of ties, -inf logits among the visible ones, more equal logits at the threshold than the kernel's
+// candidate list holds, and spare logits columns.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -54,7 +56,11 @@ struct TopkCase {
   int q_len = 1;
   int page_size = kDefaultPageSize;
   Fill fill = Fill::kNormal;
-  std::int64_t extra_columns = 3;  // logits columns past the longest request (NaN)
+  std::int64_t extra_columns = 3;  // logits columns past the longest request
+  // The logits no row sees (past each row's visible positions, and the extra columns): +inf in most
+  // cases, which a kernel that ranked any of them would pick first (NaN, the poison of the other
+  // cases, ranks last of all and would stay unpicked in rows that see more than k).
+  float hidden = std::numeric_limits<float>::infinity();
 };
 
 std::ostream& operator<<(std::ostream& os, const TopkCase& c) {
@@ -148,11 +154,12 @@ void fill_row(Fill fill, int k, Rng& rng, float* row, std::int64_t visible) {
 }
 
 // Logits [B, q_len, max_len] f32 for the fixture's current lengths: each row's visible positions
-// drawn by `fill`, every other column NaN.
-HostTensor make_logits(const PagedFixture& f, int q_len, std::int64_t max_len, Fill fill, int k, Rng& rng) {
+// drawn by `fill`, every other column `hidden` (NaN unless given).
+HostTensor make_logits(const PagedFixture& f, int q_len, std::int64_t max_len, Fill fill, int k, Rng& rng,
+                       float hidden = kPoisonLogit) {
   HostTensor logits(DType::kF32, {f.batch(), q_len, max_len});
   float* x = logits.data<float>();  // [B, q_len, max_len]
-  std::fill(x, x + logits.numel(), kPoisonLogit);
+  std::fill(x, x + logits.numel(), hidden);
   for (std::int64_t b = 0; b < f.batch(); ++b) {
     const std::int64_t length = f.seq_lens[static_cast<std::size_t>(b)];
     for (int i = 0; i < q_len; ++i) {
@@ -239,7 +246,7 @@ TEST_P(GpuTopk, MatchesReference) {
   Rng rng = test_rng();
   PagedFixture f = make_tables(c.page_size, c.lengths, rng);
   const std::int64_t max_len = f.max_len() + c.extra_columns;
-  const HostTensor logits = make_logits(f, c.q_len, max_len, c.fill, c.k, rng);
+  const HostTensor logits = make_logits(f, c.q_len, max_len, c.fill, c.k, rng, c.hidden);
   const HostTensor want = reference_topk(f, logits, c.k);
 
   DeviceTopk gpu(f, c.q_len, max_len, c.k);
@@ -277,11 +284,15 @@ std::vector<TopkCase> topk_cases() {
   const std::vector<std::int64_t> around_k = {0, 1, 2, 2047, 2048, 2049, 2050, 2051, 7000};
   std::vector<TopkCase> v;
   v.push_back({"long_row_128k", {131072}});
-  v.push_back({"batch64_32k", wide_batch_lengths()});
+  // No spare columns: 8 chunks of 4096 a row, 512 CTAs, the cooperative kernel on 132 SMs (4 a SM);
+  // with spare columns a row takes 9 chunks and the grid (576) the memset and two kernels.
+  v.push_back({"batch64_32k", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kNormal, 0});
   v.push_back({"batch48_8k", middle_batch_lengths()});
   v.push_back({"batch160_32k", huge_batch_lengths()});
   v.push_back({"batch48_8k_all_equal", middle_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
-  v.push_back({"batch64_32k_all_equal", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual});
+  v.push_back({"batch64_32k_all_equal", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kAllEqual, 0});
+  v.push_back({"batch64_32k_overflow_equal", wide_batch_lengths(), kMaxTopk, 1, 64, Fill::kOverflowEqual, 0});
+  v.push_back({"batch64_32k_spare_columns", wide_batch_lengths()});
   v.push_back({"lengths_around_k", {0, 1, 2047, 2048, 2049, 5000}});
   for (int q_len : {2, 3, 4}) v.push_back({"causal_q" + std::to_string(q_len), around_k, kMaxTopk, q_len});
   for (int page : {1, 17, 64}) {
@@ -304,6 +315,14 @@ std::vector<TopkCase> topk_cases() {
   v.push_back({"wide_range", {3000, 50000}, kMaxTopk, 1, 64, Fill::kWideRange});
   v.push_back({"max_len_beyond_lengths", {0, 100, 3000}, kMaxTopk, 1, 64, Fill::kNormal, 40000});
   v.push_back({"max_len_beyond_lengths_page17", {2049, 1}, kMaxTopk, 2, 17, Fill::kNormal, 12345});
+  // NaN where no row sees, in a few cases of each path.
+  for (TopkCase& c : v) {
+    if (c.name == "long_row_128k" || c.name == "batch160_32k" || c.name == "page17" || c.name == "causal_q3" ||
+        c.name == "max_len_beyond_lengths") {
+      c.hidden = kPoisonLogit;
+      c.name += "_nan_hidden";
+    }
+  }
   return v;
 }
 
