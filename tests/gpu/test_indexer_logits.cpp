@@ -186,8 +186,10 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
 
 // Bad lengths and pages, one at a time, on pages of 64 (on sm_90 the wgmma kernel) and 17 (the
 // mma.sync kernel): the record throws the reference's own Error for the same input. The block table
-// has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold;
-// the request with 40 pages checks its pages over more CTAs than one.
+// has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold.
+// A request's pages are checked 128 to a CTA (CTA c of its grid takes pages 128 c .. 128 c + 127,
+// then those a grid further on): request 3's 300 pages span three CTAs' shares, and its bad page
+// (200) is the second's.
 TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
   LKV_REQUIRE_GPU();
   struct Bad {
@@ -197,12 +199,16 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
   const std::vector<Bad> bad = {
       {"a page past the pool", [](PagedFixture& f, std::int64_t&) { f.block_table[f.max_pages + 39] = static_cast<std::int32_t>(f.num_pages()); }},
       {"a negative page", [](PagedFixture& f, std::int64_t&) { f.block_table[2] = -5; }},
+      {"a page past the pool, 200th of 300", [](PagedFixture& f, std::int64_t&) {
+         f.block_table[3 * f.max_pages + 200] = static_cast<std::int32_t>(f.num_pages() + 2);
+       }},
       {"a length past the block table", [](PagedFixture& f, std::int64_t& max_len) {
          f.seq_lens[1] = f.max_pages * f.page_size + 1;
          max_len = f.seq_lens[1];
        }},
       {"a negative length", [](PagedFixture& f, std::int64_t&) { f.seq_lens[0] = -2; }},
-      {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.seq_lens[1] - 1; }},
+      // (one past the longest request's length: the others' fit, so the record holds one fault)
+      {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.max_len() - 1; }},
   };
   for (const int page_size : {64, 17}) {
     for (const Bad& b : bad) {
@@ -210,7 +216,7 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       Rng rng = test_rng();
       PagedFixtureOptions opt;
       opt.page_size = page_size;
-      opt.lengths = {5 * page_size + 3, 40 * page_size, 7};
+      opt.lengths = {5 * page_size + 3, 40 * page_size, 7, 300 * page_size - 5};
       PagedFixture f = make_paged_fixture(opt, rng);
       HostTensor q = random_fp8(rng, {f.batch(), 1, 32, 128});
       HostTensor w = random_f32(rng, {f.batch(), 1, 32}, -1.0, 1.0);
@@ -309,6 +315,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{8, 1, 64, long_lengths(48, 4000, 97)},
                                            LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
+                                           // pages a multiple of 4 tokens but not of 64: the mma.sync
+                                           // kernel's 16-byte-aligned instance (also on sm_90)
+                                           LogitsCase{32, 2, 16, {2, 17, 300, 1001}},
+                                           LogitsCase{8, 1, 32, long_lengths(8, 3000, 77)},
                                            LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}},
                                            // on sm_90 the wgmma kernel (pages of 64 or 128): passes of 16 heads,
                                            // two of 32 with padded heads in the second, the largest queries
