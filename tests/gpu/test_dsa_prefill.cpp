@@ -396,6 +396,7 @@ TEST(GpuDsaPrefillGraph, ReplaysGiveTheEagerOutputs) {
     LKV_CUDA_OK(cudaStreamSynchronize(stream));
     check_same_outputs(in, d.download(), eager, 256);
   }
+  EXPECT_EQ(d.fault(), "") << "a fault noted for good input";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

@@ -157,8 +157,12 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 32, 2, 17, {2, 16, 18, 300}});
   v.push_back({"cuda", fp8, 8, 1, 1, {0, 1, 2, 97}});
   v.push_back({"cuda", fp8, 8, 2, 3, {2, 3, 4, 101}});
-  // Forced split counts: the narrow kernel merges them itself (its grid is resident at once)...
+  // Forced split counts: up to 16 the narrow kernel merges them itself (its grid is resident at
+  // once), handing a batch's CTAs out by length (the balanced grid); 40 go to the combine kernel...
   for (int s : {1, 3, 7, 40}) v.push_back({"cuda", fp8, 8, 1, 64, {0, 1, 500, 2049}, s});
+  // ... one request's splits merged in the kernel on the even grid, 8 and 16 rows.
+  v.push_back({"cuda", fp8, 8, 1, 64, {2049}, 7});
+  v.push_back({"cuda", fp8, 16, 1, 64, {2049}, 5});
   // ... but not 40 requests x 16 splits, more CTAs than the GPU holds at once: the combine kernel.
   std::vector<std::int64_t> forty;
   for (int b = 0; b < 40; ++b) forty.push_back(300 + 37 * b);
@@ -175,7 +179,9 @@ std::vector<DecodeCase> cases() {
   std::vector<std::int64_t> close;
   for (int b = 0; b < 36; ++b) close.push_back(2500 + 211 * b);
   v.push_back({"cuda", fp8, 8, 1, 64, close});
-  // One head over 3 splits: 42 or 43 units of the merge per CTA, fewer than its 128 threads.
+  // One head (128 units of the merge a request) over 3 forced splits: the balanced grid's 12 CTAs go
+  // 1, 1, 2 and 7 to the four requests, so a CTA merges 128, 64 or 18-19 units (fewer than its 128
+  // threads: the merge's groups of threads sharing a unit).
   v.push_back({"cuda", fp8, 1, 1, 64, {0, 1, 500, 2049}, 3});
   // 8 rows on pages that are not a power of two: the division path of position_page.
   v.push_back({"cuda", fp8, 8, 1, 17, {0, 1, 16, 18, 700}});
@@ -183,6 +189,7 @@ std::vector<DecodeCase> cases() {
   // One or two long requests: more than 128 splits, the combine of 32 dims per CTA.
   v.push_back({"cuda", fp8, 8, 1, 64, {40000, 0}});
   v.push_back({"cuda", fp8, 8, 2, 64, {17000, 21001}});
+  // 256 rows of one request (four 64-row blocks on the wgmma kernel), its splits merged by the combine.
   v.push_back({"cuda", fp8, 128, 2, 64, {1300}});
   v.push_back({"cuda", bf16, 8, 1, 64, mixed});
   v.push_back({"cuda", bf16, 16, 4, 17, {4, 100, 257}});
@@ -213,8 +220,10 @@ std::vector<DecodeCase> cases() {
   // Calls given no fault record run the kernels' instances without checks (and, in the narrow
   // kernel, with their own residency): each kernel family once, the combine kernel too.
   v.push_back({"cuda", fp8, 8, 1, 64, mixed, 0, false});
-  v.push_back({"cuda", fp8, 8, 2, 64, {2, 9, 301, 5000}, 0, false});   // 16 rows: the narrow kernel's
-  v.push_back({"cuda", fp8, 16, 1, 64, {1, 9, 301, 5000}, 0, false});  // 16-row instances, both grids
+  // 16 rows on the narrow kernel: the planned splits (the combine kernel's), and 8 forced ones merged
+  // in the kernel on the balanced grid.
+  v.push_back({"cuda", fp8, 8, 2, 64, {2, 9, 301, 5000}, 0, false});
+  v.push_back({"cuda", fp8, 16, 1, 64, {1, 9, 301, 5000}, 8, false});
   v.push_back({"cuda", fp8, 32, 1, 17, mixed, 0, false});
   v.push_back({"cuda", fp8, 128, 1, 64, {1, 200, 65}, 0, false});
   v.push_back({"cuda", fp8, 64, 2, 64, {2, 700}, 0, false});
@@ -306,8 +315,9 @@ std::pair<HostTensor, HostTensor> request_rows(const HostTensor& o, const HostTe
 // P = 0, and 0 x NaN is NaN, so the kernels zero such values once the scores are taken. The rows
 // that see the token are NaN (from its score), as in the reference. Request 0 (300 tokens, so that
 // the token shares its tile and split with visible ones) gets the value; request 1 stays clean.
-// Kernels: 8 heads at q_len 2 the narrow one, 8 at q_len 4 (32 rows) the wide mma.sync one, 64 at
-// q_len 2 wgmma on sm_90 (the wide one under LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
+// Kernels: 4 and 8 heads at q_len 2 and 4 heads at q_len 4 (at most 16 rows) the narrow one, 8 at
+// q_len 4 (32 rows) the wide mma.sync one, 64 wgmma on sm_90 (the wide one under
+// LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
 // Every case compares all rows but the two infinite ones', whose seeing rows are left out (request 0's
 // positions from hidden_positions on; request 1 is compared whole): there the reference's sums of
 // infinite terms (code x inf per dim; -inf x q) need not match the kernels'.
@@ -333,7 +343,7 @@ TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
   };
   for (const Poison& c : cases) {
     for (const char* kernel : {"auto", "mma"}) {
-      for (int heads : {8, 64}) {
+      for (int heads : {4, 8, 64}) {
         Rng rng = test_rng();
         PagedFixtureOptions opt;
         opt.lengths = {300, 100};
@@ -609,10 +619,10 @@ TEST(GpuMlaDecodeKernels, RowCountsTakeTheirKernels) {
   if (!wgmma) GTEST_SKIP() << "the wgmma kernel is not this run's (sm_" << device.sm << ", " << library_build() << ")";
 }
 
-// A block-table page outside the pool, in a call given no fault record (bad device data the call
-// cannot refuse), is not read: its tokens drop out of the softmax, on the fp8 kernels and in both
-// cast baselines (the dense gather_cast marks such a page unread in its own table), so the result
-// is the reference's sparse attention over the request's other tokens.
+// A block-table page outside the pool (bad device data the call cannot refuse) is not read: its
+// tokens drop out of the softmax, on the fp8 kernels with and without a fault record (which then
+// names the page) and in both cast baselines (the dense gather_cast marks such a page unread in its
+// own table), so the result is the reference's sparse attention over the request's other tokens.
 TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
@@ -640,12 +650,17 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
   for (const int heads : {8, 64}) {
     HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
     const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
-    for (const char* name : {"cuda", "gather_cast", "cast_full"}) {
-      SCOPED_TRACE(std::string(name) + ", H " + std::to_string(heads));
+    const std::string expected = error_of([&] { reference_mla_decode(f, q, 0.0625f); });
+    ASSERT_NE(expected, "") << "the reference takes the bad page";
+    // The cuda kernels twice: their instances without checks, then with them (given a record, which
+    // must name the page as the reference does); the baselines without a record.
+    for (const auto& [name, record] : {std::pair{"cuda", false}, std::pair{"cuda", true}, std::pair{"gather_cast", false},
+                                       std::pair{"cast_full", false}}) {
+      SCOPED_TRACE(std::string(name) + ", H " + std::to_string(heads) + (record ? ", fault record" : ""));
       DeviceDecode d(f, q, 0.0625f);
       d.cache = DeviceBuffer(past_pool);
       d.params.cache = f.cache(d.cache.get<std::uint8_t>(), Device::cuda());  // the pool: f.num_pages() pages
-      d.params.fault = nullptr;
+      if (!record) d.params.fault = nullptr;
       const Backend& backend = *find_backend(name);
       const DeviceInfo device = detect_device();
       d.plan(backend, device);
@@ -657,6 +672,7 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
       d.download();
       EXPECT_TRUE(compare("o", d.o_host, ref.o, Tolerance::bf16_output()));
       EXPECT_TRUE(compare("lse", d.lse_host, ref.lse, Tolerance::lse()));
+      if (record) EXPECT_EQ(d.fault.message(), expected);
     }
   }
 }

@@ -204,17 +204,21 @@ TEST(GpuMlaPrefillFaults, RecordTheReferencesError) {
       {"a negative page", [](PagedFixture& f, std::vector<std::int32_t>&) { f.block_table[f.max_pages] = -9; }},
       {"a length past the block table", [](PagedFixture& f, std::vector<std::int32_t>&) { f.seq_lens[2] = f.max_pages * f.page_size + 1; }},
   };
-  for (const Bad& b : bad) {
-    SCOPED_TRACE(b.what);
-    Rng rng = test_rng();
-    const Batch batch = {{0, 0, 900}, {5, 40, 100}};
-    PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
-    std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
-    const HostTensor q = random_bf16(rng, {cu.back(), 8, kQkDim});
-    b.spoil(f, cu);
-    const std::string expected = error_of([&] { reference_mla_prefill(f, q, cu, kScale); });
-    ASSERT_NE(expected, "") << "the reference takes the input";
-    EXPECT_EQ(gpu_mla_prefill(f, q, cu).fault, expected);
+  // 8 heads run in groups of new tokens on sm_90a (their groups' check), 64 per token (the rows'
+  // check kernel, prefill_rows.cu).
+  for (const int heads : {8, 64}) {
+    for (const Bad& b : bad) {
+      SCOPED_TRACE(std::string(b.what) + ", H " + std::to_string(heads));
+      Rng rng = test_rng();
+      const Batch batch = {{0, 0, 900}, {5, 40, 100}};
+      PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+      std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+      const HostTensor q = random_bf16(rng, {cu.back(), heads, kQkDim});
+      b.spoil(f, cu);
+      const std::string expected = error_of([&] { reference_mla_prefill(f, q, cu, kScale); });
+      ASSERT_NE(expected, "") << "the reference takes the input";
+      EXPECT_EQ(gpu_mla_prefill(f, q, cu).fault, expected);
+    }
   }
 }
 
