@@ -6,10 +6,10 @@
 #
 # BENCH_FILTER (an extended regex) runs only the benchmarks whose names match, and BENCH_ARGS adds
 # options to each (say --launch paced); SANITIZE_FILTER (a gtest filter) narrows the sanitizer runs;
-# GTEST_FILTER narrows the GPU tests; SHARDS (default 4) is how many googletest shards of the tests and
-# of each sanitizer run at once on the one GPU. LOG_TAG names this invocation's logs (logs$LOG_TAG.tgz), so
-# that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the mma.sync kernels) both come
-# back.
+# GTEST_FILTER narrows the GPU tests; SHARDS (default 4) is how many googletest shards of the tests
+# and of each sanitizer run at once on the one GPU. LOG_TAG names this invocation's logs
+# (logs$LOG_TAG.tgz), so that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the
+# mma.sync kernels) both come back.
 # Header-only dependencies travel in .deps/ (see scripts/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
