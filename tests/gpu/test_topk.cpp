@@ -330,24 +330,36 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuTopk, ::testing::ValuesIn(topk_cases()),
                          [](const ::testing::TestParamInfo<TopkCase>& info) { return info.param.name; });
 
 // One planned workspace reused by calls whose lengths grow and whose logits change, as a replayed
-// graph reuses it: whatever a call leaves in the scratch must not change the next call's answer.
+// graph reuses it: whatever a call leaves in the scratch must not change the next call's answer. On
+// 132 SMs the first tables' 6 rows of about 6K logits take chunks of 512 (72 CTAs: the memset and
+// two kernels), the second's of about 30K chunks of 1024 (180 CTAs: the cooperative kernel, which
+// clears its own row state).
 TEST(GpuTopkReuse, WorkspaceReusedAsLengthsGrow) {
   LKV_REQUIRE_GPU();
-  Rng rng = test_rng();
   const int q_len = 2;
-  PagedFixture f = make_tables(64, {6000, 2100, 40}, rng);  // the tables hold the final lengths
-  const std::int64_t max_len = f.max_len() + 64;
-  DeviceTopk gpu(f, q_len, max_len, kMaxTopk);
-  const std::vector<std::vector<std::int32_t>> steps = {
-      {300, 1, 0}, {2049, 2048, 2}, {2050, 2049, 3}, {4000, 2050, 40}, {6000, 2100, 40}};
-  for (std::size_t s = 0; s < steps.size(); ++s) {
-    f.seq_lens = steps[s];  // the reference and the check follow the lengths the kernel sees
-    const Fill fill = s % 2 == 0 ? Fill::kNormal : Fill::kThreeValues;
-    const HostTensor logits = make_logits(f, q_len, max_len, fill, kMaxTopk, rng);
-    const HostTensor want = reference_topk(f, logits, kMaxTopk);
-    const HostTensor got = gpu.call(logits, f.seq_lens);
-    EXPECT_TRUE(check_topk_rows(f, logits, got, want))
-        << "call " << s << ": lengths " << steps[s][0] << ", " << steps[s][1] << ", " << steps[s][2];
+  struct Growth {
+    std::vector<std::int64_t> final_lengths;  // what the tables hold
+    std::vector<std::vector<std::int32_t>> steps;
+  };
+  const Growth growths[] = {
+      {{6000, 2100, 40}, {{300, 1, 0}, {2049, 2048, 2}, {2050, 2049, 3}, {4000, 2050, 40}, {6000, 2100, 40}}},
+      {{30000, 20000, 9000}, {{300, 1, 0}, {2049, 2048, 2}, {9000, 2050, 40}, {20000, 15000, 9000}, {30000, 20000, 9000}}},
+  };
+  for (const Growth& g : growths) {
+    SCOPED_TRACE("up to " + std::to_string(g.final_lengths[0]) + " tokens");
+    Rng rng = test_rng();
+    PagedFixture f = make_tables(64, g.final_lengths, rng);
+    const std::int64_t max_len = f.max_len() + 64;
+    DeviceTopk gpu(f, q_len, max_len, kMaxTopk);
+    for (std::size_t s = 0; s < g.steps.size(); ++s) {
+      f.seq_lens = g.steps[s];  // the reference and the check follow the lengths the kernel sees
+      const Fill fill = s % 2 == 0 ? Fill::kNormal : Fill::kThreeValues;
+      const HostTensor logits = make_logits(f, q_len, max_len, fill, kMaxTopk, rng);
+      const HostTensor want = reference_topk(f, logits, kMaxTopk);
+      const HostTensor got = gpu.call(logits, f.seq_lens);
+      EXPECT_TRUE(check_topk_rows(f, logits, got, want))
+          << "call " << s << ": lengths " << g.steps[s][0] << ", " << g.steps[s][1] << ", " << g.steps[s][2];
+    }
   }
 }
 
