@@ -420,22 +420,27 @@ PagedFixture make_indexer_only_fixture(std::int64_t prompts, std::int64_t tokens
 
 // 1100 prompts of 60 tokens: 66,000 new tokens, and a caller asking for all of them in one chunk -
 // more rows than one indexer launch takes (65,535, a grid's y dimension). The plan caps the chunk
-// there, and the two chunks give the right answer.
+// there, and the two chunks give the right answer. Pages of 64 run (on sm_90) the wgmma kernel's
+// groups of new tokens, far fewer grid rows; pages of 16 the mma.sync kernel, a grid row a token,
+// where the first chunk takes the whole 65,535.
 TEST(GpuIndexerPrefillLarge, MoreNewTokensThanAGridColumn) {
   LKV_REQUIRE_GPU();
-  Rng rng = test_rng();
   constexpr std::int64_t kPrompts = 1100, kPromptTokens = 60, kHeads = 1;
-  PagedFixture f = make_indexer_only_fixture(kPrompts, kPromptTokens, 64, rng);
-  ASSERT_TRUE(unread_slots_poisoned(f));
-  const std::vector<std::int32_t> cu = cumulative(std::vector<std::int64_t>(kPrompts, kPromptTokens));
-  const HostTensor q = random_fp8(rng, {cu.back(), kHeads, kIndexerDim}, 2.0);
-  const HostTensor w = random_f32(rng, {cu.back(), kHeads}, 0.1, 1.0);
-  DevicePrefill gpu(f, q, w, cu, 16, 66000);
-  ASSERT_EQ(gpu.plan.chunk_tokens, 65535) << "the plan must cap a chunk at one indexer launch's rows";
-  const HostTensor got = gpu.call();
-  const std::vector<PrefillRow> rows = prefill_rows(f, cu);
-  EXPECT_TRUE(check_prefill_slots(f, rows, reference_prefill_logits(f, q, w, rows), got))
-      << gpu.plan.chunk_tokens << " new tokens per chunk";
+  for (const int page_size : {64, 16}) {
+    SCOPED_TRACE("pages of " + std::to_string(page_size));
+    Rng rng = test_rng();
+    PagedFixture f = make_indexer_only_fixture(kPrompts, kPromptTokens, page_size, rng);
+    ASSERT_TRUE(unread_slots_poisoned(f));
+    const std::vector<std::int32_t> cu = cumulative(std::vector<std::int64_t>(kPrompts, kPromptTokens));
+    const HostTensor q = random_fp8(rng, {cu.back(), kHeads, kIndexerDim}, 2.0);
+    const HostTensor w = random_f32(rng, {cu.back(), kHeads}, 0.1, 1.0);
+    DevicePrefill gpu(f, q, w, cu, 16, 66000);
+    ASSERT_EQ(gpu.plan.chunk_tokens, 65535) << "the plan must cap a chunk at one indexer launch's rows";
+    const HostTensor got = gpu.call();
+    const std::vector<PrefillRow> rows = prefill_rows(f, cu);
+    EXPECT_TRUE(check_prefill_slots(f, rows, reference_prefill_logits(f, q, w, rows), got))
+        << gpu.plan.chunk_tokens << " new tokens per chunk";
+  }
 }
 
 // ---- rejected calls ---------------------------------------------------------------------------
