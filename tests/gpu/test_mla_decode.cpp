@@ -642,11 +642,10 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
   // kernel that read it would meet NaN, not the zeros of fresh memory or the end of the buffer).
   const std::int32_t bad = static_cast<std::int32_t>(f.num_pages());
   f.block_table[static_cast<std::size_t>(f.max_pages + kBadPage)] = bad;
+  std::vector<std::uint8_t> beyond(2 * static_cast<std::size_t>(f.page_size) * kv_token_bytes(f.kv_dtype));
+  poison_latent_cache(beyond, f.kv_dtype);
   std::vector<std::uint8_t> past_pool = f.cache_bytes;
-  past_pool.resize(f.cache_bytes.size() + 2 * static_cast<std::size_t>(f.page_size) * kv_token_bytes(f.kv_dtype));
-  for (std::size_t at = f.cache_bytes.size(); at < past_pool.size(); at += kv_token_bytes(f.kv_dtype)) {
-    poison_latent_token(past_pool.data() + at, f.kv_dtype);
-  }
+  past_pool.insert(past_pool.end(), beyond.begin(), beyond.end());
   for (const int heads : {8, 64}) {
     HostTensor q = random_bf16(rng, {f.batch(), 1, heads, 576});
     const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
