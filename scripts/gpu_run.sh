@@ -6,7 +6,7 @@
 #
 # BENCH_FILTER (an extended regex) runs only the benchmarks whose names match, and BENCH_ARGS adds
 # options to each (say --launch paced); SANITIZE_FILTER (a gtest filter) narrows the sanitizer runs;
-# GTEST_FILTER narrows the GPU tests; SHARDS (default 4) is how many googletest shards of the tests
+# GTEST_FILTER narrows the GPU tests; SHARDS (default 8) is how many googletest shards of the tests
 # and of each sanitizer run at once on the one GPU. LOG_TAG names this invocation's logs
 # (logs$LOG_TAG.tgz), so that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the
 # mma.sync kernels) both come back.
@@ -22,7 +22,7 @@ L="$OUT/logs$TAG"
 mkdir -p "$L"
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
-SHARDS=${SHARDS:-4}
+SHARDS=${SHARDS:-8}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test bench)
 status=0
@@ -30,7 +30,8 @@ status=0
 log() { echo "== $(date -u +%H:%M:%S)$TAG $*" | tee -a "$OUT/summary.txt"; }
 
 # sharded NAME WRAPPER -- TEST_BINARY ARGS...: the googletest binary in $SHARDS shards at once on the
-# one GPU (the whole suite one after another takes about 7 minutes), each shard's log in
+# one GPU (the whole suite one after another takes about 7 minutes, most of it the host building
+# fixtures and references for the long-request tests, so shards use the 16 cores), each shard's log in
 # $L/NAME.<shard>.log and its results in $L/NAME.<shard>.json, WRAPPER (say compute-sanitizer and its
 # options, or nothing) before each; the shards' last lines go to the summary. Fails if any shard does.
 sharded() {

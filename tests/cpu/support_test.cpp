@@ -174,5 +174,29 @@ TEST(Rng, SeedsAreReproducibleAndOverridable) {
   }
 }
 
+TEST(Rng, DiscardSkipsTheDrawsItNames) {
+  Rng a(11), b(11);
+  for (int i = 0; i < 1000; ++i) a.next_u64();
+  b.discard(1000);
+  EXPECT_EQ(a.next_u64(), b.next_u64());
+}
+
+// The fixture's values drawn on several threads are the values one loop draws, token after token,
+// and leave the generator where that loop leaves it (so the draws after them are the same too).
+TEST(PagedFixture, TokenValuesOnSeveralThreadsAreThoseOfOneLoop) {
+  constexpr std::int64_t kTokens = 40000;  // 4 threads of at least 8192 tokens
+  const PagedFixtureOptions o;
+  Rng one(5), several(5);
+  std::vector<std::uint16_t> latents(kTokens * kQkDim), keys(kTokens * kIndexerDim);
+  for (std::int64_t t = 0; t < kTokens; ++t) {
+    random_token_values(one, o, latents.data() + t * kQkDim, keys.data() + t * kIndexerDim);
+  }
+  std::vector<std::uint16_t> latents4(latents.size()), keys4(keys.size());
+  random_tokens(several, o, kTokens, latents4.data(), keys4.data(), 4);
+  EXPECT_TRUE(latents == latents4);
+  EXPECT_TRUE(keys == keys4);
+  EXPECT_EQ(one.next_u64(), several.next_u64()) << "kDrawsPerRandomToken is not what random_token_values draws";
+}
+
 }  // namespace
 }  // namespace latentkv::testing

@@ -19,10 +19,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "cpu/reference.hpp"
@@ -193,6 +196,30 @@ inline void random_token_values(Rng& rng, const PagedFixtureOptions& o, std::uin
   for (int j = 0; j < kIndexerDim; ++j) key128[j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.key_stddev)));
 }
 
+// The generator's draws random_token_values takes per token: one per block's magnitude, two per
+// normal value.
+inline constexpr std::uint64_t kDrawsPerRandomToken = kFp8ScalesPerToken + 2 * (kQkDim + kIndexerDim);
+
+// random_token_values of `count` tokens back to back (latents [count, 576], keys [count, 128]), on up
+// to `threads` threads: each thread draws its tokens from a copy of the generator skipped ahead to
+// where one loop over all of them would draw them, so the values, and the generator after, are the
+// same for any thread count. (A million tokens' values take tens of seconds on one core.)
+inline void random_tokens(Rng& rng, const PagedFixtureOptions& o, std::int64_t count, std::uint16_t* latents,
+                          std::uint16_t* keys, unsigned threads) {
+  constexpr std::int64_t kLeastTokensPerThread = 8192;
+  const std::int64_t workers = std::clamp<std::int64_t>(count / kLeastTokensPerThread, 1, std::max(1u, threads));
+  const auto fill = [&](std::int64_t first, std::int64_t last) {
+    Rng r = rng;
+    r.discard(static_cast<std::uint64_t>(first) * kDrawsPerRandomToken);
+    for (std::int64_t t = first; t < last; ++t) random_token_values(r, o, latents + t * kQkDim, keys + t * kIndexerDim);
+  };
+  std::vector<std::thread> pool;
+  for (std::int64_t w = 1; w < workers; ++w) pool.emplace_back(fill, count * w / workers, count * (w + 1) / workers);
+  fill(0, count / workers);
+  for (std::thread& t : pool) t.join();
+  rng.discard(static_cast<std::uint64_t>(count) * kDrawsPerRandomToken);
+}
+
 // Every slot of the pool that no request holds (past seq_lens in a request's last page, and pages no
 // request uses) still holds the poison, in the main cache and in the indexer cache (each where the
 // fixture has one), and there is at least one such slot.
@@ -271,27 +298,54 @@ inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
   const std::int64_t total = f.first_token.back();
   f.latents.assign(static_cast<std::size_t>(total * kQkDim), 0);
   f.keys.assign(static_cast<std::size_t>(total * kIndexerDim), 0);
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  if (o.token_values) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t t = 0; t < o.lengths[static_cast<std::size_t>(b)]; ++t) {
+        const std::int64_t row = f.first_token[static_cast<std::size_t>(b)] + t;
+        o.token_values(b, t, f.latents.data() + row * kQkDim, f.keys.data() + row * kIndexerDim);
+      }
+    }
+  } else {
+    random_tokens(rng, o, total, f.latents.data(), f.keys.data(), threads);
+  }
+  // The requests' appends write disjoint slots and pages: up to `threads` at once.
+  std::vector<AppendParams> appends;
+  std::vector<std::vector<std::int32_t>> slots;  // each request's, read by its AppendParams
+  slots.reserve(static_cast<std::size_t>(batch));
   for (std::int64_t b = 0; b < batch; ++b) {
     const auto bi = static_cast<std::size_t>(b);
-    for (std::int64_t t = 0; t < o.lengths[bi]; ++t) {
-      std::uint16_t* latent = f.latents.data() + (f.first_token[bi] + t) * kQkDim;
-      std::uint16_t* key = f.keys.data() + (f.first_token[bi] + t) * kIndexerDim;
-      if (o.token_values) o.token_values(b, t, latent, key);
-      else random_token_values(rng, o, latent, key);
-    }
     const std::int64_t n = o.lengths[bi];
     if (n == 0) continue;
-    std::vector<std::int32_t> slots = f.slots(b, n);
+    slots.push_back(f.slots(b, n));
     AppendParams p;
     p.cache = f.cache();
     p.latent = TensorView::contiguous(f.latents.data() + f.first_token[bi] * kQkDim, DType::kBF16, {n, kQkDim});
-    p.slots = TensorView::contiguous(slots.data(), DType::kI32, {n});
+    p.slots = TensorView::contiguous(slots.back().data(), DType::kI32, {n});
     if (o.with_indexer) {
       p.indexer = f.indexer();
       p.indexer_keys = TensorView::contiguous(f.keys.data() + f.first_token[bi] * kIndexerDim, DType::kBF16, {n, kIndexerDim});
     }
     p.scale_mode = o.scale_mode;
-    cpu::append(p);
+    appends.push_back(p);
+  }
+  std::atomic<std::size_t> next{0};
+  std::vector<std::exception_ptr> errors(appends.size());
+  const auto append_some = [&] {
+    for (std::size_t i = next++; i < appends.size(); i = next++) {
+      try {
+        cpu::append(appends[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned w = 1; w < std::min<std::size_t>(threads, appends.size()); ++w) pool.emplace_back(append_some);
+  append_some();
+  for (std::thread& t : pool) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
 
   f.block_table = f.allocator.block_table_matrix(f.requests, f.max_pages);

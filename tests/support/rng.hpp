@@ -25,9 +25,12 @@ namespace latentkv::testing {
 
 inline constexpr std::uint64_t kDefaultBaseSeed = 20261129;
 
+// What splitmix64 adds to its state per step.
+inline constexpr std::uint64_t kSplitmixGamma = 0x9E3779B97F4A7C15ull;
+
 // One step of splitmix64: a good 64-bit mixer.
 inline std::uint64_t splitmix64(std::uint64_t& state) {
-  std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  std::uint64_t z = (state += kSplitmixGamma);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
@@ -61,6 +64,9 @@ class Rng {
 
   std::uint64_t seed() const { return seed_; }
   std::uint64_t next_u64() { return splitmix64(state_); }
+  // Skips the next `draws` calls of next_u64 at once (the state steps by a constant each call), so
+  // that a copy skipped ahead can draw, in another thread, what this generator would draw later.
+  void discard(std::uint64_t draws) { state_ += draws * kSplitmixGamma; }
 
   // Uniform in [lo, hi).
   double uniform(double lo = 0.0, double hi = 1.0) {
