@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -102,20 +103,23 @@ class GuardedBuffer {
   }
   template <typename T = void>
   T* get() const { return reinterpret_cast<T*>(buffer_.get<std::uint8_t>() + kGuardBytes); }
-  std::vector<std::uint8_t> to_host() const {
-    const std::vector<std::uint8_t> all = buffer_.to_host<std::uint8_t>();
-    return {all.begin() + static_cast<std::ptrdiff_t>(kGuardBytes),
-            all.begin() + static_cast<std::ptrdiff_t>(kGuardBytes + bytes_)};
-  }
+  std::vector<std::uint8_t> to_host() const { return download_at(kGuardBytes, bytes_); }
   bool guards_intact() const {
-    const std::vector<std::uint8_t> all = buffer_.to_host<std::uint8_t>();
-    for (std::size_t i = 0; i < kGuardBytes; ++i) {
-      if (all[i] != kPattern || all[kGuardBytes + bytes_ + i] != kPattern) return false;
-    }
-    return true;
+    const auto holds_pattern = [](const std::vector<std::uint8_t>& guard) {
+      return std::all_of(guard.begin(), guard.end(), [](std::uint8_t x) { return x == kPattern; });
+    };
+    return holds_pattern(download_at(0, kGuardBytes)) && holds_pattern(download_at(kGuardBytes + bytes_, kGuardBytes));
   }
 
  private:
+  std::vector<std::uint8_t> download_at(std::size_t offset, std::size_t bytes) const {
+    std::vector<std::uint8_t> out(bytes);
+    if (bytes > 0) {
+      check_cuda(cudaMemcpy(out.data(), buffer_.get<std::uint8_t>() + offset, bytes, cudaMemcpyDeviceToHost));
+    }
+    return out;
+  }
+
   std::size_t bytes_;
   DeviceBuffer buffer_;
 };
