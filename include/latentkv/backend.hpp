@@ -123,7 +123,9 @@ class Backend {
 };
 
 // Selects on `backend` for the op's own problem and launches it; throws Error naming the op, the
-// backend and the reason when the backend cannot run it.
+// backend and the reason when the backend cannot run it. `device` is the device selected for, not
+// read off the tensors: where a GPU is, detect_device() names it and the reference refuses, so a
+// call of the reference on host tensors there passes DeviceInfo{} (the CPU).
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {},
          const DeviceInfo& device = detect_device());
 
