@@ -67,7 +67,7 @@ void run_demo(const DemoOptions& o) {
   const ModelPreset& m = shard.model;
   const int heads = shard.heads_per_gpu, hi = m.indexer_heads, topk = m.index_topk;
   const Backend& ref = *find_backend("reference");
-  const DeviceInfo cpu;  // the reference runs here, also where the machine has a GPU (run() would name it)
+  const DeviceInfo cpu;  // the CPU, also where the machine has a GPU (run()'s default device would name the GPU)
   // Pages for every request from a shuffled pool, with a few pages to spare.
   const std::int64_t num_pages = (o.context + o.page_size - 1) / o.page_size * o.batch + 4;
   check_memory(o, num_pages, shard);
