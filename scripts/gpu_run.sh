@@ -9,7 +9,9 @@
 # GTEST_FILTER narrows the GPU tests; SHARDS (default 8) is how many googletest shards of the tests
 # and of each sanitizer run at once on the one GPU. LOG_TAG names this invocation's logs
 # (logs$LOG_TAG.tgz), so that two in one device call (say one with LATENTKV_MLA_KERNEL=mma, the
-# mma.sync kernels) both come back.
+# mma.sync kernels) both come back. The whole GPU suite under both sanitizers takes about 10 minutes
+# on an H100 (its five largest tests about 5 of them), more than one device call allows: split it
+# with SANITIZE_FILTER (docs/benchmarks.md, forty-eighth session, gives four filters that cover it).
 # Header-only dependencies travel in .deps/ (see scripts/deps.sh --carry) since that machine reaches no
 # package registry.
 set -uo pipefail
