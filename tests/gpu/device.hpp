@@ -66,8 +66,10 @@ class DeviceBuffer {
       throw std::runtime_error("upload failed");
     }
   }
-  void download(void* host, std::size_t bytes) const {
-    if (bytes && cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) {
+  // `bytes` of the buffer from byte `offset` on.
+  void download(void* host, std::size_t bytes, std::size_t offset = 0) const {
+    if (bytes && cudaMemcpy(host, static_cast<const std::uint8_t*>(data_) + offset, bytes,
+                            cudaMemcpyDeviceToHost) != cudaSuccess) {
       throw std::runtime_error(std::string("download failed: ") + cudaGetErrorString(cudaGetLastError()));
     }
   }
@@ -114,9 +116,7 @@ class GuardedBuffer {
  private:
   std::vector<std::uint8_t> download_at(std::size_t offset, std::size_t bytes) const {
     std::vector<std::uint8_t> out(bytes);
-    if (bytes > 0) {
-      check_cuda(cudaMemcpy(out.data(), buffer_.get<std::uint8_t>() + offset, bytes, cudaMemcpyDeviceToHost));
-    }
+    buffer_.download(out.data(), bytes, offset);
     return out;
   }
 
