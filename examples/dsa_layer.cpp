@@ -477,7 +477,7 @@ int run_example(bool require_gpu) {
     check.o = TensorView::contiguous(o_ref.data(), DType::kF64, {batch, 1, heads, kLatentDim});  // the reference
     check.lse = TensorView::contiguous(lse_ref.data(), DType::kF64, {batch, 1, heads});          // writes f64 too
     check.softmax_scale = layer.softmax_scale;
-    run(*find_backend("reference"), check, {}, DeviceInfo{});
+    run(*find_backend("reference"), check);  // on the CPU, where its tensors are
     std::int64_t bad = 0;
     double worst_o = 0, worst_lse = 0, dot = 0, got_norm = 0, want_norm = 0;
     for (std::size_t i = 0; i < o_ref.size(); ++i) {

@@ -67,7 +67,6 @@ void run_demo(const DemoOptions& o) {
   const ModelPreset& m = shard.model;
   const int heads = shard.heads_per_gpu, hi = m.indexer_heads, topk = m.index_topk;
   const Backend& ref = *find_backend("reference");
-  const DeviceInfo cpu;  // the CPU, also where the machine has a GPU (run()'s default device would name the GPU)
   // Pages for every request from a shuffled pool, with a few pages to spare.
   const std::int64_t num_pages = (o.context + o.page_size - 1) / o.page_size * o.batch + 4;
   check_memory(o, num_pages, shard);
@@ -111,7 +110,7 @@ void run_demo(const DemoOptions& o) {
   std::printf("\nsteps:\n");
   std::fflush(stdout);
   auto t0 = std::chrono::steady_clock::now();
-  run(ref, append, {}, cpu);
+  run(ref, append);  // on the CPU, where its tensors are (also on a machine with a GPU)
   print_step("append", std::to_string(n) + " tokens -> " + std::to_string(kFp8TokenBytes) + " + " +
                            std::to_string(kIndexerTokenBytes) + " B/token (fp8 e4m3, pow2 scales)",
              static_cast<double>(n) * (576 + 128) * 2, seconds_since(t0));
@@ -131,7 +130,7 @@ void run_demo(const DemoOptions& o) {
   idx.seq_lens = tv(lens.data(), DType::kI32, {o.batch});
   idx.logits = tv(logits.data(), DType::kF32, {o.batch, 1, o.context});
   t0 = std::chrono::steady_clock::now();
-  run(ref, idx, {}, cpu);
+  run(ref, idx);
   print_step("indexer_logits", std::to_string(hi) + " heads x 128 over " + std::to_string(n) + " cached keys",
              static_cast<double>(n) * kIndexerTokenBytes + static_cast<double>(q_idx.size()) + 4.0 * weights.size(),
              seconds_since(t0));
@@ -146,7 +145,7 @@ void run_demo(const DemoOptions& o) {
   top.k = topk;
   top.slots = tv(selected.data(), DType::kI32, {o.batch, 1, topk});
   t0 = std::chrono::steady_clock::now();
-  run(ref, top, {}, cpu);
+  run(ref, top);
   std::int64_t valid = 0;
   for (std::int32_t s : selected) valid += s >= 0;
   // Rows of requests shorter than index_topk keep every token and pad the rest with -1.
@@ -168,7 +167,7 @@ void run_demo(const DemoOptions& o) {
   sparse.lse = tv(lse.data(), DType::kF32, {o.batch, 1, heads});
   sparse.softmax_scale = static_cast<float>(m.softmax_scale);
   t0 = std::chrono::steady_clock::now();
-  run(ref, sparse, {}, cpu);
+  run(ref, sparse);
   // What each decode reads: the cache entries of the tokens it attends to, and q; the sparse one also
   // its slots, the dense one the page table and lengths.
   const double q_bytes = 2.0 * static_cast<double>(q.size());

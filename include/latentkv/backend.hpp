@@ -122,12 +122,22 @@ class Backend {
   }
 };
 
+// The device of memory at `where`, as a backend selects for it: the CPU for host memory (also on a
+// machine with a GPU); for CUDA memory, detect_device(), the calling thread's current device, which
+// validation then holds every view of the call to (a view on another GPU is refused, naming it, as
+// are CUDA views where no CUDA device can be used).
+DeviceInfo device_info_for(Device where);
+// The device a call runs on where its caller names none: device_info_for its cache's memory (the
+// top-k's: its logits').
+DeviceInfo device_of(const OpArgs& args);
+
 // Selects on `backend` for the op's own problem and launches it; throws Error naming the op, the
-// backend and the reason when the backend cannot run it. `device` is the device selected for, not
-// read off the tensors: where a GPU is, detect_device() names it and the reference refuses, so a
-// call of the reference on host tensors there passes DeviceInfo{} (the CPU).
-void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {},
-         const DeviceInfo& device = detect_device());
+// backend and the reason when the backend cannot run it. The device selected for is `device`, or
+// without it the device of the call's tensors (device_of): a call of the reference on host tensors
+// runs on the CPU wherever it is made, and one of a CUDA backend on host tensors is refused as
+// running on the CPU.
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {});
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device);
 
 // Every backend compiled into the library, in registration order.
 const std::vector<const Backend*>& registered_backends();

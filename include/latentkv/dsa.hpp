@@ -80,9 +80,11 @@ struct DsaPlan {
 };
 
 // The schedule and scratch of a call with these shapes (tensor data may still be null). Depends on
-// shapes and the device only, never on the current lengths.
-DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p,
-                        const DeviceInfo& device = detect_device());
+// shapes and the device only, never on the current lengths. Here and in the calls below, the device
+// is `device`, or without it the device of p's main cache (device_info_for(p.cache.device): the CPU
+// for host memory, else the current CUDA device), as run() takes it.
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p);
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device);
 
 // The three ops a call runs, carved out of p.workspace (which must hold plan.workspace_bytes).
 // For timing or inspecting the steps one by one; dsa_decode runs exactly these, in this order. With
@@ -101,7 +103,9 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 // the first step is queued. Bad values are each step's to find as it runs (on the GPU, in the
 // fault record).
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
-                const ExecContext& context = {}, const DeviceInfo& device = detect_device());
+                const ExecContext& context = {});
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context, const DeviceInfo& device);
 
 // ---- Prefill ------------------------------------------------------------------------------------
 // T new tokens in all, ragged over requests (cu_new_tokens), their latents and indexer keys already
@@ -138,13 +142,15 @@ struct DsaPrefillPlan {
   Plan sparse;                      // the sparse prefill's split schedule and scratch
 };
 
-DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p,
-                                const DeviceInfo& device = detect_device());
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p);
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device);
 // The two steps, carved out of p.workspace, checked as dsa_steps checks decode's.
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan);
 // Runs both steps; like dsa_decode, queues nothing for a call either step refuses without reading
 // the data.
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
-                 const ExecContext& context = {}, const DeviceInfo& device = detect_device());
+                 const ExecContext& context = {});
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context, const DeviceInfo& device);
 
 }  // namespace latentkv

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <variant>
 
 #include "core/selection.hpp"
 #include "latentkv/error.hpp"
@@ -35,6 +37,17 @@ DeviceInfo detect_device() {
   if (detail::cuda_detect_device(info)) return info;
 #endif
   return info;
+}
+
+DeviceInfo device_info_for(Device where) { return where.kind == DeviceKind::kCpu ? DeviceInfo{} : detect_device(); }
+
+DeviceInfo device_of(const OpArgs& args) {
+  return device_info_for(std::visit(
+      [](const auto& a) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(a)>, TopkParams>) return a.logits.device;
+        else return a.cache.device;
+      },
+      args));
 }
 
 Op op_of(const OpArgs& args) {
@@ -137,6 +150,10 @@ Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceIn
 }
 
 }  // namespace detail
+
+void run(const Backend& backend, const OpArgs& args, const ExecContext& context) {
+  run(backend, args, context, device_of(args));
+}
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {
   detail::select_or_throw(backend, args, device).kernel->launch(args, context);

@@ -198,6 +198,10 @@ IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) 
   return s;
 }
 
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p) {
+  return plan_dsa_decode(backends, p, device_info_for(p.cache.device));
+}
+
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
   check_backends(backends);
   check_shapes(p);
@@ -258,6 +262,11 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
   check_workspace_apart(kOp, p);
   return s;
+}
+
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context) {
+  dsa_decode(backends, p, plan, context, device_info_for(p.cache.device));
 }
 
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
@@ -341,6 +350,10 @@ DsaPrefillSteps prefill_steps_at(const DsaPrefillParams& p, std::uint8_t* base) 
 
 }  // namespace
 
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p) {
+  return plan_dsa_prefill(backends, p, device_info_for(p.cache.device));
+}
+
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device) {
   check_prefill_backends(backends);
   check_prefill_shapes(p);
@@ -373,6 +386,11 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
   check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
   return s;
+}
+
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context) {
+  dsa_prefill(backends, p, plan, context, device_info_for(p.cache.device));
 }
 
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,

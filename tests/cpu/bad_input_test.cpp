@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <string>
@@ -982,6 +983,26 @@ TEST(BadInput, RunNamesAnExtentPastInt32) {
   ASSERT_NE(reference, nullptr);
   EXPECT_TRUE(throws_error([&] { run(*reference, p, {}, DeviceInfo{}); }, "mla_decode", "q", std::to_string(heads)));
   EXPECT_TRUE(c.outputs_untouched());
+}
+
+// A call that names no device runs where its tensors are: on host tensors, the reference runs on
+// the CPU (also on a machine with a GPU, where the CPU tests run in scripts/gpu_run.sh), and the
+// CUDA backend refuses them as a call on the CPU, writing nothing.
+TEST(BadInput, RunWithoutADeviceSelectsForTheTensorsDevice) {
+  DecodeCase c, named;  // the same inputs (one seed)
+  const MlaDecodeParams p = c.params();
+  if (const Backend* cuda = find_backend("cuda")) {
+    EXPECT_EQ(error_of([&] { run(*cuda, p); }),
+              "mla_decode: backend 'cuda' cannot run this call: needs a CUDA GPU (device is cpu)");
+    EXPECT_TRUE(c.outputs_untouched());
+  }
+  const Backend* reference = find_backend("reference");
+  ASSERT_NE(reference, nullptr);
+  ASSERT_EQ(error_of([&] { run(*reference, p); }), "");
+  run(*reference, named.params(), {}, DeviceInfo{});
+  EXPECT_FALSE(c.outputs_untouched());
+  EXPECT_EQ(std::memcmp(c.o.raw(), named.o.raw(), c.o.bytes()), 0);
+  EXPECT_EQ(std::memcmp(c.lse.raw(), named.lse.raw(), c.lse.bytes()), 0);
 }
 
 TEST(BadInput, ShardModelNeedsADivisorOfTheHeads) {

@@ -106,5 +106,68 @@ TEST(ProblemOf, ExtentsUpToInt32) {
   EXPECT_TRUE(throws_error([&] { problem(sparse); }, "sparse_mla_prefill", "indices", std::to_string(past)));
 }
 
+// Where a call names no device, it runs where its tensors are: its cache's memory (the top-k's: its
+// logits'), the CPU for host memory and the current CUDA device for device memory. On a machine
+// without a GPU both are the CPU; where the CPU tests run on a GPU (scripts/gpu_run.sh) the two differ.
+TEST(DeviceOf, ACallRunsWhereItsCacheIs) {
+  const DeviceInfo gpu = detect_device();
+  const auto expect_on = [](const OpArgs& args, const DeviceInfo& want) {
+    SCOPED_TRACE(std::string(op_name(op_of(args))));
+    const DeviceInfo got = device_of(args);
+    EXPECT_EQ(got.kind, want.kind);
+    EXPECT_EQ(got.index, want.index);
+    EXPECT_EQ(got.name, want.name);
+  };
+  const auto each_op = [&](Device cache, Device others, const DeviceInfo& want) {
+    const auto on = [&](DType t, std::initializer_list<std::int64_t> shape) {
+      TensorView v = shaped(t, shape);
+      v.device = others;
+      return v;
+    };
+    LatentCache latent = bf16_cache(16);
+    latent.device = cache;
+    IndexerCache indexer = indexer_cache(16);
+    indexer.device = cache;
+    AppendParams append;
+    append.cache = latent;
+    append.latent = on(DType::kBF16, {1, 576});
+    expect_on(append, want);
+    MlaDecodeParams decode;
+    decode.cache = latent;
+    decode.q = on(DType::kBF16, {1, 1, 8, 576});
+    expect_on(decode, want);
+    MlaPrefillParams prefill;
+    prefill.cache = latent;
+    prefill.q = on(DType::kBF16, {1, 8, 576});
+    expect_on(prefill, want);
+    IndexerLogitsParams logits;
+    logits.cache = indexer;
+    logits.q = on(DType::kFP8E4M3, {1, 1, 8, 128});
+    expect_on(logits, want);
+    TopkParams topk;  // no cache: its logits
+    topk.logits = on(DType::kF32, {1, 1, 100});
+    topk.logits.device = cache;
+    topk.slots = on(DType::kI32, {1, 1, 10});
+    expect_on(topk, want);
+    SparseMlaDecodeParams sparse;
+    sparse.cache = latent;
+    sparse.q = on(DType::kBF16, {1, 1, 8, 576});
+    expect_on(sparse, want);
+    SparseMlaPrefillParams sparse_prefill;
+    sparse_prefill.cache = latent;
+    sparse_prefill.q = on(DType::kBF16, {1, 8, 576});
+    expect_on(sparse_prefill, want);
+    IndexerPrefillParams indexer_prefill;
+    indexer_prefill.cache = indexer;
+    indexer_prefill.q = on(DType::kFP8E4M3, {1, 8, 128});
+    expect_on(indexer_prefill, want);
+  };
+  each_op(Device::cpu(), Device::cpu(), DeviceInfo{});
+  each_op(Device::cpu(), Device::cuda(0), DeviceInfo{});  // the other views do not decide it
+  each_op(Device::cuda(0), Device::cpu(), gpu);
+  EXPECT_EQ(device_info_for(Device::cpu()).name, "cpu");
+  EXPECT_EQ(device_info_for(Device::cuda(3)).index, gpu.index);  // the current device, which validation holds views to
+}
+
 }  // namespace
 }  // namespace latentkv::testing
