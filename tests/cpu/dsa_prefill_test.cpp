@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <ostream>
 #include <string>
@@ -195,6 +196,22 @@ TEST(DsaPrefillDense, TopkCoveringEveryTokenEqualsDense) {
       EXPECT_TRUE(compare("lse " + label, d.lse, dense.lse, Tolerance::float64(1e-12)));
     }
   }
+}
+
+// Planned and run without a device, the call selects for its cache's memory, the CPU here (also
+// where a GPU is): the same plan and the same bytes as the calls that name the CPU.
+TEST(DsaPrefillDevice, WithoutADeviceRunsWhereTheCacheIs) {
+  const PrefillBatch batch = {{0, 17, 40}, {3, 0, 9}};
+  HostDsaPrefill named(test_rng(), batch, 16, 4, 4, 16), unnamed(test_rng(), batch, 16, 4, 4, 16);
+  const DsaBackends backends = same_backend(reference_backend());
+  const DsaPrefillPlan plan = plan_dsa_prefill(backends, unnamed.params);
+  EXPECT_EQ(plan.workspace_bytes, named.plan.workspace_bytes);
+  EXPECT_EQ(plan.indexer.chunk_tokens, named.plan.indexer.chunk_tokens);
+  named.run();
+  dsa_prefill(backends, unnamed.params, plan);
+  ASSERT_FALSE(is_sentinel(unnamed.o));
+  EXPECT_EQ(std::memcmp(unnamed.o.raw(), named.o.raw(), named.o.bytes()), 0);
+  EXPECT_EQ(std::memcmp(unnamed.lse.raw(), named.lse.raw(), named.lse.bytes()), 0);
 }
 
 // No new tokens (every prompt already cached): no workspace to plan, nothing to run or write.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <ostream>
@@ -29,7 +30,8 @@ namespace {
 constexpr float kScale = 0.0625f;
 constexpr std::uint8_t kWorkspaceGarbage = 0xA5;
 
-// The reference runs on the CPU also where a GPU is present (detect_device() would name the GPU).
+// The CPU, named: the calls below select for it as the calls that name no device do for host memory
+// (DsaDecodeDevice checks the two alike).
 const DeviceInfo kCpu{};
 
 const Backend& reference() { return *find_backend("reference"); }
@@ -148,6 +150,21 @@ TEST(DsaDecodeDense, TopkCoveringEveryTokenEqualsDense) {
     EXPECT_TRUE(compare("o q_len " + std::to_string(q_len), d.o, dense.o, Tolerance::float64(1e-12)));
     EXPECT_TRUE(compare("lse q_len " + std::to_string(q_len), d.lse, dense.lse, Tolerance::float64(1e-12)));
   }
+}
+
+// Planned and run without a device, the call selects for its cache's memory, the CPU here (also
+// where a GPU is, as the CPU tests run in scripts/gpu_run.sh): the same plan and the same bytes.
+TEST(DsaDecodeDevice, WithoutADeviceRunsWhereTheCacheIs) {
+  HostDsa named(test_rng(), 16, {0, 5, 40}, 2, 4, 4, 16), unnamed(test_rng(), 16, {0, 5, 40}, 2, 4, 4, 16);
+  const DsaBackends backends = same_backend(reference());
+  const DsaPlan plan = plan_dsa_decode(backends, unnamed.params);
+  EXPECT_EQ(plan.workspace_bytes, named.plan.workspace_bytes);
+  EXPECT_EQ(plan.sparse.num_splits, named.plan.sparse.num_splits);
+  named.run();
+  dsa_decode(backends, unnamed.params, plan);
+  ASSERT_FALSE(is_sentinel(unnamed.o));
+  EXPECT_EQ(std::memcmp(unnamed.o.raw(), named.o.raw(), named.o.bytes()), 0);
+  EXPECT_EQ(std::memcmp(unnamed.lse.raw(), named.lse.raw(), named.lse.bytes()), 0);
 }
 
 // ---- rejected inputs ---------------------------------------------------------------------------

@@ -41,7 +41,8 @@
 
 namespace latentkv::testing {
 
-// The reference runs on the CPU also where a GPU is present (detect_device() would name the GPU).
+// The CPU, named where a test plans or calls the reference (a call that names no device selects for
+// its tensors' memory: the CPU for host memory too).
 inline DeviceInfo reference_device() { return DeviceInfo{}; }
 
 inline const Backend& reference_backend() {
