@@ -135,7 +135,8 @@ DeviceInfo device_of(const OpArgs& args);
 // backend and the reason when the backend cannot run it. The device selected for is `device`, or
 // without it the device of the call's tensors (device_of): a call of the reference on host tensors
 // runs on the CPU wherever it is made, and one of a CUDA backend on host tensors is refused as
-// running on the CPU.
+// running on the CPU, the refusal ending with the view that chose it ("; a call that names no
+// device runs where its cache.device is (cpu)").
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {});
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device);
 

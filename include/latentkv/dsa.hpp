@@ -80,9 +80,11 @@ struct DsaPlan {
 };
 
 // The schedule and scratch of a call with these shapes (tensor data may still be null). Depends on
-// shapes and the device only, never on the current lengths. Here and in the calls below, the device
-// is `device`, or without it the device of p's main cache (device_info_for(p.cache.device): the CPU
-// for host memory, else the current CUDA device), as run() takes it.
+// shapes and the device only, never on the current lengths, and is made only for a device on which
+// every step's backend selects a kernel (else Error, naming the step, as run() would). Here and in
+// the calls below, the device is `device`, or without it the device of p's main cache
+// (device_info_for(p.cache.device): the CPU for host memory, else the current CUDA device), as
+// run() takes it.
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p);
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device);
 
@@ -142,6 +144,7 @@ struct DsaPrefillPlan {
   Plan sparse;                      // the sparse prefill's split schedule and scratch
 };
 
+// As plan_dsa_decode: for a device both steps' backends run on, by default the cache's.
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p);
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device);
 // The two steps, carved out of p.workspace, checked as dsa_steps checks decode's.

@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "core/selection.hpp"
+#include "core/validate.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv {
@@ -41,14 +42,25 @@ DeviceInfo detect_device() {
 
 DeviceInfo device_info_for(Device where) { return where.kind == DeviceKind::kCpu ? DeviceInfo{} : detect_device(); }
 
-DeviceInfo device_of(const OpArgs& args) {
-  return device_info_for(std::visit(
+namespace {
+
+// The view whose memory decides where a call that names no device runs: its name and its device.
+struct Anchor {
+  const char* name;
+  Device device;
+};
+Anchor anchor_of(const OpArgs& args) {
+  return std::visit(
       [](const auto& a) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(a)>, TopkParams>) return a.logits.device;
-        else return a.cache.device;
+        if constexpr (std::is_same_v<std::decay_t<decltype(a)>, TopkParams>) return Anchor{"logits.device", a.logits.device};
+        else return Anchor{"cache.device", a.cache.device};
       },
-      args));
+      args);
 }
+
+}  // namespace
+
+DeviceInfo device_of(const OpArgs& args) { return device_info_for(anchor_of(args).device); }
 
 Op op_of(const OpArgs& args) {
   struct Visitor {
@@ -133,18 +145,22 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
 
 namespace detail {
 
-Selection select_or_throw(const Backend& backend, const OpArgs& args, const DeviceInfo& device) {
+std::string chosen_by(std::string_view anchor, Device where) {
+  return "; a call that names no device runs where its " + std::string(anchor) + " is (" + device_text(where) + ")";
+}
+
+Selection select_or_throw(const Backend& backend, const OpArgs& args, const DeviceInfo& device, std::string_view chosen) {
   const Problem problem = problem_of(args, device);
   Selection s = backend.select(problem);
   if (!s) {
     throw Error(std::string(op_name(problem.op)),
-                "backend '" + std::string(backend.name()) + "' cannot run this call: " + s.reason);
+                "backend '" + std::string(backend.name()) + "' cannot run this call: " + s.reason + std::string(chosen));
   }
   return s;
 }
 
-Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceInfo& device) {
-  Kernel kernel = *select_or_throw(backend, args, device).kernel;
+Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceInfo& device, std::string_view chosen) {
+  Kernel kernel = *select_or_throw(backend, args, device, chosen).kernel;
   if (kernel.check) kernel.check(args);
   return kernel;
 }
@@ -152,7 +168,9 @@ Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceIn
 }  // namespace detail
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context) {
-  run(backend, args, context, device_of(args));
+  const Anchor anchor = anchor_of(args);
+  detail::select_or_throw(backend, args, device_info_for(anchor.device), detail::chosen_by(anchor.name, anchor.device))
+      .kernel->launch(args, context);
 }
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 
 #include "core/selection.hpp"
 #include "core/validate.hpp"
@@ -198,15 +199,20 @@ IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) 
   return s;
 }
 
-DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p) {
-  return plan_dsa_decode(backends, p, device_info_for(p.cache.device));
-}
+namespace {
 
-DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
+// plan_dsa_decode for `device`; `chosen` ends a refusal's message (detail::chosen_by) where the
+// caller named no device.
+DsaPlan plan_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device,
+                    std::string_view chosen) {
   check_backends(backends);
   check_shapes(p);
   DsaPlan plan;
   DsaSteps s = steps_at(p, layout_of(p, plan), nullptr);
+  // Each step's backend runs it on this device: a plan is never made for a device it cannot run on.
+  detail::select_or_throw(*backends.indexer_logits, s.indexer, device, chosen);
+  detail::select_or_throw(*backends.topk, s.topk, device, chosen);
+  detail::select_or_throw(*backends.sparse_decode, s.sparse, device, chosen);
   // For the most requests a call takes, not this call's B (Layout says why).
   plan.indexer =
       backends.indexer_logits->plan(with_requests(s.indexer, std::max(p.q.size(0), kMaxGpuRequests)), device);
@@ -216,6 +222,16 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
   // One backend for both: its indexer clears what its top-k would otherwise clear first.
   plan.topk_cleared_by_indexer = plan.topk.cleared_bytes > 0 && backends.indexer_logits == backends.topk;
   return plan;
+}
+
+}  // namespace
+
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p) {
+  return plan_decode(backends, p, device_info_for(p.cache.device), detail::chosen_by("cache.device", p.cache.device));
+}
+
+DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
+  return plan_decode(backends, p, device, {});
 }
 
 // A step's scratch in a plan the caller hands back: at most 2^60 bytes, so that the layout's sum of
@@ -264,23 +280,33 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   return s;
 }
 
-void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
-                const ExecContext& context) {
-  dsa_decode(backends, p, plan, context, device_info_for(p.cache.device));
-}
+namespace {
 
-void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
-                const ExecContext& context, const DeviceInfo& device) {
+void run_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan, const ExecContext& context,
+                const DeviceInfo& device, std::string_view chosen) {
   check_backends(backends);
   const DsaSteps s = dsa_steps(p, plan);  // every step's arguments checked
   // Every backend's consent to its step, and every kernel's checks of its call, before any step is
   // queued: a bad o must not leave the first steps queued.
-  const Kernel indexer = detail::checked_kernel(*backends.indexer_logits, s.indexer, device);
-  const Kernel topk = detail::checked_kernel(*backends.topk, s.topk, device);
-  const Kernel sparse = detail::checked_kernel(*backends.sparse_decode, s.sparse, device);
+  const Kernel indexer = detail::checked_kernel(*backends.indexer_logits, s.indexer, device, chosen);
+  const Kernel topk = detail::checked_kernel(*backends.topk, s.topk, device, chosen);
+  const Kernel sparse = detail::checked_kernel(*backends.sparse_decode, s.sparse, device, chosen);
   indexer.launch(s.indexer, context);
   topk.launch(s.topk, context);
   sparse.launch(s.sparse, context);
+}
+
+}  // namespace
+
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context) {
+  run_decode(backends, p, plan, context, device_info_for(p.cache.device),
+             detail::chosen_by("cache.device", p.cache.device));
+}
+
+void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
+                const ExecContext& context, const DeviceInfo& device) {
+  run_decode(backends, p, plan, context, device, {});
 }
 
 // ---- Prefill ------------------------------------------------------------------------------------
@@ -350,19 +376,31 @@ DsaPrefillSteps prefill_steps_at(const DsaPrefillParams& p, std::uint8_t* base) 
 
 }  // namespace
 
-DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p) {
-  return plan_dsa_prefill(backends, p, device_info_for(p.cache.device));
-}
+namespace {
 
-DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device) {
+// plan_dsa_prefill for `device`, as plan_decode.
+DsaPrefillPlan plan_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device,
+                            std::string_view chosen) {
   check_prefill_backends(backends);
   check_prefill_shapes(p);
   const DsaPrefillSteps s = prefill_steps_at(p, nullptr);
+  detail::select_or_throw(*backends.indexer_prefill, s.indexer, device, chosen);  // as plan_decode
+  detail::select_or_throw(*backends.sparse_prefill, s.sparse, device, chosen);
   DsaPrefillPlan plan;
   plan.indexer = backends.indexer_prefill->plan(s.indexer, device);
   plan.sparse = backends.sparse_prefill->plan(s.sparse, device);
   plan.workspace_bytes = prefill_layout_of(p, plan).end;
   return plan;
+}
+
+}  // namespace
+
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p) {
+  return plan_prefill(backends, p, device_info_for(p.cache.device), detail::chosen_by("cache.device", p.cache.device));
+}
+
+DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device) {
+  return plan_prefill(backends, p, device, {});
 }
 
 DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPlan& plan) {
@@ -388,21 +426,31 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   return s;
 }
 
-void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
-                 const ExecContext& context) {
-  dsa_prefill(backends, p, plan, context, device_info_for(p.cache.device));
-}
+namespace {
 
-void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
-                 const ExecContext& context, const DeviceInfo& device) {
+void run_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context, const DeviceInfo& device, std::string_view chosen) {
   check_prefill_backends(backends);
   const DsaPrefillSteps s = dsa_prefill_steps(p, plan);  // both steps' arguments checked
   // Both backends' consent, and both kernels' checks of their calls, before either step is queued:
   // a bad o must not leave the indexer step queued.
-  const Kernel indexer = detail::checked_kernel(*backends.indexer_prefill, s.indexer, device);
-  const Kernel sparse = detail::checked_kernel(*backends.sparse_prefill, s.sparse, device);
+  const Kernel indexer = detail::checked_kernel(*backends.indexer_prefill, s.indexer, device, chosen);
+  const Kernel sparse = detail::checked_kernel(*backends.sparse_prefill, s.sparse, device, chosen);
   indexer.launch(s.indexer, context);
   sparse.launch(s.sparse, context);
+}
+
+}  // namespace
+
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context) {
+  run_prefill(backends, p, plan, context, device_info_for(p.cache.device),
+              detail::chosen_by("cache.device", p.cache.device));
+}
+
+void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
+                 const ExecContext& context, const DeviceInfo& device) {
+  run_prefill(backends, p, plan, context, device, {});
 }
 
 }  // namespace latentkv

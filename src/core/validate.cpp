@@ -111,18 +111,17 @@ void fail_new_tokens_end(std::string_view op, std::int64_t index, std::int64_t v
        std::to_string(rows) + " (the rows of q)");
 }
 
-namespace {
-
-// A view with no elements needs no memory: PyTorch, for one, gives an empty tensor a null data
-// pointer. Any other view with null data is absent.
-bool empty_view(const TensorView& v) { return v.rank > 0 && v.numel() == 0; }
-
-// "cpu", or "cuda:N": CUDA views and caches must be on the device the call runs on.
 std::string device_text(Device d) {
   if (d.kind == DeviceKind::kCpu) return "cpu";
   if (d.kind == DeviceKind::kCuda) return "cuda:" + std::to_string(d.index);
   return "device kind " + std::to_string(static_cast<int>(d.kind)) + " (not cpu or cuda)";
 }
+
+namespace {
+
+// A view with no elements needs no memory: PyTorch, for one, gives an empty tensor a null data
+// pointer. Any other view with null data is absent.
+bool empty_view(const TensorView& v) { return v.rank > 0 && v.numel() == 0; }
 
 bool same_device(Device have, Device want) {
   return have.kind == want.kind && (want.kind == DeviceKind::kCpu || have.index == want.index);

@@ -66,6 +66,8 @@ void expect_descriptor(std::string_view op, std::string_view arg, const TensorVi
 // Small helpers for other checks in the same style.
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,
                        const std::string& expected);
+// "cpu", or "cuda:N": CUDA views and caches must be on the device the call runs on.
+std::string device_text(Device d);
 std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
 // The errors of the value checks, shared by the reference's checks and the GPU's fault records
 // (device_fault.cpp), so that both say the same for the same input: a bad slot (element `index` of

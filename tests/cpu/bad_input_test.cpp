@@ -22,6 +22,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/model.hpp"
 #include "support/expect_error.hpp"
+#include "support/gpu_only.hpp"
 #include "support/reference_ops.hpp"
 
 namespace latentkv::testing {
@@ -986,16 +987,24 @@ TEST(BadInput, RunNamesAnExtentPastInt32) {
 }
 
 // A call that names no device runs where its tensors are: on host tensors, the reference runs on
-// the CPU (also on a machine with a GPU, where the CPU tests run in scripts/gpu_run.sh), and the
-// CUDA backend refuses them as a call on the CPU, writing nothing.
+// the CPU (also on a machine with a GPU, where the CPU tests run in scripts/gpu_run.sh), and a
+// backend that runs only on a GPU refuses them as a call on the CPU, saying which memory chose it
+// (a call that names the CPU is refused without those words), writing nothing.
 TEST(BadInput, RunWithoutADeviceSelectsForTheTensorsDevice) {
   DecodeCase c, named;  // the same inputs (one seed)
   const MlaDecodeParams p = c.params();
-  if (const Backend* cuda = find_backend("cuda")) {
-    EXPECT_EQ(error_of([&] { run(*cuda, p); }),
-              "mla_decode: backend 'cuda' cannot run this call: needs a CUDA GPU (device is cpu)");
-    EXPECT_TRUE(c.outputs_untouched());
-  }
+  const GpuOnly gpu_only;
+  EXPECT_EQ(error_of([&] { run(gpu_only, p); }),
+            "mla_decode: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu); a call that names no "
+            "device runs where its cache.device is (cpu)");
+  EXPECT_EQ(error_of([&] { run(gpu_only, p, {}, DeviceInfo{}); }),
+            "mla_decode: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu)");
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1), slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  EXPECT_EQ(error_of([&] { run(gpu_only, c.topk_params(logits, slots, 4)); }),
+            "topk: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu); a call that names no device "
+            "runs where its logits.device is (cpu)");
+  EXPECT_TRUE(c.outputs_untouched());
+  EXPECT_TRUE(is_sentinel(slots));
   const Backend* reference = find_backend("reference");
   ASSERT_NE(reference, nullptr);
   ASSERT_EQ(error_of([&] { run(*reference, p); }), "");

@@ -20,6 +20,7 @@
 #include "support/checks_refuse.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
+#include "support/gpu_only.hpp"
 #include "support/host_tensor.hpp"
 #include "support/indexer_prefill.hpp"
 #include "support/paged_fixture.hpp"
@@ -212,6 +213,24 @@ TEST(DsaPrefillDevice, WithoutADeviceRunsWhereTheCacheIs) {
   ASSERT_FALSE(is_sentinel(unnamed.o));
   EXPECT_EQ(std::memcmp(unnamed.o.raw(), named.o.raw(), named.o.bytes()), 0);
   EXPECT_EQ(std::memcmp(unnamed.lse.raw(), named.lse.raw(), named.lse.bytes()), 0);
+}
+
+// As DsaDecodeDevice.APlanIsMadeOnlyForADeviceItsBackendsRun: the plan and the call refuse a step
+// whose backend cannot run on the device, by the step's name, writing nothing.
+TEST(DsaPrefillDevice, APlanIsMadeOnlyForADeviceItsBackendsRun) {
+  HostDsaPrefill d(test_rng(), {{0, 17}, {3, 9}}, 16, 4, 4, 16);
+  const GpuOnly gpu_only;
+  DsaBackends last_on_gpu = same_backend(reference_backend());
+  last_on_gpu.sparse_prefill = &gpu_only;
+  const std::string sparse = "sparse_mla_prefill: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu)";
+  const std::string chosen = "; a call that names no device runs where its cache.device is (cpu)";
+  EXPECT_EQ(error_of([&] { plan_dsa_prefill(last_on_gpu, d.params); }), sparse + chosen);
+  EXPECT_EQ(error_of([&] { plan_dsa_prefill(last_on_gpu, d.params, reference_device()); }), sparse);
+  EXPECT_EQ(error_of([&] { plan_dsa_prefill(same_backend(reference_backend()), d.params, test_gpu()); }),
+            "indexer_prefill: backend 'reference' cannot run this call: runs on the CPU only (device is test gpu)");
+  EXPECT_EQ(error_of([&] { dsa_prefill(last_on_gpu, d.params, d.plan); }), sparse + chosen);
+  EXPECT_TRUE(is_sentinel(d.o));
+  EXPECT_TRUE(is_sentinel(d.lse));
 }
 
 // No new tokens (every prompt already cached): no workspace to plan, nothing to run or write.

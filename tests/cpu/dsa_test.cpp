@@ -19,6 +19,7 @@
 #include "support/checks_refuse.hpp"
 #include "support/compare.hpp"
 #include "support/expect_error.hpp"
+#include "support/gpu_only.hpp"
 #include "support/host_tensor.hpp"
 #include "support/paged_fixture.hpp"
 #include "support/planned_reference.hpp"
@@ -165,6 +166,28 @@ TEST(DsaDecodeDevice, WithoutADeviceRunsWhereTheCacheIs) {
   ASSERT_FALSE(is_sentinel(unnamed.o));
   EXPECT_EQ(std::memcmp(unnamed.o.raw(), named.o.raw(), named.o.bytes()), 0);
   EXPECT_EQ(std::memcmp(unnamed.lse.raw(), named.lse.raw(), named.lse.bytes()), 0);
+}
+
+// A plan is made only for a device every step's backend runs on: planned for the CPU (named, or
+// chosen by the cache's memory) a backend that runs only on a GPU is refused by its step's name, and
+// the reference is refused a GPU, where it would otherwise have planned without a word. The calls
+// refuse alike, writing nothing.
+TEST(DsaDecodeDevice, APlanIsMadeOnlyForADeviceItsBackendsRun) {
+  HostDsa d = HostDsa(test_rng(), 4, {9, 3, 0}, 2, 4, 4, 8);
+  const GpuOnly gpu_only;
+  const std::string chosen = "; a call that names no device runs where its cache.device is (cpu)";
+  const std::string indexer = "indexer_logits: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu)";
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(same_backend(gpu_only), d.params); }), indexer + chosen);
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(same_backend(gpu_only), d.params, kCpu); }), indexer);
+  DsaBackends last_on_gpu = same_backend(reference());
+  last_on_gpu.sparse_decode = &gpu_only;
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(last_on_gpu, d.params); }),
+            "sparse_mla_decode: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu)" + chosen);
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(same_backend(reference()), d.params, test_gpu()); }),
+            "indexer_logits: backend 'reference' cannot run this call: runs on the CPU only (device is test gpu)");
+  EXPECT_EQ(error_of([&] { dsa_decode(last_on_gpu, d.params, d.plan); }),
+            "sparse_mla_decode: backend 'gpu_only' cannot run this call: needs a GPU (device is cpu)" + chosen);
+  EXPECT_TRUE(d.untouched());
 }
 
 // ---- rejected inputs ---------------------------------------------------------------------------

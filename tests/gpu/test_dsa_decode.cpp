@@ -290,6 +290,37 @@ TEST(GpuDsaDecodeEmpty, NoRequests) {
   LKV_CUDA_OK(cudaDeviceSynchronize());
 }
 
+// Planned without a device, over views of device memory: the plan is the current GPU's, the one
+// planned with detect_device() (shapes only: the views hold no data), and with the cache's
+// descriptor left in host memory the cuda backend refuses the plan, saying which view chose the CPU.
+TEST(GpuDsaDecodeDevice, APlanWithoutADeviceIsTheCurrentGpus) {
+  LKV_REQUIRE_GPU();
+  const Device gpu = Device::cuda(detect_device().index);
+  DsaDecodeParams p;
+  p.q = TensorView::contiguous(nullptr, DType::kBF16, {1, 1, 8, kQkDim}, gpu);
+  p.q_idx = TensorView::contiguous(nullptr, DType::kFP8E4M3, {1, 1, 32, kIndexerDim}, gpu);
+  p.weights = TensorView::contiguous(nullptr, DType::kF32, {1, 1, 32}, gpu);
+  p.cache = LatentCache{nullptr, KvDtype::kFp8E4M3, 1024, 64, gpu};
+  p.indexer = IndexerCache{nullptr, 1024, 64, gpu};
+  p.block_table = TensorView::contiguous(nullptr, DType::kI32, {1, 512}, gpu);
+  p.seq_lens = TensorView::contiguous(nullptr, DType::kI32, {1}, gpu);
+  p.o = TensorView::contiguous(nullptr, DType::kBF16, {1, 1, 8, kLatentDim}, gpu);
+  p.lse = TensorView::contiguous(nullptr, DType::kF32, {1, 1, 8}, gpu);
+  p.softmax_scale = kScale;
+  const DsaBackends backends = same_backend(*find_backend("cuda"));
+  const DsaPlan named = plan_dsa_decode(backends, p, detect_device()), unnamed = plan_dsa_decode(backends, p);
+  EXPECT_GT(named.sparse.num_splits, 1) << "one request's 2048 selected tokens are split over the GPU";
+  EXPECT_EQ(unnamed.sparse.num_splits, named.sparse.num_splits);
+  EXPECT_EQ(unnamed.workspace_bytes, named.workspace_bytes);
+  EXPECT_EQ(unnamed.indexer.workspace_bytes, named.indexer.workspace_bytes);
+  EXPECT_EQ(unnamed.topk.workspace_bytes, named.topk.workspace_bytes);
+  EXPECT_EQ(unnamed.topk_cleared_by_indexer, named.topk_cleared_by_indexer);
+  p.cache.device = Device::cpu();
+  EXPECT_EQ(error_of([&] { plan_dsa_decode(backends, p); }),
+            "indexer_logits: backend 'cuda' cannot run this call: needs a CUDA GPU (device is cpu); a call that names "
+            "no device runs where its cache.device is (cpu)");
+}
+
 // A page outside the pool in the block table that all three steps read: the indexer notes it first,
 // and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
 TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {
