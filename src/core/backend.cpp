@@ -145,8 +145,9 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
 
 namespace detail {
 
-std::string chosen_by(std::string_view anchor, Device where) {
-  return "; a call that names no device runs where its " + std::string(anchor) + " is (" + device_text(where) + ")";
+DeviceChoice chosen_by(std::string_view anchor, Device where) {
+  return {device_info_for(where),
+          "; a call that names no device runs where its " + std::string(anchor) + " is (" + device_text(where) + ")"};
 }
 
 Selection select_or_throw(const Backend& backend, const OpArgs& args, const DeviceInfo& device, std::string_view chosen) {
@@ -169,8 +170,8 @@ Kernel checked_kernel(const Backend& backend, const OpArgs& args, const DeviceIn
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context) {
   const Anchor anchor = anchor_of(args);
-  detail::select_or_throw(backend, args, device_info_for(anchor.device), detail::chosen_by(anchor.name, anchor.device))
-      .kernel->launch(args, context);
+  const detail::DeviceChoice chosen = detail::chosen_by(anchor.name, anchor.device);
+  detail::select_or_throw(backend, args, chosen.device, chosen.why).kernel->launch(args, context);
 }
 
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device) {

@@ -201,7 +201,10 @@ IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) 
 
 namespace {
 
-// plan_dsa_decode for `device`; `chosen` ends a refusal's message (detail::chosen_by) where the
+// Where a DSA call names no device: its main cache's (as run() takes a step's).
+detail::DeviceChoice by_cache(const LatentCache& cache) { return detail::chosen_by("cache.device", cache.device); }
+
+// plan_dsa_decode for `device`; `chosen` ends a refusal's message (DeviceChoice::why) where the
 // caller named no device.
 DsaPlan plan_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device,
                     std::string_view chosen) {
@@ -227,7 +230,8 @@ DsaPlan plan_decode(const DsaBackends& backends, const DsaDecodeParams& p, const
 }  // namespace
 
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p) {
-  return plan_decode(backends, p, device_info_for(p.cache.device), detail::chosen_by("cache.device", p.cache.device));
+  const detail::DeviceChoice chosen = by_cache(p.cache);
+  return plan_decode(backends, p, chosen.device, chosen.why);
 }
 
 DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DeviceInfo& device) {
@@ -300,8 +304,8 @@ void run_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
 
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
                 const ExecContext& context) {
-  run_decode(backends, p, plan, context, device_info_for(p.cache.device),
-             detail::chosen_by("cache.device", p.cache.device));
+  const detail::DeviceChoice chosen = by_cache(p.cache);
+  run_decode(backends, p, plan, context, chosen.device, chosen.why);
 }
 
 void dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, const DsaPlan& plan,
@@ -396,7 +400,8 @@ DsaPrefillPlan plan_prefill(const DsaBackends& backends, const DsaPrefillParams&
 }  // namespace
 
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p) {
-  return plan_prefill(backends, p, device_info_for(p.cache.device), detail::chosen_by("cache.device", p.cache.device));
+  const detail::DeviceChoice chosen = by_cache(p.cache);
+  return plan_prefill(backends, p, chosen.device, chosen.why);
 }
 
 DsaPrefillPlan plan_dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DeviceInfo& device) {
@@ -444,8 +449,8 @@ void run_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
 
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,
                  const ExecContext& context) {
-  run_prefill(backends, p, plan, context, device_info_for(p.cache.device),
-              detail::chosen_by("cache.device", p.cache.device));
+  const detail::DeviceChoice chosen = by_cache(p.cache);
+  run_prefill(backends, p, plan, context, chosen.device, chosen.why);
 }
 
 void dsa_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const DsaPrefillPlan& plan,

@@ -8,9 +8,14 @@
 
 namespace latentkv::detail {
 
-// Where a call names no device, the words its refusal ends with, naming the memory that chose the
-// device it was selected for: "; a call that names no device runs where its cache.device is (cpu)".
-std::string chosen_by(std::string_view anchor, Device where);
+// Where a call names no device: the device its memory at `where` chooses (device_info_for), and the
+// words a refusal ends with, naming the view (`anchor`) that chose it: "; a call that names no
+// device runs where its cache.device is (cpu)".
+struct DeviceChoice {
+  DeviceInfo device;
+  std::string why;
+};
+DeviceChoice chosen_by(std::string_view anchor, Device where);
 
 // What `backend` selects for `args` on `device`; throws the Error run() throws when it refuses
 // (ending with `chosen`, chosen_by's words where the caller named no device), so that a call of
