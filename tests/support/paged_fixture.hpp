@@ -196,6 +196,15 @@ inline void random_token_values(Rng& rng, const PagedFixtureOptions& o, std::uin
   for (int j = 0; j < kIndexerDim; ++j) key128[j] = bf16_encode(static_cast<float>(rng.normal(0.0, o.key_stddev)));
 }
 
+// work(w) for w = 0 .. workers - 1 at once, worker 0 on the calling thread and each other on a thread
+// of its own; returns when all are done. `work` keeps its own errors (it must not throw).
+inline void on_threads(std::size_t workers, const std::function<void(std::size_t)>& work) {
+  std::vector<std::thread> pool;
+  for (std::size_t w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (std::thread& t : pool) t.join();
+}
+
 // The generator's draws random_token_values takes per token: one per block's magnitude, two per
 // normal value.
 inline constexpr std::uint64_t kDrawsPerRandomToken = kFp8ScalesPerToken + 2 * (kQkDim + kIndexerDim);
@@ -208,15 +217,13 @@ inline void random_tokens(Rng& rng, const PagedFixtureOptions& o, std::int64_t c
                           std::uint16_t* keys, unsigned threads) {
   constexpr std::int64_t kLeastTokensPerThread = 8192;
   const std::int64_t workers = std::clamp<std::int64_t>(count / kLeastTokensPerThread, 1, std::max(1u, threads));
-  const auto fill = [&](std::int64_t first, std::int64_t last) {
+  on_threads(static_cast<std::size_t>(workers), [&](std::size_t w) {  // worker w: an even share, in order
+    const std::int64_t first = count * static_cast<std::int64_t>(w) / workers;
+    const std::int64_t last = count * static_cast<std::int64_t>(w + 1) / workers;
     Rng r = rng;
     r.discard(static_cast<std::uint64_t>(first) * kDrawsPerRandomToken);
     for (std::int64_t t = first; t < last; ++t) random_token_values(r, o, latents + t * kQkDim, keys + t * kIndexerDim);
-  };
-  std::vector<std::thread> pool;
-  for (std::int64_t w = 1; w < workers; ++w) pool.emplace_back(fill, count * w / workers, count * (w + 1) / workers);
-  fill(0, count / workers);
-  for (std::thread& t : pool) t.join();
+  });
   rng.discard(static_cast<std::uint64_t>(count) * kDrawsPerRandomToken);
 }
 
@@ -329,9 +336,9 @@ inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
     p.scale_mode = o.scale_mode;
     appends.push_back(p);
   }
-  std::atomic<std::size_t> next{0};
+  std::atomic<std::size_t> next{0};  // the requests' lengths differ: each worker takes the next one
   std::vector<std::exception_ptr> errors(appends.size());
-  const auto append_some = [&] {
+  on_threads(std::min<std::size_t>(threads, appends.size()), [&](std::size_t) {
     for (std::size_t i = next++; i < appends.size(); i = next++) {
       try {
         cpu::append(appends[i]);
@@ -339,11 +346,7 @@ inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
         errors[i] = std::current_exception();
       }
     }
-  };
-  std::vector<std::thread> pool;
-  for (unsigned w = 1; w < std::min<std::size_t>(threads, appends.size()); ++w) pool.emplace_back(append_some);
-  append_some();
-  for (std::thread& t : pool) t.join();
+  });
   for (const std::exception_ptr& e : errors) {
     if (e) std::rethrow_exception(e);
   }
