@@ -37,10 +37,56 @@ void check_backend_names(const std::vector<std::string>& names) {
   }
 }
 
+const std::vector<std::string> kOps = {"mla_decode",         "sparse_mla_decode", "indexer_logits",
+                                       "topk",               "dsa_decode",        "mla_prefill",
+                                       "sparse_mla_prefill", "indexer_prefill",   "dsa_prefill"};
+
+// Which ops read the options only some take. The others refuse them (check_bench_options), and the
+// repro line leaves them out.
+bool is_prefill(const std::string& op) { return op.ends_with("prefill"); }
+bool is_decode(const std::string& op) { return !is_prefill(op); }
+bool reads_topk(const std::string& op) { return op != "mla_decode" && op != "indexer_logits" && op != "mla_prefill"; }
+bool reads_splits(const std::string& op) { return op == "mla_decode" || op == "sparse_mla_decode"; }
+bool reads_context_min(const std::string& op) { return op == "mla_decode"; }
+bool reads_heads(const std::string& op) { return op != "topk"; }
+// The ops whose main cache may be bf16; the indexer ops read only the fp8 indexer cache, topk none,
+// and dsa_decode (and its cast baselines) the fp8 main cache.
+bool reads_kv_dtype(const std::string& op) {
+  return op == "mla_decode" || op == "sparse_mla_decode" || op == "mla_prefill" || op == "sparse_mla_prefill" ||
+         op == "dsa_prefill";
+}
+
+// Throws latentkv::Error naming --op unless the op reads the option `given` (as typed: "--splits",
+// "--kv-dtype bf16"): "expected mla_decode or sparse_mla_decode with --splits".
+void refuse_unless_read(const std::string& op, bool (*reads)(const std::string&), const std::string& given) {
+  if (reads(op)) return;
+  std::vector<std::string> readers;
+  for (const std::string& other : kOps) {
+    if (reads(other)) readers.push_back(other);
+  }
+  const std::string last = readers.back();
+  readers.pop_back();
+  const std::string ops = readers.empty() ? last : join(readers, ", ") + " or " + last;
+  throw Error("bench", "--op", op, ops + " with " + given);
+}
+
+// Refuses what the op does not read: the options only some ops take, given (or set away from their
+// defaults, which every op takes alike).
+void check_op_reads(const BenchOptions& o) {
+  const BenchOptions defaults;
+  if (o.splits > 0) refuse_unless_read(o.op, reads_splits, "--splits");
+  if (o.context_min > 0) refuse_unless_read(o.op, reads_context_min, "--context-min");
+  if (o.heads > 0) refuse_unless_read(o.op, reads_heads, "--heads");
+  if (o.topk != defaults.topk) refuse_unless_read(o.op, reads_topk, "--topk");
+  if (o.q_len != defaults.q_len) refuse_unless_read(o.op, is_decode, "--q-len");
+  if (o.new_tokens != defaults.new_tokens) refuse_unless_read(o.op, is_prefill, "--new-tokens");
+  if (o.kv_dtype != defaults.kv_dtype) refuse_unless_read(o.op, reads_kv_dtype, "--kv-dtype " + o.kv_dtype);
+}
+
 // What an op's shape asks of the lengths, checked before the GPU is looked for.
 void check_lengths(const BenchOptions& o) {
   const std::string context = std::to_string(o.context);
-  if (o.op.ends_with("prefill")) {
+  if (is_prefill(o.op)) {
     if (o.new_tokens > o.context) {
       throw Error("bench", "--new-tokens", std::to_string(o.new_tokens), "at most --context (" + context + ")");
     }
@@ -60,13 +106,14 @@ void check_lengths(const BenchOptions& o) {
 CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--op", o.op, "Operation to time")
       ->capture_default_str()
-      ->check(CLI::IsMember({"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode", "mla_prefill",
-                             "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}));
+      ->check(CLI::IsMember(kOps));
   cmd.add_option("--model", o.model, "Model preset (glm5, deepseek-v3.2)")->capture_default_str();
   cmd.add_option("--tp", o.tp, "Tensor parallelism (divides the heads)")
       ->capture_default_str()
       ->check(integer_in(1, kIntMax));
-  cmd.add_option("--heads", o.heads, "Query heads per GPU (default: the model's over --tp)")
+  cmd.add_option("--heads", o.heads,
+                 "Query heads per GPU (default: the model's over --tp; indexer_logits, indexer_prefill: indexer "
+                 "heads, default the model's; not topk)")
       ->check(integer_in(1, 128));
   cmd.add_option("--batch", o.batch, "Requests")->capture_default_str()->check(integer_in(1, 4096));
   cmd.add_option("--context", o.context, "Tokens per request")->capture_default_str()->check(integer_in(1, kIntMax));
@@ -78,7 +125,9 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
                  "and the bench warns when that is too few to keep their inputs out of the L2")
       ->capture_default_str()
       ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
-  cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4)")->capture_default_str()->check(integer_in(1, 4));
+  cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4; decode ops)")
+      ->capture_default_str()
+      ->check(integer_in(1, 4));
   cmd.add_option("--new-tokens", o.new_tokens, "New tokens per request (prefill ops)")
       ->capture_default_str()
       ->check(integer_in(1, kIntMax));
@@ -90,7 +139,9 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--splits", o.splits,
                  "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
       ->check(integer_in(1, 1024));
-  cmd.add_option("--kv-dtype", o.kv_dtype, "Cache dtype")
+  cmd.add_option("--kv-dtype", o.kv_dtype,
+                 "Main cache dtype (mla_decode, sparse_mla_decode, mla_prefill, sparse_mla_prefill, dsa_prefill; "
+                 "the other ops read fp8 caches only)")
       ->capture_default_str()
       ->transform(CLI::Transformer({{"fp8", "fp8_e4m3"}}))
       ->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
@@ -114,17 +165,15 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
 
 void check_bench_options(const BenchOptions& o, bool check_requests_given) {
   check_backend_names(o.backends);
-  if (o.splits > 0 && o.op != "mla_decode" && o.op != "sparse_mla_decode") {
-    throw Error("bench", "--op", o.op, "mla_decode or sparse_mla_decode with --splits");
-  }
-  if (o.context_min > 0 && o.op != "mla_decode") {
-    throw Error("bench", "--op", o.op, "mla_decode with --context-min");
-  }
+  check_op_reads(o);
   if (o.context_min > o.context) {
     throw Error("bench", "--context-min", std::to_string(o.context_min),
                 "at most --context (" + std::to_string(o.context) + ")");
   }
   check_lengths(o);
+  // One set of requests must fit in the pool (the timed calls rotate over as many as it holds).
+  check_pool("bench", o.pool, pool_tokens_needed("bench", o.batch, o.context, o.page_size), o.batch, o.context,
+             o.page_size);
   if (check_requests_given && o.check_requests > o.batch) {
     throw Error("bench", "--check-requests", std::to_string(o.check_requests),
                 "at most the batch, " + std::to_string(o.batch) + " (--batch)");
@@ -139,12 +188,13 @@ std::string repro_line(const BenchOptions& o) {
   os << " --batch " << o.batch << " --context " << o.context;
   if (o.context_min > 0) os << " --context-min " << o.context_min;
   os << " --pool " << o.pool;
-  if (o.op.ends_with("prefill")) os << " --new-tokens " << o.new_tokens;
+  if (is_prefill(o.op)) os << " --new-tokens " << o.new_tokens;
   else os << " --q-len " << o.q_len;
   os << " --page-size " << o.page_size;
   if (o.splits > 0) os << " --splits " << o.splits;
-  if (o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill") os << " --topk " << o.topk;
-  os << " --kv-dtype " << o.kv_dtype << " --backends " << join(o.backends) << " --iters " << o.iters << " --warmup "
+  if (reads_topk(o.op)) os << " --topk " << o.topk;
+  if (reads_kv_dtype(o.op)) os << " --kv-dtype " << o.kv_dtype;
+  os << " --backends " << join(o.backends) << " --iters " << o.iters << " --warmup "
      << o.warmup << " --launch " << o.launch << " --seed " << o.seed;
   if (o.check_requests != BenchOptions{}.check_requests) os << " --check-requests " << o.check_requests;
   return os.str();
@@ -161,8 +211,8 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
   appendf(out, "least call (this run): %.1f us, an empty one-CTA kernel as %s, queued behind a held GPU%s\n",
           graphs ? r.empty_graph_us : r.empty_launch_us, graphs ? "a one-kernel graph" : "one launch",
           o.launch == "paced" ? " (the calls below are paced by the host)" : ", as the calls below");
-  const bool prefill = o.op.ends_with("prefill");
-  const bool sparse = o.op != "mla_decode" && o.op != "indexer_logits" && o.op != "mla_prefill";
+  const bool prefill = is_prefill(o.op);
+  const bool sparse = reads_topk(o.op);
   const std::string queries =
       prefill ? "new tokens " + std::to_string(o.new_tokens) : "q_len " + std::to_string(o.q_len);
   const std::string context =

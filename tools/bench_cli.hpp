@@ -16,13 +16,16 @@ namespace latentkv::tools {
 CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& options);
 
 // What the command line can get wrong, checked before anything runs: throws latentkv::Error naming
-// the option, the value and what was expected. `check_requests_given`: --check-requests was typed
-// (its default adapts to the batch; a typed value must fit it).
+// the option, the value and what was expected. That includes an option the op does not read, given
+// or set away from its default (--kv-dtype bf16 with an op that reads fp8 caches only, --topk with
+// a dense op, --q-len with a prefill op ...), and a --pool that cannot hold one set of --batch
+// requests of --context tokens. `check_requests_given`: --check-requests was typed (its default
+// adapts to the batch; a typed value must fit it).
 void check_bench_options(const BenchOptions& options, bool check_requests_given);
 
 // A `latentkv bench ...` line that runs the same measurement again: the options the op reads
-// (--q-len or --new-tokens, --topk and --splits only for the ops that take them; --heads,
-// --context-min and --check-requests only when given), and no --json.
+// (--q-len or --new-tokens, --topk, --splits and --kv-dtype only for the ops that take them;
+// --heads, --context-min and --check-requests only when given), and no --json.
 std::string repro_line(const BenchOptions& options);
 
 // The report as printed: the device, the ceilings and least call of the run, the shape, one row per

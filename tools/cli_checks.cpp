@@ -136,6 +136,38 @@ ModelShard shard_from_flags(const std::string& command, const std::string& model
   }
 }
 
+std::int64_t pool_tokens_needed(const std::string& command, int batch, std::int64_t context, int page_size) {
+  // --batch, --context and --page-size are at most 2^31 - 1, so nothing here overflows.
+  const std::int64_t pages_per_request = (context + page_size - 1) / page_size;
+  const std::int64_t needed = static_cast<std::int64_t>(batch) * pages_per_request * page_size;
+  if (needed > max_pool_tokens(page_size)) {
+    throw Error(command, std::to_string(batch) + " requests of " + std::to_string(context) +
+                             " tokens in whole pages of " + std::to_string(page_size) + " need " +
+                             std::to_string(needed) + " slots, more than the " +
+                             std::to_string(max_pool_tokens(page_size)) +
+                             " a pool of int32 slots holds: lower --batch, --context or --page-size");
+  }
+  return needed;
+}
+
+void check_pool(const std::string& command, std::int64_t pool, std::int64_t needed, int batch, std::int64_t context,
+                int page_size) {
+  if (pool > max_pool_tokens(page_size)) {  // --pool itself is below 2^31; rounded up to whole pages it may not be
+    throw Error(command, "--pool", std::to_string(pool),
+                "at most " + std::to_string(max_pool_tokens(page_size)) + " (rounded up to whole pages of " +
+                    std::to_string(page_size) + " tokens, the pool must stay below 2^31 slots: slots are int32)");
+  }
+  if (pool < needed) {  // what the requests' pages take; a pool of more is rounded up to whole pages
+    const std::int64_t pages_per_request = (context + page_size - 1) / page_size;
+    throw Error(command, "--pool", std::to_string(pool),
+                ">= " + std::to_string(needed) + " tokens (" + std::to_string(batch) +
+                    (batch == 1 ? " request of " : " requests of ") + std::to_string(context) + " tokens take" +
+                    (batch == 1 ? "s " : " ") + std::to_string(pages_per_request) + " page" +
+                    (pages_per_request == 1 ? "" : "s") + " of " + std::to_string(page_size) +
+                    (batch == 1 ? ")" : " each)"));
+  }
+}
+
 std::string gigabytes(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f GB", bytes / 1e9);

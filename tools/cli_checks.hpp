@@ -43,6 +43,19 @@ void write_output_file(const std::string& command, const std::string& option, co
 // "--tp", ...) when there is no such preset or tp does not divide its attention heads.
 ModelShard shard_from_flags(const std::string& command, const std::string& model, int tp);
 
+// The most tokens a pool of whole pages of `page_size` holds with int32 slots.
+constexpr std::int64_t max_pool_tokens(int page_size) { return kMaxSlots / page_size * page_size; }
+
+// The slots `batch` requests of `context` tokens take in whole pages of `page_size`; throws
+// latentkv::Error(command, ...) when that is more than a pool of int32 slots holds.
+std::int64_t pool_tokens_needed(const std::string& command, int batch, std::int64_t context, int page_size);
+
+// Throws latentkv::Error(command, "--pool", ...) unless `pool` tokens, rounded up to whole pages of
+// `page_size`, stay within int32 slots and hold `needed` = pool_tokens_needed(command, batch,
+// context, page_size).
+void check_pool(const std::string& command, std::int64_t pool, std::int64_t needed, int batch, std::int64_t context,
+                int page_size);
+
 // "12.3 GB"
 std::string gigabytes(double bytes);
 

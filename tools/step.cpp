@@ -114,33 +114,17 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
                 "<= " + std::to_string(m.max_positions) + " (max positions of " + m.name + ")");
   }
   // The pool must hold every request's pages, in whole pages of int32 slots; the default leaves
-  // room as a server would. (--context and --pool are at most 2^31 - 1, so nothing here overflows.)
-  const std::string pages_of = " in whole pages of " + std::to_string(s.page_size);
-  const std::int64_t max_pool = kMaxSlots / s.page_size * s.page_size;
-  const std::int64_t pages_per_request = round_up(s.context, s.page_size) / s.page_size;
-  const std::int64_t needed = static_cast<std::int64_t>(s.batch) * pages_per_request * s.page_size;
-  if (needed > max_pool) {
-    throw Error("step", std::to_string(s.batch) + " requests of " + std::to_string(s.context) + " tokens" + pages_of +
-                            " need " + std::to_string(needed) + " slots, more than the " + std::to_string(max_pool) +
-                            " a pool of int32 slots holds: lower --batch, --context or --page-size");
-  }
+  // room as a server would.
+  const std::int64_t needed = pool_tokens_needed("step", s.batch, s.context, s.page_size);
   std::int64_t pool = o.pool;
   if (pool == 0) {
-    pool = std::min(max_pool, cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8));
+    pool = std::min(max_pool_tokens(s.page_size),
+                    cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8));
     if (!cpu && pool != kGpuPool) {
       run.notes.push_back("pool grown to " + std::to_string(pool) + " tokens per layer to hold the batch");
     }
-  } else if (pool > max_pool) {  // --pool itself is below 2^31; rounded up to whole pages it is not
-    throw Error("step", "--pool", std::to_string(o.pool),
-                "at most " + std::to_string(max_pool) + " (rounded up to whole pages of " +
-                    std::to_string(s.page_size) + " tokens, the pool must stay below 2^31 slots: slots are int32)");
-  } else if (pool < needed) {  // what the requests' pages take; a pool of more is rounded up to whole pages
-    throw Error("step", "--pool", std::to_string(o.pool),
-                ">= " + std::to_string(needed) + " tokens (" + std::to_string(s.batch) +
-                    (s.batch == 1 ? " request of " : " requests of ") + std::to_string(s.context) + " tokens take" +
-                    (s.batch == 1 ? "s " : " ") + std::to_string(pages_per_request) + " page" +
-                    (pages_per_request == 1 ? "" : "s") + " of " + std::to_string(s.page_size) +
-                    (s.batch == 1 ? ")" : " each)"));
+  } else {
+    check_pool("step", pool, needed, s.batch, s.context, s.page_size);
   }
   s.pool_tokens = round_up(pool, s.page_size);
 

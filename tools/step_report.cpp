@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -455,15 +457,26 @@ double non_negative(const nlohmann::json& parent, const char* key, const std::st
   return x;
 }
 
-// An integer of the shape, at least `least`.
+// An integer field from `least` to what T holds, `where` + key in messages: a fraction, or a value
+// past T, is refused rather than truncated or wrapped.
 template <typename T>
-T at_least(const nlohmann::json& shape, const char* key, std::int64_t least) {
-  const nlohmann::json& v = shape.at(key);
-  const auto x = v.get<T>();
-  if (!v.is_number_integer() || x < least) {
-    bad_field(std::string("shape.") + key, v, "an integer >= " + std::to_string(least));
+T at_least(const nlohmann::json& parent, const char* key, std::int64_t least, const std::string& where = "shape.") {
+  const nlohmann::json& v = parent.at(key);
+  constexpr auto most = static_cast<std::int64_t>(std::numeric_limits<T>::max());
+  std::int64_t x = 0;
+  bool below_most = false;
+  if (v.is_number_unsigned()) {  // JSON's non-negative integers, up to 2^64 - 1
+    const auto u = v.get<std::uint64_t>();
+    below_most = u <= static_cast<std::uint64_t>(most);
+    x = below_most ? static_cast<std::int64_t>(u) : 0;
+  } else if (v.is_number_integer()) {
+    x = v.get<std::int64_t>();
+    below_most = x <= most;
   }
-  return x;
+  if (!below_most || x < least) {
+    bad_field(where + key, v, "an integer in " + std::to_string(least) + " .. " + std::to_string(most));
+  }
+  return static_cast<T>(x);
 }
 
 // "append, indexer_logits, topk, sparse_decode"
@@ -505,10 +518,8 @@ StepReport parse_report_json(std::string_view text) {
     r.matrix_how = j.at("matrix_how").is_null() ? "" : j.at("matrix_how").get<std::string>();
     // Absent from reports written before it was measured.
     r.launch_us = j.contains("launch_us") ? non_negative(j, "launch_us", "") : 0.0;
-    r.warmup = j.at("warmup").get<int>();
-    if (r.warmup < 0) bad_field("warmup", j.at("warmup"), ">= 0");
-    r.iters = j.at("iters").get<int>();
-    if (r.iters < 1) bad_field("iters", j.at("iters"), ">= 1");
+    r.warmup = at_least<int>(j, "warmup", 0, "");
+    r.iters = at_least<int>(j, "iters", 1, "");
     if (!j.at("seed").is_number_unsigned()) bad_field("seed", j.at("seed"), "an integer >= 0");
     r.seed = j.at("seed").get<std::uint64_t>();
     const json& strategies = j.at("strategies");

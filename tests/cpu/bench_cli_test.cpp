@@ -111,6 +111,9 @@ TEST(BenchCli, ReproLineNamesOnlyTheOptionsTheOpReads) {
     EXPECT_EQ(has(line, "--new-tokens"), prefill) << line;
     EXPECT_EQ(has(line, "--q-len"), !prefill) << line;
     EXPECT_EQ(has(line, "--topk"), ranks) << line;
+    const bool bf16_cache = op == "mla_decode" || op == "sparse_mla_decode" || op == "mla_prefill" ||
+                            op == "sparse_mla_prefill" || op == "dsa_prefill";
+    EXPECT_EQ(has(line, "--kv-dtype"), bf16_cache) << line;
     EXPECT_FALSE(has(line, "--heads") || has(line, "--splits") || has(line, "--context-min") || has(line, "--json"))
         << line;
   }
@@ -247,6 +250,82 @@ TEST(BenchCli, BoundsIncludeTheirLimit) {
   EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false));
   o.context = 299;
   EXPECT_THROW(latentkv::tools::check_bench_options(o, false), latentkv::Error);
+}
+
+// An option the op does not read is refused (not ignored while the header and the JSON print it),
+// naming --op and the ops that do read it; the same option is taken by those ops.
+TEST(BenchCli, OptionsTheOpDoesNotReadAreRefused) {
+  struct Unread {
+    std::string given;
+    void (*set)(BenchOptions&);
+    std::set<std::string> readers;
+  };
+  const std::set<std::string> decode = {"mla_decode", "sparse_mla_decode", "indexer_logits", "topk", "dsa_decode"};
+  const std::set<std::string> prefill = {"mla_prefill", "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"};
+  const std::vector<Unread> options = {
+      {"--kv-dtype bf16", [](BenchOptions& o) { o.kv_dtype = "bf16"; },
+       {"mla_decode", "sparse_mla_decode", "mla_prefill", "sparse_mla_prefill", "dsa_prefill"}},
+      {"--topk", [](BenchOptions& o) { o.topk = 1024; },
+       {"sparse_mla_decode", "topk", "dsa_decode", "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}},
+      {"--q-len", [](BenchOptions& o) { o.q_len = 2; }, decode},
+      {"--new-tokens", [](BenchOptions& o) { o.new_tokens = 512; }, prefill},
+      {"--heads", [](BenchOptions& o) { o.heads = 16; },
+       {"mla_decode", "sparse_mla_decode", "indexer_logits", "dsa_decode", "mla_prefill", "sparse_mla_prefill",
+        "indexer_prefill", "dsa_prefill"}},
+      {"--splits", [](BenchOptions& o) { o.splits = 4; }, {"mla_decode", "sparse_mla_decode"}},
+      {"--context-min", [](BenchOptions& o) { o.context_min = 1000; }, {"mla_decode"}},
+  };
+  for (const Unread& u : options) {
+    for (const std::string& op : kOps) {
+      BenchOptions o;
+      o.op = op;
+      u.set(o);
+      if (u.readers.contains(op)) {
+        EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op << " " << u.given;
+        continue;
+      }
+      try {
+        latentkv::tools::check_bench_options(o, false);
+        ADD_FAILURE() << op << " took " << u.given;
+      } catch (const latentkv::Error& e) {
+        EXPECT_EQ(e.argument(), "--op") << e.what();
+        EXPECT_THAT(e.what(), HasSubstr(" with " + u.given)) << op;
+        for (const std::string& reader : u.readers) EXPECT_THAT(e.expected(), HasSubstr(reader)) << e.what();
+      }
+    }
+  }
+}
+
+// The pool must hold one set of the requests, in whole pages, and stay within int32 slots (as in
+// `latentkv step`); refused before anything runs, not when the GPU's pages run out.
+TEST(BenchCli, PoolMustHoldOneSetOfRequests) {
+  for (const std::string& op : kOps) {
+    BenchOptions o;
+    o.op = op;
+    o.batch = 3;
+    o.context = 1000;
+    o.page_size = 64;
+    if (op.ends_with("prefill")) o.new_tokens = 100;
+    o.pool = 3 * 16 * 64;  // 16 pages of 64 a request
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+    o.pool -= 1;
+    try {
+      latentkv::tools::check_bench_options(o, false);
+      ADD_FAILURE() << op << " took a pool of " << o.pool;
+    } catch (const latentkv::Error& e) {
+      EXPECT_EQ(e.argument(), "--pool") << e.what();
+      EXPECT_THAT(e.expected(), HasSubstr(">= 3072 tokens (3 requests of 1000 tokens take 16 pages of 64 each)"));
+    }
+  }
+  BenchOptions big;
+  big.page_size = 100;
+  big.pool = 2147483647;  // rounded up to whole pages of 100: past int32 slots
+  EXPECT_THROW(latentkv::tools::check_bench_options(big, false), latentkv::Error);
+  big.pool = 2147483600;
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(big, false));
+  big.batch = 4096;  // 4096 x 524,288 slots
+  big.context = 524288;
+  EXPECT_THROW(latentkv::tools::check_bench_options(big, false), latentkv::Error);
 }
 
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {

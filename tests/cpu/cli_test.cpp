@@ -253,6 +253,10 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   EXPECT_THAT(fraction.err, HasSubstr("--iters: '1.0' is not an integer"));
   // The same checks in the other subcommands.
   EXPECT_THAT(run({"demo", "--batch", "65"}).err, HasSubstr("--batch: 65 is not in 1 .. 64"));
+  const Result positions = run({"demo", "--model", "deepseek-v3.2", "--context", "170000"});
+  EXPECT_EQ(positions.exit_code, 2);
+  EXPECT_THAT(positions.err, HasSubstr("demo: argument '--context' = 170000: expected <= 163840 (max positions of "
+                                       "deepseek-v3.2)"));
   EXPECT_THAT(run({"demo", "--tp", "0"}).err, HasSubstr("--tp: 0 is not in 1 .. "));
   const Result negative = run({"bench", "--check-requests", "-5"});
   EXPECT_EQ(negative.exit_code, 2);
@@ -275,6 +279,24 @@ TEST_F(Cli, UsageErrorsExitTwoInDemoAndBench) {
   const Result unknown = run({"foo"});
   EXPECT_EQ(unknown.exit_code, 2);
   EXPECT_THAT(unknown.err, HasSubstr("unknown subcommand 'foo'"));
+}
+
+// What bench's op would not read, and a pool too small for the requests, are refused before the GPU
+// is looked for (the message is the option's, not the missing GPU's).
+TEST_F(Cli, BenchRefusesWhatItsOpWouldNotRunBeforeLookingForAGpu) {
+  const Result dtype = run({"bench", "--op", "dsa_decode", "--kv-dtype", "bf16"});
+  EXPECT_EQ(dtype.exit_code, 2);
+  EXPECT_THAT(dtype.err, HasSubstr("argument '--op' = dsa_decode: expected mla_decode, sparse_mla_decode, "
+                                   "mla_prefill, sparse_mla_prefill or dsa_prefill with --kv-dtype bf16"));
+  const Result q_len = run({"bench", "--op", "mla_prefill", "--q-len", "4"});
+  EXPECT_EQ(q_len.exit_code, 2);
+  EXPECT_THAT(q_len.err, HasSubstr("argument '--op' = mla_prefill: expected mla_decode, sparse_mla_decode, "
+                                   "indexer_logits, topk or dsa_decode with --q-len"));
+  const Result pool = run({"bench", "--pool", "1000", "--context", "4096"});
+  EXPECT_EQ(pool.exit_code, 2);
+  EXPECT_THAT(pool.err, HasSubstr("argument '--pool' = 1000: expected >= 4096 tokens (1 request of 4096 tokens "
+                                  "takes 64 pages of 64)"));
+  EXPECT_EQ(pool.out, "");
 }
 
 TEST_F(Cli, ModelAndTpErrorsNameTheCommandAndTheFlag) {
@@ -535,7 +557,8 @@ TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {
     EXPECT_THAT(r.err, HasSubstr(want)) << name;
     EXPECT_EQ(r.out, "") << name;
   };
-  refused("batch.json", [](nlohmann::json& j) { j["shape"]["batch"] = 0; }, "shape.batch = 0: expected an integer >= 1");
+  refused("batch.json", [](nlohmann::json& j) { j["shape"]["batch"] = 0; },
+          "shape.batch = 0: expected an integer in 1 .. 2147483647");
   refused("layers.json", [](nlohmann::json& j) { j["shape"]["layers"] = -2; }, "shape.layers = -2: expected");
   refused("time.json", [](nlohmann::json& j) { j["strategies"][0]["ops"][1]["us"] = -5.0; },
           "strategies[0].ops[1].us = -5.0: expected >= 0");
