@@ -252,10 +252,12 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_plan_scratch(kOp, "plan.indexer.workspace_bytes", plan.indexer.workspace_bytes);
   check_plan_scratch(kOp, "plan.topk.workspace_bytes", plan.topk.workspace_bytes);
   check_plan_scratch(kOp, "plan.sparse.workspace_bytes", plan.sparse.workspace_bytes);
-  // The indexer step zeroes this much from the start of the top-k's scratch: no more than there is.
-  if (plan.topk_cleared_by_indexer && plan.topk.cleared_bytes > plan.topk.workspace_bytes) {
+  // The indexer step zeroes this much from the start of the top-k's scratch: no more than there is,
+  // and something (the plan sets topk_cleared_by_indexer only for a top-k that takes cleared scratch).
+  if (plan.topk_cleared_by_indexer &&
+      (plan.topk.cleared_bytes == 0 || plan.topk.cleared_bytes > plan.topk.workspace_bytes)) {
     throw Error(std::string(kOp), "plan.topk.cleared_bytes", std::to_string(plan.topk.cleared_bytes),
-                "<= plan.topk.workspace_bytes (" + std::to_string(plan.topk.workspace_bytes) +
+                "1 .. plan.topk.workspace_bytes (" + std::to_string(plan.topk.workspace_bytes) +
                     "): with topk_cleared_by_indexer the indexer step clears that much of the top-k's scratch");
   }
   const Layout l = layout_of(p, plan);
@@ -275,12 +277,14 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.sparse : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
-  // Every step's arguments, then the workspace apart from the caller's arguments: for dsa_decode,
-  // before it queues any step, and for callers that run the steps one by one.
+  // The workspace apart from the caller's arguments, then every step's arguments: for dsa_decode,
+  // before it queues any step, and for callers that run the steps one by one. In that order, an
+  // argument inside the workspace is named as the caller passed it (a step would name the view of
+  // its own it meets there: logits, slots, indices).
+  check_workspace_apart(kOp, p);
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.topk, p.q.device);
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
-  check_workspace_apart(kOp, p);
   return s;
 }
 
@@ -339,6 +343,12 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
   }
   check_caches_and_topk(kPrefillOp, p.indexer, p.cache, p.topk);
   check_rows_fit(kPrefillOp, p.q, p.q.size(0), std::int64_t{p.topk} * 4, "i32 top-k slots");
+  // Here, before a plan's chunk (which a backend may fill in for any value it takes as its default)
+  // stands in for it: refused on every backend alike, as indexer_prefill refuses it.
+  if (p.chunk_tokens < 0) {
+    throw Error(std::string(kPrefillOp), "chunk_tokens", std::to_string(p.chunk_tokens),
+                ">= 0 (0: the backend's default)");
+  }
 }
 
 // The index rows [T, topk], then one scratch region that the two steps use in turn (they run one
@@ -422,12 +432,12 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   s.sparse.num_splits = plan.sparse.num_splits;
   s.sparse.workspace = plan.sparse.workspace_bytes ? base + l.scratch : nullptr;
   s.sparse.workspace_bytes = plan.sparse.workspace_bytes;
-  // Both steps' arguments, then the workspace apart from the caller's arguments (as dsa_steps). Both
+  // The workspace apart from the caller's arguments, then both steps' arguments (as dsa_steps). Both
   // steps run without new tokens too: nothing to compute, but their offsets, lengths and pages are
   // checked.
+  check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
   detail::validate_shapes(s.indexer, p.q.device);
   detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
-  check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
   return s;
 }
 

@@ -460,6 +460,20 @@ TEST(DsaPrefillLayout, IndexerChunkFromThePlan) {
   EXPECT_EQ(dsa_prefill_steps(d.params, d.plan).indexer.chunk_tokens, 5);
 }
 
+// A negative chunk is refused by the call itself, whatever chunk the plan holds (a backend's plan
+// may give its default chunk for it, which would otherwise stand in for the caller's value).
+TEST(DsaPrefillBadInput, NegativeChunkTokens) {
+  HostDsaPrefill d = small_case();
+  const PlannedReference chunks_of_7(prefill_plans(300, 200));
+  d.replan(same_backend(chunks_of_7));
+  d.params.chunk_tokens = -5;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "chunk_tokens", "-5"));
+  EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "chunk_tokens", "-5"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(chunks_of_7), d.params, reference_device()); },
+                           "dsa_prefill", "chunk_tokens", "-5"));
+  EXPECT_TRUE(d.untouched());
+}
+
 // The call runs with that layout as the reference does by hand; it writes only the index rows of
 // the workspace (the reference's kernels use no scratch), the rest keeps its garbage.
 TEST(DsaPrefillLayout, RunsAsTheStepsByHandWritingOnlyTheIndexRows) {

@@ -257,6 +257,19 @@ TEST(DsaDecodeBadInput, ArgumentsInsideTheWorkspace) {
   d.params.weights.data = steps.topk.slots.data;
   EXPECT_TRUE(workspace_overlaps([&] { d.run(); }, "weights"));
   EXPECT_TRUE(d.untouched());
+
+  // Arguments a step does see are named as the caller passed them too, not as the step's own view
+  // they meet there (the indexer's logits, the top-k's slots, the sparse step's indices).
+  d.params = good;
+  d.params.q_idx.data = steps.indexer.logits.data;
+  EXPECT_TRUE(workspace_overlaps([&] { d.run(); }, "q_idx"));
+  d.params = good;
+  d.params.block_table.data = steps.topk.slots.data;
+  EXPECT_TRUE(workspace_overlaps([&] { dsa_steps(d.params, d.plan); }, "block_table"));
+  d.params = good;
+  d.params.o.data = steps.topk.slots.data;
+  EXPECT_TRUE(workspace_overlaps([&] { d.run(); }, "o"));
+  EXPECT_TRUE(d.untouched());
 }
 
 TEST(DsaDecodeBadInput, IndexerPageSizeUnlikeTheMainCache) {
@@ -424,6 +437,11 @@ TEST(DsaDecodeBadInput, PlanClearingPastTheTopksScratch) {
   d.params.workspace_bytes = d.workspace.size();
   EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "plan.topk.cleared_bytes", "512"));
   EXPECT_TRUE(throws_error([&] { dsa_steps(d.params, d.plan); }, "dsa_decode", "plan.topk.cleared_bytes", "512"));
+  EXPECT_TRUE(d.untouched());
+
+  // Nothing to clear is no plan's word either: the top-k would count on scratch nobody zeroed.
+  d.plan.topk.cleared_bytes = 0;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "plan.topk.cleared_bytes", "0"));
   EXPECT_TRUE(d.untouched());
 
   d.plan.topk.cleared_bytes = 256;  // all of its scratch
