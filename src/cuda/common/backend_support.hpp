@@ -18,9 +18,8 @@ inline cudaStream_t stream_of(const ExecContext& c) { return static_cast<cudaStr
 inline Device launch_device(const char* op) { return Device::cuda(current_device(op)); }
 
 // Why the library's device code cannot run on a GPU of compute capability `sm` (90 for sm_90), from
-// the architectures it was built for (LKV_CUDA_ARCHS, in CMake's CUDA_ARCHITECTURES syntax: "89" is
-// sm_89 code that later minors of 8.x run plus PTX that any later GPU compiles, "89-real" the code
-// alone, "89-virtual" the PTX alone, "90a" code for sm_90 only); empty when it can.
+// the architectures it was built for (LKV_CUDA_ARCHS, read by arch_list_runs_on, arch_list.hpp);
+// empty when it can.
 std::string arch_problem(int sm);
 
 // Support common to every CUDA backend; an empty string means supported.

@@ -3,12 +3,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <string>
 
+#include "cuda/common/arch_list.hpp"
 #include "cuda/common/backend_support.hpp"
 #include "cuda/common/cuda_check.hpp"
 #include "latentkv/backend.hpp"
@@ -22,9 +21,11 @@ bool cuda_detect_device(DeviceInfo& info) {
     return false;
   }
   int device = 0;
-  cudaGetDevice(&device);
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return false;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();  // not left behind for the next launch's check to report as its own
+    return false;
+  }
   info.kind = DeviceKind::kCuda;
   info.index = device;
   info.sm = prop.major * 10 + prop.minor;
@@ -53,23 +54,7 @@ bool wgmma_kernels_enabled(const char* op, const char* env, int sm) {
 
 std::string arch_problem(int sm) {
   const std::string built = LKV_CUDA_ARCH_LIST;
-  std::istringstream entries(built);
-  for (std::string entry; std::getline(entries, entry, ',');) {
-    if (entry == "native" || entry == "all" || entry == "all-major") return {};  // resolved by CMake, not known here
-    if (entry.empty() || !std::isdigit(static_cast<unsigned char>(entry[0]))) continue;
-    std::size_t digits = 0;
-    const int arch = std::stoi(entry, &digits);
-    const std::string rest = entry.substr(digits);
-    if (rest == "a" || rest == "a-real") {
-      if (sm == arch) return {};
-    } else if (rest == "f" || rest == "f-real") {  // a family: the same major, this minor or a later one
-      if (sm / 10 == arch / 10 && sm >= arch) return {};
-    } else {
-      const bool code = rest != "-virtual", ptx = rest != "-real";
-      if (code && sm / 10 == arch / 10 && sm >= arch) return {};
-      if (ptx && sm >= arch) return {};
-    }
-  }
+  if (arch_list_runs_on(built, sm)) return {};
   std::string listed = built;
   std::replace(listed.begin(), listed.end(), ',', ';');
   return "the library holds no code for sm_" + std::to_string(sm) + " (built with LKV_CUDA_ARCHS=\"" + listed +
