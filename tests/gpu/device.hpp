@@ -91,15 +91,18 @@ class DeviceBuffer {
 
 // Device memory holding `host`'s bytes between two guard regions of a fixed pattern, for a call that
 // must not write outside what it was given (a slot of -1, -2 or one past the pool lands just before
-// or after the cache): get() is the start of the bytes, to_host() returns them alone, and
-// guards_intact() says whether both guards still hold the pattern.
+// or after the cache), nor read there (a cache between guards of kPoisonFp8 bytes, fp8 NaN codes and
+// scales of 3.4e38: what a kernel reads there shows in its outputs): get() is the start of the
+// bytes, to_host() returns them alone, and guards_intact() says whether both guards still hold the
+// pattern.
 class GuardedBuffer {
  public:
   static constexpr std::size_t kGuardBytes = 64 * 1024;  // more than a token or an indexer page, either side
   static constexpr std::uint8_t kPattern = 0x5A;
 
-  explicit GuardedBuffer(const std::vector<std::uint8_t>& host) : bytes_(host.size()), buffer_(host.size() + 2 * kGuardBytes) {
-    std::vector<std::uint8_t> all(buffer_.bytes(), kPattern);
+  explicit GuardedBuffer(const std::vector<std::uint8_t>& host, std::uint8_t pattern = kPattern)
+      : bytes_(host.size()), pattern_(pattern), buffer_(host.size() + 2 * kGuardBytes) {
+    std::vector<std::uint8_t> all(buffer_.bytes(), pattern);
     std::memcpy(all.data() + kGuardBytes, host.data(), host.size());
     buffer_.upload(all.data(), all.size());
   }
@@ -107,8 +110,8 @@ class GuardedBuffer {
   T* get() const { return reinterpret_cast<T*>(buffer_.get<std::uint8_t>() + kGuardBytes); }
   std::vector<std::uint8_t> to_host() const { return download_at(kGuardBytes, bytes_); }
   bool guards_intact() const {
-    const auto holds_pattern = [](const std::vector<std::uint8_t>& guard) {
-      return std::all_of(guard.begin(), guard.end(), [](std::uint8_t x) { return x == kPattern; });
+    const auto holds_pattern = [this](const std::vector<std::uint8_t>& guard) {
+      return std::all_of(guard.begin(), guard.end(), [this](std::uint8_t x) { return x == pattern_; });
     };
     return holds_pattern(download_at(0, kGuardBytes)) && holds_pattern(download_at(kGuardBytes + bytes_, kGuardBytes));
   }
@@ -121,6 +124,7 @@ class GuardedBuffer {
   }
 
   std::size_t bytes_;
+  std::uint8_t pattern_;
   DeviceBuffer buffer_;
 };
 

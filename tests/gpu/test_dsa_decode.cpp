@@ -202,11 +202,12 @@ void check_stages(PagedFixture& f, const DsaInputs& in, const DsaResult& got, in
 }
 
 PagedFixture make_fixture(int page_size, const std::vector<std::int64_t>& lengths, Rng& rng,
-                          KvDtype kv_dtype = KvDtype::kFp8E4M3) {
+                          KvDtype kv_dtype = KvDtype::kFp8E4M3, ScaleMode scale_mode = ScaleMode::kPow2) {
   PagedFixtureOptions opt;
   opt.page_size = page_size;
   opt.lengths = lengths;
   opt.kv_dtype = kv_dtype;
+  opt.scale_mode = scale_mode;
   return make_paged_fixture(opt, rng);
 }
 
@@ -221,6 +222,7 @@ struct DsaCase {
   std::vector<std::int64_t> lengths;
   int spare_columns = -1;  // logits columns past the longest request; -1: max_len 0 (the table's capacity)
   KvDtype kv_dtype = KvDtype::kFp8E4M3;  // the main cache's (the indexer cache is always fp8)
+  ScaleMode scale_mode = ScaleMode::kPow2;  // both caches' fp8 scales (kExact: amax / 448)
 };
 
 std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
@@ -228,6 +230,7 @@ std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
      << c.lengths.size();
   if (c.spare_columns >= 0) os << "_spare" << c.spare_columns;
   if (c.kv_dtype == KvDtype::kBf16) os << "_bf16";
+  if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
   return os;
 }
 
@@ -237,7 +240,7 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   LKV_REQUIRE_GPU();
   const DsaCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_fixture(c.page_size, c.lengths, rng, c.kv_dtype);
+  PagedFixture f = make_fixture(c.page_size, c.lengths, rng, c.kv_dtype, c.scale_mode);
   const DsaInputs in = random_inputs(rng, f.batch(), c.q_len, c.heads, c.indexer_heads);
   const int max_len = c.spare_columns < 0 ? 0 : static_cast<int>(f.max_len()) + c.spare_columns;
 
@@ -556,6 +559,10 @@ std::vector<DsaCase> dsa_cases() {
       // A bf16 main cache (1152 B a token) under the same fp8 indexer: the sparse step's bf16 kernels.
       {8, 1, 32, 64, 2048, {0, 1, 65, 2049, 5000}, -1, KvDtype::kBf16},
       {128, 2, 64, 17, 256, {3, 300}, 2, KvDtype::kBf16},
+      // Odd head counts over caches whose scales are no powers of two: 7 heads of 2 new tokens (the
+      // narrow kernels), 33 heads (the sparse step on the wgmma kernel) under 31 indexer heads.
+      {7, 2, 32, 64, 2048, {2, 63, 65, 3001}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
+      {33, 1, 31, 64, 2048, {1, 4100}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
   };
 }
 

@@ -191,9 +191,19 @@ HostTensor rows_of(const HostTensor& t, const std::vector<std::int64_t>& rows) {
   return out;
 }
 
+// Elements of `t` that still hold the sentinel (o bf16, lse f32): none once a call wrote every row.
+std::int64_t sentinel_elements(const HostTensor& t) {
+  const std::vector<std::uint8_t> pattern = sentinel_bytes(t.dtype());
+  std::int64_t count = 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    count += std::memcmp(t.raw() + static_cast<std::size_t>(i) * pattern.size(), pattern.data(), pattern.size()) == 0;
+  }
+  return count;
+}
+
 // Checks one call in the two stages of the file comment: stage (1) on every row, stage (2) on every
 // `row_step`-th row and the last (each row's attention is its own; long prompts keep the reference
-// short this way).
+// short this way), and that every row of o and lse was written.
 void check_stages(DsaPrefillInputs& in, const DsaPrefillResult& got, std::int64_t row_step = 1) {
   const std::vector<PrefillRow> rows = prefill_rows(in.f, in.cu);
   const std::vector<std::vector<float>> x = reference_prefill_logits(in.f, in.q_idx, in.weights, rows);
@@ -206,6 +216,8 @@ void check_stages(DsaPrefillInputs& in, const DsaPrefillResult& got, std::int64_
   const std::string which = row_step == 1 ? "stage (2)" : "stage (2), every " + std::to_string(row_step) + "th row";
   EXPECT_TRUE(compare("o", rows_of(got.o, picked), want.o, Tolerance::bf16_output())) << which;
   EXPECT_TRUE(compare("lse", rows_of(got.lse, picked), want.lse, Tolerance::lse())) << which;
+  EXPECT_EQ(sentinel_elements(got.o), 0) << "elements of o still hold the sentinel";
+  EXPECT_EQ(sentinel_elements(got.lse), 0) << "elements of lse still hold the sentinel";
 }
 
 // Two calls over the same inputs: the same index sets; the same o and lse bits in every row that

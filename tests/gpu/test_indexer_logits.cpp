@@ -33,6 +33,7 @@ struct LogitsCase {
   int q_len;
   int page_size;
   std::vector<std::int64_t> lengths;
+  ScaleMode scale_mode = ScaleMode::kPow2;  // of the keys' scales (kExact: amax / 448, no power of two)
 };
 
 // float32 sums of exact fp8 products in another order than the float64 reference: relative error
@@ -63,7 +64,8 @@ void gpu_logits(PagedFixture& f, HostTensor& q, HostTensor& w, std::int64_t max_
                 std::string* fault = nullptr) {
   const int calls = workspace == Workspace::kCleared ? 3 : 1;
   const HostTensor sentinel = sentinel_tensor(DType::kF32, {f.batch(), q.shape()[1], max_len});
-  DeviceBuffer d_cache(f.indexer_bytes), d_table(f.block_table), d_lens(f.seq_lens);
+  GuardedBuffer d_cache(f.indexer_bytes, kPoisonFp8);  // a page outside the pool read anyway shows
+  DeviceBuffer d_table(f.block_table), d_lens(f.seq_lens);
   DeviceBuffer d_q(q.raw(), q.bytes()), d_w(w.raw(), w.bytes());
   std::vector<DeviceBuffer> d_logits;
   for (int i = 0; i < calls; ++i) d_logits.emplace_back(sentinel.raw(), sentinel.bytes());
@@ -127,6 +129,7 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
   PagedFixtureOptions opt;
   opt.page_size = c.page_size;
   opt.lengths = c.lengths;
+  opt.scale_mode = c.scale_mode;
   PagedFixture f = make_paged_fixture(opt, rng);
   const std::int64_t batch = f.batch();
   const std::int64_t max_len = f.max_len() + 5;  // extra columns: -inf
@@ -330,11 +333,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            // on sm_90, spans of 24 turns and more claim their last quarter
                                            // (the shorter requests end inside their static spans)
                                            LogitsCase{8, 1, 64, long_lengths(16, 70000, 2001)},
-                                           LogitsCase{8, 2, 64, long_lengths(16, 75000, 1601)}),
+                                           LogitsCase{8, 2, 64, long_lengths(16, 75000, 1601)},
+                                           // key scales that are no powers of two, on both kernels
+                                           LogitsCase{32, 1, 64, {0, 1, 63, 65, 1000}, ScaleMode::kExact},
+                                           LogitsCase{4, 2, 17, {2, 16, 18, 3001}, ScaleMode::kExact}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"
-                              << info.param.lengths.size();
+                              << info.param.lengths.size()
+                              << (info.param.scale_mode == ScaleMode::kExact ? "_exactscales" : "");
                            return os.str();
                          });
 

@@ -39,6 +39,7 @@ struct DecodeCase {
   std::vector<std::int64_t> lengths;
   int splits = 0;            // 0: the backend's plan
   bool fault_record = true;  // false: the kernels' instances without checks (a call given no record)
+  ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448, no power of two)
 };
 
 std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
@@ -46,6 +47,7 @@ std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
      << "_B" << c.lengths.size();
   if (c.splits) os << "_splits" << c.splits;
   if (!c.fault_record) os << "_norecord";
+  if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
   return os;
 }
 
@@ -57,13 +59,14 @@ struct DecodeRun {
 // One decode call's device side: the fixture's cache and tables, the queries, sentinel-filled
 // outputs and the backend's planned workspace. `lens` replaces the fixture's lengths when given.
 struct DeviceDecode {
-  DeviceBuffer cache, table, lens, q, o, lse, workspace;
+  GuardedBuffer cache;  // between poisoned guards: a page outside the pool read anyway shows
+  DeviceBuffer table, lens, q, o, lse, workspace;
   HostTensor o_host, lse_host;
   FaultRecord fault;  // given to the call: good input must leave it empty
   MlaDecodeParams params;
 
   DeviceDecode(PagedFixture& f, const HostTensor& queries, float scale, const std::vector<std::int32_t>& lengths = {})
-      : cache(f.cache_bytes), table(f.block_table), lens(lengths.empty() ? f.seq_lens : lengths),
+      : cache(f.cache_bytes, kPoisonFp8), table(f.block_table), lens(lengths.empty() ? f.seq_lens : lengths),
         q(queries.raw(), queries.bytes()) {
     const auto& shape = queries.shape();  // [B, q_len, H, 576]
     o_host = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
@@ -114,6 +117,7 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   opt.lengths = c.lengths;
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
+  opt.scale_mode = c.scale_mode;
   PagedFixture f = make_paged_fixture(opt, rng);
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   const float scale = 0.0625f;
@@ -232,6 +236,30 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 8, 1, 64, ragged, 0, false});
   v.push_back({"cuda", bf16, 8, 1, 64, mixed, 0, false});
   v.push_back({"cuda", bf16, 128, 1, 64, {0, 150}, 0, false});
+  // Scales that are no powers of two (the cache's exact mode, amax / 448): the kernels weigh each
+  // block's products by its float32 scale, and the narrow and wgmma kernels fold it into P' over the
+  // largest scale so far, all of which is exact only for powers of two. Each fp8 kernel family, its
+  // in-kernel merge and the combine, and the two baselines.
+  const ScaleMode exact = ScaleMode::kExact;
+  v.push_back({"cuda", fp8, 8, 1, 64, mixed, 0, true, exact});
+  v.push_back({"cuda", fp8, 16, 1, 64, ragged, 0, true, exact});
+  v.push_back({"cuda", fp8, 8, 2, 64, {17000, 21001}, 0, true, exact});
+  v.push_back({"cuda", fp8, 32, 1, 17, mixed, 0, true, exact});
+  v.push_back({"cuda", fp8, 64, 2, 64, {2, 700}, 0, true, exact});
+  v.push_back({"cuda", fp8, 128, 1, 64, {1, 200, 65}, 0, true, exact});
+  for (const char* baseline : {"cast_full", "gather_cast"}) {
+    v.push_back({baseline, fp8, 8, 1, 64, mixed, 0, true, exact});
+  }
+  // Odd head counts, so that rows pair up with no other row's: alone (H 7), under q_len 2 and 3 (the
+  // narrow kernel's 6 and 15 rows), on the wide kernel (22 rows) and the wgmma kernel (33, 127 rows),
+  // and on a bf16 cache.
+  v.push_back({"cuda", fp8, 7, 1, 64, mixed});
+  v.push_back({"cuda", fp8, 3, 2, 64, {2, 63, 65, 700}});
+  v.push_back({"cuda", fp8, 5, 3, 17, {3, 16, 18, 500}});
+  v.push_back({"cuda", fp8, 11, 2, 64, {2, 300, 1001}});
+  v.push_back({"cuda", fp8, 33, 1, 64, mixed});
+  v.push_back({"cuda", fp8, 127, 1, 64, {1, 200, 65}});
+  v.push_back({"cuda", bf16, 5, 1, 64, mixed});
   return v;
 }
 
@@ -320,7 +348,8 @@ std::pair<HostTensor, HostTensor> request_rows(const HostTensor& o, const HostTe
 // LATENTKV_MLA_KERNEL=mma), bf16 caches the wide one.
 // Every case compares all rows but the two infinite ones', whose seeing rows are left out (request 0's
 // positions from hidden_positions on; request 1 is compared whole): there the reference's sums of
-// infinite terms (code x inf per dim; -inf x q) need not match the kernels'.
+// infinite terms (code x inf per dim; -inf x q) need not match the kernels'. Those rows must still be
+// written, and their lse not finite where the reference's is not.
 TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
   LKV_REQUIRE_GPU();
   struct Poison {
@@ -374,6 +403,21 @@ TEST(GpuMlaDecodeNan, ANonFiniteNewerTokenStaysOutOfTheRowsThatDoNotSeeIt) {
           const auto [ref_clean_o, ref_clean_lse] = request_rows(ref.o, ref.lse, 1, c.q_len);
           EXPECT_TRUE(compare("o of request 1", clean_o, ref_clean_o, Tolerance::bf16_output()));
           EXPECT_TRUE(compare("lse of request 1", clean_lse, ref_clean_lse, Tolerance::lse()));
+          const auto [seen_o, seen_lse] = request_rows(d.o_host, d.lse_host, 0, c.q_len);
+          const auto [ref_seen_o, ref_seen_lse] = request_rows(ref.o, ref.lse, 0, c.q_len);
+          const std::vector<std::uint8_t> o_sentinel = sentinel_bytes(seen_o.dtype());
+          const std::vector<std::uint8_t> lse_sentinel = sentinel_bytes(seen_lse.dtype());
+          std::int64_t unwritten = 0;
+          for (std::int64_t r = static_cast<std::int64_t>(c.hidden_positions) * heads; r < c.q_len * heads; ++r) {
+            unwritten += std::memcmp(seen_lse.raw() + r * 4, lse_sentinel.data(), 4) == 0;
+            for (std::int64_t j = 0; j < 512; ++j) {
+              unwritten += std::memcmp(seen_o.raw() + (r * 512 + j) * 2, o_sentinel.data(), 2) == 0;
+            }
+            if (!std::isfinite(ref_seen_lse.get(r))) {
+              EXPECT_FALSE(std::isfinite(seen_lse.get(r))) << "lse of row " << r << ", which sees the token";
+            }
+          }
+          EXPECT_EQ(unwritten, 0) << "elements of the rows that see the token still hold the sentinel";
         }
       }
     }
@@ -657,7 +701,7 @@ TEST(GpuMlaDecodeBadTable, AnOutOfPoolPageIsSkippedByEveryBackend) {
                                        std::pair{"cast_full", false}}) {
       SCOPED_TRACE(std::string(name) + ", H " + std::to_string(heads) + (record ? ", fault record" : ""));
       DeviceDecode d(f, q, 0.0625f);
-      d.cache = DeviceBuffer(past_pool);
+      d.cache = GuardedBuffer(past_pool, kPoisonFp8);
       d.params.cache = f.cache(d.cache.get<std::uint8_t>(), Device::cuda());  // the pool: f.num_pages() pages
       if (!record) d.params.fault = nullptr;
       const Backend& backend = *find_backend(name);

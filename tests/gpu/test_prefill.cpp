@@ -160,10 +160,12 @@ struct DenseCase {
   int heads;
   int page_size;
   Batch batch;
+  ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
 };
 
 std::ostream& operator<<(std::ostream& os, const DenseCase& c) {
-  return os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_ps" << c.page_size << "_" << c.batch;
+  os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_ps" << c.page_size << "_" << c.batch;
+  return c.scale_mode == ScaleMode::kExact ? os << "_exactscales" : os;
 }
 
 class GpuMlaPrefill : public ::testing::TestWithParam<DenseCase> {};
@@ -172,7 +174,7 @@ TEST_P(GpuMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const DenseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode);
   const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
   const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});
 
@@ -258,6 +260,13 @@ std::vector<DenseCase> dense_cases() {
   v.push_back({bf16, 64, 1, {{0, 20}, {9, 4}}});
   v.push_back({bf16, 128, 64, {{0, 30}, {2, 7}}});
   v.push_back({bf16, 8, 64, {{0}, {1}}});
+  // Scales that are no powers of two: per token (H 128), in groups (H 8, H 32) and on the narrow
+  // kernel's groups (H 3 from 2048 new tokens, on the mma.sync kernels).
+  const ScaleMode exact = ScaleMode::kExact;
+  v.push_back({fp8, 128, 64, {{0, 40, 70}, {1, 5, 17}}, exact});
+  v.push_back({fp8, 8, 64, {{0, 30}, {1500, 561}}, exact});
+  v.push_back({fp8, 32, 64, {{3000, 0}, {4, 33}}, exact});
+  v.push_back({fp8, 3, 17, {{5, 200, 0}, {2041, 9, 1}}, exact});
   return v;
 }
 
@@ -366,12 +375,14 @@ struct SparseCase {
   Batch batch;
   int empty_every = 0;  // > 0: rows r with r % empty_every == empty_every - 1 become all -1
   std::string backend = "cuda";  // or a cast baseline: gather_cast, cast_full
+  ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_k" << c.topk << "_ps" << c.page_size << "_" << c.batch;
   if (c.empty_every) os << "_empty" << c.empty_every;
   if (c.backend != "cuda") os << "_" << c.backend;
+  if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
   return os;
 }
 
@@ -381,7 +392,7 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const SparseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode);
   const std::int64_t rows = c.batch.rows();
   const HostTensor q = random_bf16(rng, {rows, c.heads, kQkDim});
   HostTensor indices = make_prefill_indices(f, c.batch.new_tokens, c.topk, rng);
@@ -556,6 +567,11 @@ std::vector<SparseCase> sparse_cases() {
   v.push_back({fp8, 8, 64, 64, ragged, 4, "gather_cast"});
   v.push_back({fp8, 16, 2048, 17, long_ragged, 7, "cast_full"});
   v.push_back({fp8, 128, 64, 64, {{0, 100}, {3, 20}}, 5, "gather_cast"});
+  // Scales that are no powers of two (the narrow and the wgmma kernels), and odd heads and row widths.
+  v.push_back({fp8, 8, 2048, 64, long_ragged, 0, "cuda", ScaleMode::kExact});
+  v.push_back({fp8, 128, 2048, 64, {{500, 2100}, {1, 1}}, 0, "cuda", ScaleMode::kExact});
+  v.push_back({fp8, 7, 33, 17, ragged, 3});
+  v.push_back({fp8, 33, 2047, 64, long_ragged});
   return v;
 }
 

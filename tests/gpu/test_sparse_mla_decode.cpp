@@ -34,12 +34,14 @@ struct SparseCase {
   std::string backend = "cuda";  // or a cast baseline: cast_full, gather_cast
   int splits = 0;                // 0: the backend's plan
   bool fault_record = true;      // false: the kernels' instances without checks (a call given no record)
+  ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
             << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string())
-            << (c.fault_record ? "" : "_norecord");
+            << (c.fault_record ? "" : "_norecord")
+            << (c.scale_mode == ScaleMode::kExact ? "_exactscales" : "");
 }
 
 // Index rows [B, q_len, cols]: each query token's visible slots shuffled, at most cols of them, one
@@ -75,7 +77,9 @@ SparseRun gpu_sparse(const std::string& backend_name, PagedFixture& f, const Hos
   SparseRun r;
   r.o = sentinel_tensor(DType::kBF16, {shape[0], shape[1], shape[2], 512});
   r.lse = sentinel_tensor(DType::kF32, {shape[0], shape[1], shape[2]});
-  DeviceBuffer d_cache(f.cache_bytes), d_q(q.raw(), q.bytes()), d_idx(indices.raw(), indices.bytes());
+  // Between poisoned guards: a slot past the pool or below -1 that a kernel read anyway shows.
+  GuardedBuffer d_cache(f.cache_bytes, kPoisonFp8);
+  DeviceBuffer d_q(q.raw(), q.bytes()), d_idx(indices.raw(), indices.bytes());
   DeviceBuffer d_o(r.o.raw(), r.o.bytes()), d_lse(r.lse.raw(), r.lse.bytes());
   FaultRecord fault;
   SparseMlaDecodeParams p;
@@ -114,6 +118,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   opt.lengths = c.lengths;
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
+  opt.scale_mode = c.scale_mode;
   PagedFixture f = make_paged_fixture(opt, rng);
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
@@ -156,7 +161,8 @@ TEST(GpuSparseMlaDecodeFaults, RecordTheReferencesError) {
       const SparseRun r = gpu_sparse("cuda", f, q, indices);
       EXPECT_EQ(r.fault, expected);
       // Skipped: every row attends as the reference's over the same indices with that one ignored
-      // (a kernel that noted it and read it anyway would meet what lies past the cache, or before it).
+      // (a kernel that noted it and read it anyway would meet the poisoned guards past the cache, or
+      // before it: gpu_sparse).
       indices.data<std::int32_t>()[element] = -1;
       const AttentionOutputs ref = reference_sparse_decode(f, q, indices, 0.0625f);
       EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output()));
@@ -221,6 +227,18 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 128, 1, 256, 64, {500, 20}, "cuda", 0, false},
       {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4, false},
       {bf16, 8, 1, 128, 64, {0, 77, 400}, "cuda", 0, false},
+      // Scales that are no powers of two (as in test_mla_decode.cpp): the narrow kernel, its
+      // in-kernel merge, the wgmma kernel and a baseline.
+      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 0, true, ScaleMode::kExact},
+      {fp8, 8, 1, 2048, 64, {5000, 2100, 40}, "cuda", 4, true, ScaleMode::kExact},
+      {fp8, 128, 1, 256, 64, {500, 20}, "cuda", 0, true, ScaleMode::kExact},
+      {fp8, 8, 1, 64, 64, {0, 5, 300, 1000}, "gather_cast", 0, true, ScaleMode::kExact},
+      // Odd head counts and index rows of odd widths: 7 heads, 5 heads of 3 new tokens on rows of
+      // 33 slots, 33 heads (the wgmma kernel) on rows of 2047, and one slot a row.
+      {fp8, 7, 1, 100, 64, {0, 5, 300, 1000}},
+      {fp8, 5, 3, 33, 17, {3, 16, 18, 500}},
+      {fp8, 33, 1, 2047, 64, {2500, 63, 65}},
+      {fp8, 8, 2, 1, 64, {2, 300}},
   };
 }
 

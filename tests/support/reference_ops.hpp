@@ -83,14 +83,16 @@ struct PrefillBatch {
 };
 
 // A fixture holding the batch's requests (prefix and new tokens, all appended) in shuffled pages of
-// `page_size`, with an indexer cache unless asked otherwise.
+// `page_size`, with an indexer cache unless asked otherwise, its fp8 scales chosen by `scale_mode`.
 inline PagedFixture make_prefill_fixture(const PrefillBatch& batch, int page_size, Rng& rng,
-                                         KvDtype kv_dtype = KvDtype::kFp8E4M3, bool with_indexer = true) {
+                                         KvDtype kv_dtype = KvDtype::kFp8E4M3, bool with_indexer = true,
+                                         ScaleMode scale_mode = ScaleMode::kPow2) {
   PagedFixtureOptions o;
   o.page_size = page_size;
   o.lengths = batch.lengths();
   o.kv_dtype = kv_dtype;
   o.with_indexer = with_indexer;
+  o.scale_mode = scale_mode;
   return make_paged_fixture(o, rng);
 }
 
