@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <variant>
 
 #include "core/validate.hpp"
 #include "cuda/common/backend_support.hpp"
+#include "cuda/common/cuda_check.hpp"
 #include "cuda/kv_cache/launch.hpp"
 #include "cuda/mla/launch.hpp"
 #include "latentkv/backend.hpp"
@@ -57,6 +59,8 @@ class CastBaseline : public Backend {
   }
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
+    std::optional<cuda::ScopedCurrentDevice> on;  // as the cuda backend's plan()
+    if (device.kind == DeviceKind::kCuda) on.emplace(device.index, std::string(op_name(op_of(args))).c_str());
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
       Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);
       plan.workspace_bytes += copy_bytes(*dense);

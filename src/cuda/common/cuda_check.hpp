@@ -53,6 +53,28 @@ inline int current_device(const char* op) {
   return device;
 }
 
+// Makes device `index` the calling thread's current one while it lives, then the one before again:
+// for the plan of a call on a device that is not the current one (planning reads the current
+// device's limits and occupancy, as the launch will on that device). Nothing when it already is.
+class ScopedCurrentDevice {
+ public:
+  ScopedCurrentDevice(int index, const char* op) : previous_(current_device(op)) {
+    if (index == previous_) {
+      previous_ = -1;
+    } else {
+      check(cudaSetDevice(index), op, "cudaSetDevice");
+    }
+  }
+  ~ScopedCurrentDevice() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  ScopedCurrentDevice(const ScopedCurrentDevice&) = delete;
+  ScopedCurrentDevice& operator=(const ScopedCurrentDevice&) = delete;
+
+ private:
+  int previous_;  // -1: unchanged
+};
+
 // What the launchers ask of the current device, read once per device.
 struct DeviceLimits {
   int sm = 0;                // compute capability as major * 10 + minor (90 for sm_90)
