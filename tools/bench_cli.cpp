@@ -172,8 +172,7 @@ void check_bench_options(const BenchOptions& o, bool check_requests_given) {
   }
   check_lengths(o);
   // One set of requests must fit in the pool (the timed calls rotate over as many as it holds).
-  check_pool("bench", o.pool, pool_tokens_needed("bench", o.batch, o.context, o.page_size), o.batch, o.context,
-             o.page_size);
+  check_pool("bench", o.pool, o.batch, o.context, o.page_size);
   if (check_requests_given && o.check_requests > o.batch) {
     throw Error("bench", "--check-requests", std::to_string(o.check_requests),
                 "at most the batch, " + std::to_string(o.batch) + " (--batch)");

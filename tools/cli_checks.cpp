@@ -136,10 +136,13 @@ ModelShard shard_from_flags(const std::string& command, const std::string& model
   }
 }
 
+namespace {
+// --context and --page-size are at most 2^31 - 1, so nothing here overflows.
+std::int64_t pages_per_request(std::int64_t context, int page_size) { return (context + page_size - 1) / page_size; }
+}  // namespace
+
 std::int64_t pool_tokens_needed(const std::string& command, int batch, std::int64_t context, int page_size) {
-  // --batch, --context and --page-size are at most 2^31 - 1, so nothing here overflows.
-  const std::int64_t pages_per_request = (context + page_size - 1) / page_size;
-  const std::int64_t needed = static_cast<std::int64_t>(batch) * pages_per_request * page_size;
+  const std::int64_t needed = static_cast<std::int64_t>(batch) * pages_per_request(context, page_size) * page_size;
   if (needed > max_pool_tokens(page_size)) {
     throw Error(command, std::to_string(batch) + " requests of " + std::to_string(context) +
                              " tokens in whole pages of " + std::to_string(page_size) + " need " +
@@ -150,21 +153,20 @@ std::int64_t pool_tokens_needed(const std::string& command, int batch, std::int6
   return needed;
 }
 
-void check_pool(const std::string& command, std::int64_t pool, std::int64_t needed, int batch, std::int64_t context,
-                int page_size) {
+void check_pool(const std::string& command, std::int64_t pool, int batch, std::int64_t context, int page_size) {
+  const std::int64_t needed = pool_tokens_needed(command, batch, context, page_size);
   if (pool > max_pool_tokens(page_size)) {  // --pool itself is below 2^31; rounded up to whole pages it may not be
     throw Error(command, "--pool", std::to_string(pool),
                 "at most " + std::to_string(max_pool_tokens(page_size)) + " (rounded up to whole pages of " +
                     std::to_string(page_size) + " tokens, the pool must stay below 2^31 slots: slots are int32)");
   }
   if (pool < needed) {  // what the requests' pages take; a pool of more is rounded up to whole pages
-    const std::int64_t pages_per_request = (context + page_size - 1) / page_size;
+    const std::int64_t pages = pages_per_request(context, page_size);
     throw Error(command, "--pool", std::to_string(pool),
                 ">= " + std::to_string(needed) + " tokens (" + std::to_string(batch) +
                     (batch == 1 ? " request of " : " requests of ") + std::to_string(context) + " tokens take" +
-                    (batch == 1 ? "s " : " ") + std::to_string(pages_per_request) + " page" +
-                    (pages_per_request == 1 ? "" : "s") + " of " + std::to_string(page_size) +
-                    (batch == 1 ? ")" : " each)"));
+                    (batch == 1 ? "s " : " ") + std::to_string(pages) + " page" + (pages == 1 ? "" : "s") + " of " +
+                    std::to_string(page_size) + (batch == 1 ? ")" : " each)"));
   }
 }
 

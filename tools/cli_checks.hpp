@@ -51,10 +51,9 @@ constexpr std::int64_t max_pool_tokens(int page_size) { return kMaxSlots / page_
 std::int64_t pool_tokens_needed(const std::string& command, int batch, std::int64_t context, int page_size);
 
 // Throws latentkv::Error(command, "--pool", ...) unless `pool` tokens, rounded up to whole pages of
-// `page_size`, stay within int32 slots and hold `needed` = pool_tokens_needed(command, batch,
-// context, page_size).
-void check_pool(const std::string& command, std::int64_t pool, std::int64_t needed, int batch, std::int64_t context,
-                int page_size);
+// `page_size`, stay within int32 slots and hold pool_tokens_needed(command, batch, context,
+// page_size) (which throws first when nothing could).
+void check_pool(const std::string& command, std::int64_t pool, int batch, std::int64_t context, int page_size);
 
 // "12.3 GB"
 std::string gigabytes(double bytes);

@@ -115,16 +115,16 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   }
   // The pool must hold every request's pages, in whole pages of int32 slots; the default leaves
   // room as a server would.
-  const std::int64_t needed = pool_tokens_needed("step", s.batch, s.context, s.page_size);
   std::int64_t pool = o.pool;
   if (pool == 0) {
+    const std::int64_t needed = pool_tokens_needed("step", s.batch, s.context, s.page_size);
     pool = std::min(max_pool_tokens(s.page_size),
                     cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8));
     if (!cpu && pool != kGpuPool) {
       run.notes.push_back("pool grown to " + std::to_string(pool) + " tokens per layer to hold the batch");
     }
   } else {
-    check_pool("step", pool, needed, s.batch, s.context, s.page_size);
+    check_pool("step", pool, s.batch, s.context, s.page_size);
   }
   s.pool_tokens = round_up(pool, s.page_size);
 
