@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "core/validate.hpp"
@@ -124,8 +123,7 @@ class CudaBackend final : public Backend {
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
     // The planners read the current device's limits and occupancy: those of `device`, for a plan made
     // while another GPU of the process is current.
-    std::optional<cuda::ScopedCurrentDevice> on;
-    if (device.kind == DeviceKind::kCuda) on.emplace(device.index, std::string(op_name(op_of(args))).c_str());
+    const cuda::ScopedCurrentDevice on(device, std::string(op_name(op_of(args))).c_str());
     if (op_of(args) == Op::kMlaDecode) return cuda::plan_mla_decode(decode_args(args), device.multiprocessors);
     if (op_of(args) == Op::kSparseMlaDecode) {
       return cuda::plan_sparse_mla_decode(std::get<SparseMlaDecodeParams>(args), device.multiprocessors);

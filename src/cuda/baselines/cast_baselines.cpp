@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <variant>
@@ -59,8 +58,8 @@ class CastBaseline : public Backend {
   }
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
-    std::optional<cuda::ScopedCurrentDevice> on;  // as the cuda backend's plan()
-    if (device.kind == DeviceKind::kCuda) on.emplace(device.index, std::string(op_name(op_of(args))).c_str());
+    // As the cuda backend's plan(): the planners read the current device, made `device` here.
+    const cuda::ScopedCurrentDevice on(device, std::string(op_name(op_of(args))).c_str());
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
       Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);
       plan.workspace_bytes += copy_bytes(*dense);

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <utility>
 
+#include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
 
 namespace latentkv::cuda {
@@ -53,17 +54,18 @@ inline int current_device(const char* op) {
   return device;
 }
 
-// Makes device `index` the calling thread's current one while it lives, then the one before again:
-// for the plan of a call on a device that is not the current one (planning reads the current
-// device's limits and occupancy, as the launch will on that device). Nothing when it already is.
+// Makes `device` the calling thread's current one while it lives, then the one before again: for
+// the plan of a call on a device that is not the current one (planning reads the current device's
+// limits and occupancy, as the launch will on that device). Nothing when it already is, or when
+// `device` is no CUDA device.
 class ScopedCurrentDevice {
  public:
-  ScopedCurrentDevice(int index, const char* op) : previous_(current_device(op)) {
-    if (index == previous_) {
-      previous_ = -1;
-    } else {
-      check(cudaSetDevice(index), op, "cudaSetDevice");
-    }
+  ScopedCurrentDevice(const DeviceInfo& device, const char* op) {
+    if (device.kind != DeviceKind::kCuda) return;
+    const int current = current_device(op);
+    if (device.index == current) return;
+    check(cudaSetDevice(device.index), op, "cudaSetDevice");
+    previous_ = current;
   }
   ~ScopedCurrentDevice() {
     if (previous_ >= 0) (void)cudaSetDevice(previous_);
@@ -72,7 +74,7 @@ class ScopedCurrentDevice {
   ScopedCurrentDevice& operator=(const ScopedCurrentDevice&) = delete;
 
  private:
-  int previous_;  // -1: unchanged
+  int previous_ = -1;  // -1: unchanged
 };
 
 // What the launchers ask of the current device, read once per device.
