@@ -191,16 +191,6 @@ HostTensor rows_of(const HostTensor& t, const std::vector<std::int64_t>& rows) {
   return out;
 }
 
-// Elements of `t` that still hold the sentinel (o bf16, lse f32): none once a call wrote every row.
-std::int64_t sentinel_elements(const HostTensor& t) {
-  const std::vector<std::uint8_t> pattern = sentinel_bytes(t.dtype());
-  std::int64_t count = 0;
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    count += std::memcmp(t.raw() + static_cast<std::size_t>(i) * pattern.size(), pattern.data(), pattern.size()) == 0;
-  }
-  return count;
-}
-
 // Checks one call in the two stages of the file comment: stage (1) on every row, stage (2) on every
 // `row_step`-th row and the last (each row's attention is its own; long prompts keep the reference
 // short this way), and that every row of o and lse was written.

@@ -140,6 +140,18 @@ inline bool is_sentinel(const HostTensor& t) {
   return true;
 }
 
+// How many of elements [first, first + count) (to the end by default) still hold the sentinel: none
+// once a call wrote them.
+inline std::int64_t sentinel_elements(const HostTensor& t, std::int64_t first = 0, std::int64_t count = -1) {
+  const std::vector<std::uint8_t> pattern = sentinel_bytes(t.dtype());
+  const std::int64_t end = count < 0 ? t.numel() : first + count;
+  std::int64_t n = 0;
+  for (std::int64_t i = first; i < end; ++i) {
+    n += std::memcmp(t.raw() + static_cast<std::size_t>(i) * pattern.size(), pattern.data(), pattern.size()) == 0;
+  }
+  return n;
+}
+
 // A tensor of `dtype` and `shape` filled with the sentinel.
 inline HostTensor sentinel_tensor(DType dtype, std::vector<std::int64_t> shape) {
   HostTensor t(dtype, std::move(shape));
