@@ -25,6 +25,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -354,6 +355,29 @@ inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
   f.block_table = f.allocator.block_table_matrix(f.requests, f.max_pages);
   f.seq_lens = f.allocator.lengths(f.requests);
   return f;
+}
+
+// The fp8 cache `f` as the cast baselines turn it into a bf16 one: every value fp8 x scale in
+// float32, rounded to bf16 (the rope dims as stored). The reference over it is what those baselines
+// compute; with scales that are no powers of two it differs from the fp8 reference by that rounding.
+inline PagedFixture cast_to_bf16(const PagedFixture& f) {
+  if (f.kv_dtype != KvDtype::kFp8E4M3) throw std::invalid_argument("cast_to_bf16: the fixture's cache is not fp8");
+  PagedFixture c = f;
+  c.kv_dtype = KvDtype::kBf16;
+  const std::int64_t slots = f.num_pages() * f.page_size;
+  c.cache_bytes.assign(static_cast<std::size_t>(slots) * kBf16TokenBytes, 0);
+  for (std::int64_t s = 0; s < slots; ++s) {
+    const std::uint8_t* src = f.cache_bytes.data() + s * static_cast<std::int64_t>(kFp8TokenBytes);
+    std::uint8_t* dst = c.cache_bytes.data() + s * static_cast<std::int64_t>(kBf16TokenBytes);
+    float scales[kFp8ScalesPerToken];
+    std::memcpy(scales, src + kFp8ScaleOffset, sizeof scales);
+    for (int j = 0; j < kLatentDim; ++j) {
+      const std::uint16_t bits = bf16_encode(fp8_e4m3_decode(src[j]) * scales[j / kFp8ScaleBlock]);
+      std::memcpy(dst + 2 * j, &bits, sizeof bits);
+    }
+    std::memcpy(dst + 2 * kLatentDim, src + kFp8RopeOffset, 2 * kRopeDim);
+  }
+  return c;
 }
 
 }  // namespace latentkv::testing

@@ -116,8 +116,11 @@ __global__ void __launch_bounds__(kGroups * kWarpsPerGroup * 32)
           }
           reinterpret_cast<uint4*>(row + piece * 16)[0] = make_uint4(out[0], out[1], out[2], out[3]);
           reinterpret_cast<uint4*>(row + piece * 16)[1] = make_uint4(out[4], out[5], out[6], out[7]);
-        } else if (piece == 32) {  // the 4 float32 scales
-          *reinterpret_cast<uint4*>(scale_s + token * 4) = staged[i];
+        } else if (piece == 32) {  // the 4 float32 scales, an infinite one NaN
+          const uint4 v = staged[i];
+          *reinterpret_cast<float4*>(scale_s + token * 4) =
+              make_float4(nan_if_infinite(__uint_as_float(v.x)), nan_if_infinite(__uint_as_float(v.y)),
+                          nan_if_infinite(__uint_as_float(v.z)), nan_if_infinite(__uint_as_float(v.w)));
         } else {  // rope, bf16 as stored
           *reinterpret_cast<uint4*>(row + kDimV + (piece - 33) * 8) = staged[i];
         }

@@ -203,6 +203,11 @@ __device__ __forceinline__ std::uint32_t finite_16x2(std::uint32_t values) {
   return values & ~__vcmpeq2(values & kBoth, kBoth);
 }
 __device__ __forceinline__ float finite_or_zero(float x) { return isfinite(x) ? x : 0.0f; }
+// A token's fp8 scale as the kernels take it: itself when finite, NaN when infinite (s x 0 + s, one
+// FMA). The reference dequantizes each value, code x inf being +-inf and 0 x inf NaN, so a row that
+// sees a token with an infinite scale gets a NaN score from it; the kernels weigh each block's dot
+// product by its scale, which would give +-inf, and a -inf score would drop the token unnoticed.
+__device__ __forceinline__ float nan_if_infinite(float s) { return __fmaf_rn(s, 0.0f, s); }
 
 // Token t of request b comes from its block table (dense: page t / page_size) or its index row
 // (sparse: the slot itself). Loading the entry and turning it into a slot are separate so that the

@@ -590,7 +590,8 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       // Element e of n-tile n: token (e < 2 ? tok0 : tok1), row n * 8 + 2c + (e & 1). A token past
       // the split, past the row's causal limit or without a slot (not read) is -inf in both halves.
       const float2 scales0 = token_scale_pair(kv, tok0, 2 * half), scales1 = token_scale_pair(kv, tok1, 2 * half);
-      const float sc0[2] = {scales0.x, scales0.y}, sc1[2] = {scales1.x, scales1.y};
+      const float sc0[2] = {nan_if_infinite(scales0.x), nan_if_infinite(scales0.y)};
+      const float sc1[2] = {nan_if_infinite(scales1.x), nan_if_infinite(scales1.y)};
       const int pos0 = tile_begin + tok0, pos1 = tile_begin + tok1;
       const bool read0 = pos0 < end && tile_slots[tok0] >= 0, read1 = pos1 < end && tile_slots[tok1] >= 0;
 #pragma unroll

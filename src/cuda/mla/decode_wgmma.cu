@@ -253,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int token = 8 * warp + lane;
       const float4 v = scale_in_s[token];
       float* sc = scale_base + (tile & 1) * 4 * kTile + token;
-      sc[0 * kTile] = v.x;
-      sc[1 * kTile] = v.y;
-      sc[2 * kTile] = v.z;
-      sc[3 * kTile] = v.w;
+      sc[0 * kTile] = nan_if_infinite(v.x);  // an infinite scale NaN (decode_common.cuh)
+      sc[1 * kTile] = nan_if_infinite(v.y);
+      sc[2 * kTile] = nan_if_infinite(v.z);
+      sc[3 * kTile] = nan_if_infinite(v.w);
     }
     // Tokens that some row does not see (decode_common.cuh), from `first` on: their non-finite V
     // values zeroed (lane l takes 4-byte word l of each such row of the warp's block, which another
