@@ -145,7 +145,7 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
       ->capture_default_str()
       ->transform(CLI::Transformer({{"fp8", "fp8_e4m3"}}))
       ->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
-  cmd.add_option("--backends", o.backends, "Backends to time, comma separated")->capture_default_str()->delimiter(',');
+  add_name_list(cmd, "--backends", o.backends, "Backends to time, comma separated");
   cmd.add_option("--warmup", o.warmup, "Untimed calls first")->capture_default_str()->check(integer_in(0, 100000));
   cmd.add_option("--iters", o.iters, "Timed calls")->capture_default_str()->check(integer_in(1, 100000));
   cmd.add_option("--launch", o.launch,

@@ -74,6 +74,33 @@ CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& w
       "[" + bounds + "]");
 }
 
+CLI::Option* add_name_list(CLI::App& app, const std::string& flag, std::vector<std::string>& names,
+                           const std::string& help) {
+  const CLI::Validator single_commas(
+      [](std::string& text) -> std::string {
+        const bool empty_entry =
+            text.empty() || text.front() == ',' || text.back() == ',' || text.find(",,") != std::string::npos;
+        return empty_entry ? "'" + text + "' has an empty entry (names separated by single commas)" : "";
+      },
+      "NAME[,NAME...]");
+  const std::string defaults = join(names);
+  return app
+      .add_option_function<std::vector<std::string>>(
+          flag,
+          [&names](const std::vector<std::string>& texts) {
+            names.clear();
+            for (const std::string& text : texts) {
+              for (std::size_t begin = 0, end = 0; end != std::string::npos; begin = end + 1) {
+                end = text.find(',', begin);
+                names.push_back(text.substr(begin, end == std::string::npos ? end : end - begin));
+              }
+            }
+          },
+          help)
+      ->check(single_commas)
+      ->default_str(defaults);
+}
+
 std::string join(const std::vector<std::string>& items, const std::string& separator) {
   std::string s;
   for (std::size_t i = 0; i < items.size(); ++i) s += (i == 0 ? "" : separator) + items[i];

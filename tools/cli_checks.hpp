@@ -24,6 +24,14 @@ inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max
 // "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why = "");
 
+// A list option of comma-separated names (--backends, --strategies), read into `names` (which holds
+// the default until the option is given; given more than once, the entries add up). CLI11's own
+// splitting drops an empty entry without a word, so that "cuda,,cast_full" would run two backends
+// as if that were what was asked: here the text is checked whole ("--backends: 'cuda,,cast_full'
+// has an empty entry") and then split.
+CLI::Option* add_name_list(CLI::App& app, const std::string& flag, std::vector<std::string>& names,
+                           const std::string& help);
+
 // The items with `separator` between them: "a,b,c".
 std::string join(const std::vector<std::string>& items, const std::string& separator = ",");
 

@@ -517,11 +517,10 @@ void add_step_command(CLI::App& app) {
       ->capture_default_str()->check(integer_in(1, kIntMax));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
       ->check(integer_in(1, kIntMax));
-  cmd->add_option("--strategies", opt->strategies,
-                  "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse (the "
-                  "fp8 backend on that path), or dense_/sparse_ followed by fp8, gather_cast or cast_full "
-                  "(default fp8,gather_cast,cast_full,dense,sparse; fp8,dense,sparse on the CPU)")
-      ->delimiter(',');
+  add_name_list(*cmd, "--strategies", opt->strategies,
+                "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse (the "
+                "fp8 backend on that path), or dense_/sparse_ followed by fp8, gather_cast or cast_full "
+                "(default fp8,gather_cast,cast_full,dense,sparse; fp8,dense,sparse on the CPU)");
   cmd->add_option("--warmup", opt->warmup, "Untimed replays first (default 3; 1 on the CPU)")
       ->check(integer_in(0, 100000));
   cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(integer_in(1, 100000));

@@ -531,6 +531,19 @@ TEST_F(Cli, NoGpuIsTheSameUsageErrorInStepAndBench) {
   EXPECT_THAT(bench.err, HasSubstr("no CUDA GPU"));
 }
 
+// CLI11's own list splitting would drop the empty entry and run the rest as if asked for.
+TEST_F(Cli, AnEmptyEntryInANameListIsAnError) {
+  const std::vector<std::vector<std::string>> cases = {{"bench", "--backends", "cuda,,cast_full"},
+                                                       {"bench", "--backends", ""},
+                                                       {"step", "--device", "cpu", "--strategies", "fp8,"},
+                                                       {"step", "--device", "cpu", "--strategies", ",dense"}};
+  for (const std::vector<std::string>& args : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args.back();
+    EXPECT_THAT(r.err, HasSubstr(args[args.size() - 2] + ": '" + args.back() + "' has an empty entry")) << r.err;
+  }
+}
+
 TEST_F(Cli, BenchChecksWhatNeedsNoGpuFirst) {
   const Result names = run({"bench", "--backends", "cuda,foo"});
   EXPECT_EQ(names.exit_code, 2);
