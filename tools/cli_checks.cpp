@@ -163,6 +163,13 @@ ModelShard shard_from_flags(const std::string& command, const std::string& model
   }
 }
 
+void check_context_in_model(const std::string& command, std::int64_t context, const ModelPreset& model) {
+  if (context > model.max_positions) {
+    throw Error(command, "--context", std::to_string(context),
+                "<= " + std::to_string(model.max_positions) + " (max positions of " + model.name + ")");
+  }
+}
+
 namespace {
 // --context and --page-size are at most 2^31 - 1, so nothing here overflows.
 std::int64_t pages_per_request(std::int64_t context, int page_size) { return (context + page_size - 1) / page_size; }

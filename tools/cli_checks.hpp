@@ -51,6 +51,9 @@ void write_output_file(const std::string& command, const std::string& option, co
 // "--tp", ...) when there is no such preset or tp does not divide its attention heads.
 ModelShard shard_from_flags(const std::string& command, const std::string& model, int tp);
 
+// Throws latentkv::Error(command, "--context", ...) when `context` is past the model's max positions.
+void check_context_in_model(const std::string& command, std::int64_t context, const ModelPreset& model);
+
 // The most tokens a pool of whole pages of `page_size` holds with int32 slots.
 constexpr std::int64_t max_pool_tokens(int page_size) { return kMaxSlots / page_size * page_size; }
 

@@ -65,12 +65,7 @@ void check_memory(const DemoOptions& o, std::int64_t num_pages, const ModelShard
 void run_demo(const DemoOptions& o) {
   const ModelShard shard = or_usage_error([&] { return shard_from_flags("demo", o.model, o.tp); });
   const ModelPreset& m = shard.model;
-  if (o.context > m.max_positions) {  // as `latentkv step` refuses it
-    or_usage_error([&] {
-      throw Error("demo", "--context", std::to_string(o.context),
-                  "<= " + std::to_string(m.max_positions) + " (max positions of " + m.name + ")");
-    });
-  }
+  or_usage_error([&] { check_context_in_model("demo", o.context, m); });  // as `latentkv step` refuses it
   const int heads = shard.heads_per_gpu, hi = m.indexer_heads, topk = m.index_topk;
   const Backend& ref = *find_backend("reference");
   // Pages for every request from a shuffled pool, with a few pages to spare.

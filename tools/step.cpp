@@ -109,10 +109,7 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
   if (s.context < s.q_len) {
     throw Error("step", "--context", std::to_string(s.context), ">= q_len " + std::to_string(s.q_len));
   }
-  if (s.context > m.max_positions) {
-    throw Error("step", "--context", std::to_string(s.context),
-                "<= " + std::to_string(m.max_positions) + " (max positions of " + m.name + ")");
-  }
+  check_context_in_model("step", s.context, m);
   // The pool must hold every request's pages, in whole pages of int32 slots; the default leaves
   // room as a server would.
   std::int64_t pool = o.pool;

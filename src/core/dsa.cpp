@@ -345,10 +345,7 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
   check_rows_fit(kPrefillOp, p.q, p.q.size(0), std::int64_t{p.topk} * 4, "i32 top-k slots");
   // Here, before a plan's chunk (which a backend may fill in for any value it takes as its default)
   // stands in for it: refused on every backend alike, as indexer_prefill refuses it.
-  if (p.chunk_tokens < 0) {
-    throw Error(std::string(kPrefillOp), "chunk_tokens", std::to_string(p.chunk_tokens),
-                ">= 0 (0: the backend's default)");
-  }
+  detail::expect_chunk_tokens(kPrefillOp, p.chunk_tokens);
 }
 
 // The index rows [T, topk], then one scratch region that the two steps use in turn (they run one

@@ -418,6 +418,10 @@ void check_slots(std::string_view op, std::string_view arg, const TensorView& sl
 
 }  // namespace
 
+void expect_chunk_tokens(std::string_view op, std::int64_t chunk_tokens) {
+  if (chunk_tokens < 0) fail(op, "chunk_tokens", std::to_string(chunk_tokens), ">= 0 (0: the backend's default)");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shapes
 
@@ -589,7 +593,7 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
   expect_capacity(op, p.block_table, p.cache.page_size);
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
   expect_view(op, "slots", p.slots, {DType::kI32}, {t, p.k}, {}, device);
-  if (p.chunk_tokens < 0) fail(op, "chunk_tokens", std::to_string(p.chunk_tokens), ">= 0 (0: the backend's default)");
+  expect_chunk_tokens(op, p.chunk_tokens);
   expect_apart(op, {span_of("slots", p.slots, true), MemorySpan{"workspace", p.workspace, p.workspace_bytes, true},
                     fault_span(p.fault), span_of("q", p.q, false), span_of("weights", p.weights, false),
                     span_of("cu_new_tokens", p.cu_new_tokens, false),

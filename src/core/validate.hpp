@@ -63,6 +63,10 @@ void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans);
 // caller's views before it sizes a workspace from them).
 void expect_descriptor(std::string_view op, std::string_view arg, const TensorView& view);
 
+// A prefill's chunk_tokens: 0 (the backend's default) or more (indexer_prefill's check, which
+// dsa_prefill makes before a plan's chunk stands in for the caller's).
+void expect_chunk_tokens(std::string_view op, std::int64_t chunk_tokens);
+
 // Small helpers for other checks in the same style.
 [[noreturn]] void fail(std::string_view op, std::string_view argument, const std::string& value,
                        const std::string& expected);

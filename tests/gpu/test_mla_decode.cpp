@@ -125,9 +125,7 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   DecodeRun r;
   // A cast baseline attends over bf16 values (fp8 x scale rounded), exactly the fp8 ones only when
   // the scales are powers of two: with others it is checked against the reference over that cast.
-  const bool rounded_by_cast = c.backend != "cuda" && c.scale_mode == ScaleMode::kExact;
-  std::optional<PagedFixture> cast;
-  if (rounded_by_cast) cast.emplace(cast_to_bf16(f));
+  std::optional<PagedFixture> cast = cast_seen_by(c.backend, c.scale_mode, f);
   AttentionOutputs ref = reference_mla_decode(cast ? *cast : f, q, scale);
   r.ref_o = std::move(ref.o);
   r.ref_lse = std::move(ref.lse);

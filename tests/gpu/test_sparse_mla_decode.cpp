@@ -126,9 +126,7 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   poison_unlisted_slots(f, indices);
   // A cast baseline with scales that are no powers of two: against the reference over its bf16 cast
   // (test_mla_decode.cpp).
-  const bool rounded_by_cast = c.backend != "cuda" && c.scale_mode == ScaleMode::kExact;
-  std::optional<PagedFixture> cast;
-  if (rounded_by_cast) cast.emplace(cast_to_bf16(f));
+  std::optional<PagedFixture> cast = cast_seen_by(c.backend, c.scale_mode, f);
   const AttentionOutputs ref = reference_sparse_decode(cast ? *cast : f, q, indices, 0.0625f);
   const SparseRun r = gpu_sparse(c.backend, f, q, indices, c.splits, c.fault_record);
   EXPECT_TRUE(compare("o", r.o, ref.o, Tolerance::bf16_output())) << r.num_splits << " splits";

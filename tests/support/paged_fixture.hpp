@@ -25,7 +25,9 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -378,6 +380,13 @@ inline PagedFixture cast_to_bf16(const PagedFixture& f) {
     std::memcpy(dst + 2 * kLatentDim, src + kFp8RopeOffset, 2 * kRopeDim);
   }
   return c;
+}
+
+// What a `backend`'s output over `f` is checked against, where that is not `f` itself: a cast
+// baseline (any backend but cuda) on scales that are no powers of two attends over the bf16 cast.
+inline std::optional<PagedFixture> cast_seen_by(std::string_view backend, ScaleMode scale_mode, const PagedFixture& f) {
+  if (backend == "cuda" || scale_mode != ScaleMode::kExact) return std::nullopt;
+  return cast_to_bf16(f);
 }
 
 }  // namespace latentkv::testing
