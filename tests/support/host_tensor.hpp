@@ -131,15 +131,6 @@ inline void fill_sentinel(HostTensor& t) {
   for (std::size_t i = 0; i < t.bytes(); ++i) t.raw()[i] = pattern[i % pattern.size()];
 }
 
-// True when every element still holds the sentinel.
-inline bool is_sentinel(const HostTensor& t) {
-  const std::vector<std::uint8_t> pattern = sentinel_bytes(t.dtype());
-  for (std::size_t i = 0; i < t.bytes(); ++i) {
-    if (t.raw()[i] != pattern[i % pattern.size()]) return false;
-  }
-  return true;
-}
-
 // How many of elements [first, first + count) (to the end by default) still hold the sentinel: none
 // once a call wrote them.
 inline std::int64_t sentinel_elements(const HostTensor& t, std::int64_t first = 0, std::int64_t count = -1) {
@@ -151,6 +142,9 @@ inline std::int64_t sentinel_elements(const HostTensor& t, std::int64_t first = 
   }
   return n;
 }
+
+// True when every element still holds the sentinel.
+inline bool is_sentinel(const HostTensor& t) { return sentinel_elements(t) == t.numel(); }
 
 // A tensor of `dtype` and `shape` filled with the sentinel.
 inline HostTensor sentinel_tensor(DType dtype, std::vector<std::int64_t> shape) {
