@@ -11,6 +11,7 @@
 #include "cli_checks.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
+#include "latentkv/ops.hpp"
 #include "latentkv/version.hpp"
 #include "text.hpp"
 
@@ -49,6 +50,8 @@ bool reads_topk(const std::string& op) { return op != "mla_decode" && op != "ind
 bool reads_splits(const std::string& op) { return op == "mla_decode" || op == "sparse_mla_decode"; }
 bool reads_context_min(const std::string& op) { return op == "mla_decode"; }
 bool reads_heads(const std::string& op) { return op != "topk"; }
+// The ops whose --heads are indexer heads (1 .. kMaxIndexerHeads) rather than query heads.
+bool reads_indexer_heads(const std::string& op) { return op == "indexer_logits" || op == "indexer_prefill"; }
 // The ops whose main cache may be bf16; the indexer ops read only the fp8 indexer cache, topk none,
 // and dsa_decode (and its cast baselines) the fp8 main cache.
 bool reads_kv_dtype(const std::string& op) {
@@ -77,6 +80,10 @@ void check_op_reads(const BenchOptions& o) {
   if (o.splits > 0) refuse_unless_read(o.op, reads_splits, "--splits");
   if (o.context_min > 0) refuse_unless_read(o.op, reads_context_min, "--context-min");
   if (o.heads > 0) refuse_unless_read(o.op, reads_heads, "--heads");
+  if (o.heads > kMaxIndexerHeads && reads_indexer_heads(o.op)) {
+    throw Error("bench", "--heads", std::to_string(o.heads),
+                "1 .. " + std::to_string(kMaxIndexerHeads) + " for " + o.op + " (indexer heads)");
+  }
   if (o.topk != defaults.topk) refuse_unless_read(o.op, reads_topk, "--topk");
   if (o.q_len != defaults.q_len) refuse_unless_read(o.op, is_decode, "--q-len");
   if (o.new_tokens != defaults.new_tokens) refuse_unless_read(o.op, is_prefill, "--new-tokens");
@@ -131,7 +138,9 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--new-tokens", o.new_tokens, "New tokens per request (prefill ops)")
       ->capture_default_str()
       ->check(integer_in(1, kIntMax));
-  cmd.add_option("--page-size", o.page_size, "Tokens per page")->capture_default_str()->check(integer_in(1, kIntMax));
+  cmd.add_option("--page-size", o.page_size, "Tokens per page")
+      ->capture_default_str()
+      ->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
   cmd.add_option("--topk", o.topk,
                  "Selected tokens per query (sparse ops, topk, indexer_prefill, dsa_decode, dsa_prefill)")
       ->capture_default_str()

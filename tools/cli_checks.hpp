@@ -19,6 +19,7 @@ namespace latentkv::tools {
 
 inline constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
 inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max();  // slots are int32
+inline constexpr const char* kPageSizeWhy = " (a block-table row holds at most 2^30 tokens)";  // for --page-size
 
 // A CLI11 check that the value is a decimal integer in [lo, hi]; its failures read
 // "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).

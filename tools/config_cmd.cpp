@@ -348,7 +348,7 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
       {"model", "model preset: glm5 or deepseek-v3.2"},
       {"tp", "tensor parallelism (divides the attention heads)"},
       {"kv_dtype", "main cache format: fp8_e4m3 or bf16"},
-      {"page_size", "tokens per cache page (>= 1)"},
+      {"page_size", "tokens per cache page (1 .. 2^30)"},
       {"q_len", "most new tokens per request in decode: 1..4"},
       {"dense_prefill", "backend for dense prefill, or auto"},
       {"dense_decode", "backend for dense decode, or auto"},

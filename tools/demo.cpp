@@ -12,6 +12,7 @@
 #include "latentkv/backend.hpp"
 #include "latentkv/fp8.hpp"
 #include "latentkv/model.hpp"
+#include "latentkv/ops.hpp"
 #include "latentkv/paging.hpp"
 
 namespace latentkv::tools {
@@ -201,7 +202,8 @@ void add_demo_command(CLI::App& app) {
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
   cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 64));
   cmd->add_option("--context", opt->context, "Tokens per request")->check(integer_in(1, 200000));
-  cmd->add_option("--page-size", opt->page_size, "Tokens per page")->check(integer_in(1, kIntMax));
+  cmd->add_option("--page-size", opt->page_size, "Tokens per page")
+      ->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
   cmd->add_option("--seed", opt->seed, "Random seed")->check(seed_in_range());
   cmd->callback([opt] { run_demo(*opt); });
 }

@@ -29,6 +29,7 @@
 #include "latentkv/error.hpp"
 #include "latentkv/fp8.hpp"
 #include "latentkv/model.hpp"
+#include "latentkv/ops.hpp"
 #include "latentkv/paging.hpp"
 #include "latentkv/version.hpp"
 
@@ -511,7 +512,7 @@ void add_step_command(CLI::App& app) {
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")
       ->capture_default_str()->check(integer_in(1, kMaxDecodeQLen));
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")
-      ->capture_default_str()->check(integer_in(1, kIntMax));
+      ->capture_default_str()->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
       ->check(integer_in(1, kIntMax));
   add_name_list(*cmd, "--strategies", opt->strategies,

@@ -109,7 +109,7 @@ void check_memory(const StepShape& s) {
                         std::to_string(kFp8TokenBytes + kIndexerTokenBytes) +
                         " B a slot: main + indexer); with the inputs, page tables and workspace (" + gigabytes(rest) +
                         ") and " + gigabytes(kHostHeadroomBytes) + " of headroom",
-                    "--pool, --layers, --batch or --context");
+                    "--pool, --page-size, --layers, --batch or --context");
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ struct AttentionConfig {
   Sourced<std::string> model{std::string(kDefaultModel), {}};  // a preset name (model_preset_names())
   Sourced<int> tp{kDefaultTp, {}};                              // tensor parallelism; divides the heads
   Sourced<KvDtype> kv_dtype{KvDtype::kFp8E4M3, {}};              // main latent cache format
-  Sourced<int> page_size{kDefaultPageSize, {}};                 // tokens per page, >= 1
+  Sourced<int> page_size{kDefaultPageSize, {}};                 // tokens per page, 1 .. 2^30
   Sourced<int> q_len{1, {}};  // the most new tokens per request in decode: 1, or 2..4 with speculative decoding
   // One per Slot, in kAllSlots order: a backend name or "auto".
   std::array<Sourced<std::string>, 4> backends{{{std::string(kAutoBackend), {}},

@@ -134,7 +134,10 @@ std::string expected_text(std::string_view key) {
   if (key == "model") return "one of: " + join(model_preset_names());
   if (key == "tp") return "a positive integer that divides the model's attention heads";
   if (key == "kv_dtype") return "fp8_e4m3 or bf16";
-  if (key == "page_size") return "an integer from 1 to " + std::to_string(INT_MAX) + " (tokens per page)";
+  if (key == "page_size") {
+    return "an integer from 1 to " + std::to_string(kMaxTableTokens) +
+           " (tokens per page; a block-table row holds at most 2^30 tokens)";
+  }
   if (key == "q_len") {
     return "an integer from 1 to " + std::to_string(kMaxDecodeQLen) + " (new tokens per request in decode)";
   }
@@ -160,7 +163,7 @@ void set_integer(AttentionConfig& config, std::string_view key, std::int64_t val
   if (key == "tp") {
     config.tp = {checked(1, INT_MAX), source};
   } else if (key == "page_size") {
-    config.page_size = {checked(1, INT_MAX), source};
+    config.page_size = {checked(1, kMaxTableTokens), source};
   } else if (key == "q_len") {
     config.q_len = {checked(1, kMaxDecodeQLen), source};
   } else {
@@ -803,7 +806,7 @@ void check_config(const AttentionConfig& config) {
     throw ConfigError("kv_dtype", std::to_string(static_cast<int>(config.kv_dtype.value)), config.kv_dtype.source,
                       expected_text("kv_dtype"));
   }
-  if (config.page_size.value < 1) {
+  if (config.page_size.value < 1 || config.page_size.value > kMaxTableTokens) {
     throw ConfigError("page_size", std::to_string(config.page_size.value), config.page_size.source,
                       expected_text("page_size"));
   }

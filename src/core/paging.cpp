@@ -12,7 +12,11 @@ namespace latentkv {
 
 PageAllocator::PageAllocator(std::int64_t num_pages, int page_size, std::uint64_t shuffle_seed)
     : num_pages_(num_pages), page_size_(page_size) {
-  if (page_size < 1) throw Error("page_allocator", "page_size", std::to_string(page_size), ">= 1");
+  // A request's pages form one block-table row, which the ops take up to kMaxTableTokens (2^30) tokens.
+  if (page_size < 1 || page_size > kMaxTableTokens) {
+    throw Error("page_allocator", "page_size", std::to_string(page_size),
+                "1 .. " + std::to_string(kMaxTableTokens) + " (a block-table row holds at most 2^30 tokens)");
+  }
   // Slots (page_id * page_size + offset) are int32 in every op, as in a cache (cache.hpp).
   const std::int64_t max_pages = INT32_MAX / page_size;
   if (num_pages < 1 || num_pages > max_pages) {

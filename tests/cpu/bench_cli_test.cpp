@@ -296,6 +296,43 @@ TEST(BenchCli, OptionsTheOpDoesNotReadAreRefused) {
   }
 }
 
+// --heads counts indexer heads (1 .. 64) for the indexer ops and query heads (1 .. 128) for the
+// others: 65 is refused for the first before anything runs, naming --heads and the op.
+TEST(BenchCli, IndexerOpsTakeAtMost64Heads) {
+  for (const std::string& op : kOps) {
+    if (op == "topk") continue;  // reads no heads
+    BenchOptions o;
+    o.op = op;
+    o.heads = 64;
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+    o.heads = 65;
+    if (op != "indexer_logits" && op != "indexer_prefill") {
+      EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+      continue;
+    }
+    try {
+      latentkv::tools::check_bench_options(o, false);
+      ADD_FAILURE() << op << " took --heads 65";
+    } catch (const latentkv::Error& e) {
+      EXPECT_EQ(e.argument(), "--heads") << e.what();
+      EXPECT_EQ(e.value(), "65");
+      EXPECT_THAT(e.expected(), HasSubstr("1 .. 64 for " + op)) << e.what();
+    }
+  }
+}
+
+// A page of more than 2^30 tokens is refused by the parser: no block-table row could hold one.
+TEST(BenchCli, PageSizeAtMost2To30) {
+  EXPECT_EQ(parse_bench("--page-size 1073741824").page_size, 1 << 30);
+  try {
+    parse_bench("--page-size 1073741825");
+    ADD_FAILURE() << "--page-size 1073741825 was taken";
+  } catch (const CLI::ParseError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("1073741825"));
+    EXPECT_THAT(e.what(), HasSubstr("2^30"));
+  }
+}
+
 // The pool must hold one set of the requests, in whole pages, and stay within int32 slots (as in
 // `latentkv step`); refused before anything runs, not when the GPU's pages run out.
 TEST(BenchCli, PoolMustHoldOneSetOfRequests) {

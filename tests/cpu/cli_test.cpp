@@ -369,7 +369,7 @@ TEST_F(Cli, StepTooLargeForHostMemoryFailsBeforeAllocating) {
   const Result r = run({"step", "--device", "cpu", "--batch", "4096", "--context", "200000", "--no-progress"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("of host memory"));
-  EXPECT_THAT(r.err, HasSubstr("lower --pool, --layers, --batch or --context"));
+  EXPECT_THAT(r.err, HasSubstr("lower --pool, --page-size, --layers, --batch or --context"));
   EXPECT_THAT(r.err, Not(HasSubstr("bad_alloc")));
   // One layer of the largest pool: 2^31 - 64 slots of 788 B, 1692 GB.
   const Result one = run({"step", "--device", "cpu", "--batch", "1", "--layers", "1", "--context", "300", "--pool",
@@ -677,6 +677,15 @@ TEST_F(Cli, StepBoundsAreInclusive) {
   const Result pool = run(step, {"--layers", "1", "--context", "300", "--pool", "2147483584"});
   EXPECT_EQ(pool.exit_code, 1) << pool.err;
   EXPECT_THAT(pool.err, HasSubstr("of host memory"));
+  // A page of 2^30 tokens fills a block-table row; one more token is refused by step, bench and demo.
+  const std::vector<std::vector<std::string>> commands = {step, {"bench"}, {"demo"}};
+  for (const std::vector<std::string>& command : commands) {
+    const Result page = run(command, {"--page-size", "1073741825"});
+    EXPECT_EQ(page.exit_code, 2) << command[0] << ": " << page.err;
+    EXPECT_THAT(page.err, HasSubstr("--page-size: 1073741825 is not in 1 .. 1073741824 (a block-table row holds at "
+                                    "most 2^30 tokens)"))
+        << command[0];
+  }
   // As many requests checked as the batch holds.
   const Result checked = run(step, {"--layers", "1", "--context", "300", "--check-requests", "1"});
   EXPECT_EQ(checked.exit_code, 0) << checked.err;

@@ -320,6 +320,26 @@ TEST(DsaPrefillBadInput, NullWorkspace) {
   EXPECT_TRUE(d.untouched());
 }
 
+// q_idx is the indexer step's q: its dtype and indexer heads are refused under the caller's name.
+TEST(DsaPrefillBadInput, IndexerQueriesNamedAsTheCallerGaveThem) {
+  HostDsaPrefill d = small_case();
+  const TensorView given = d.q_idx.view();
+  const std::int64_t t = given.size(0), hi = given.size(1);
+  const TensorView bytes = TensorView::contiguous(given.data, DType::kU8, {t, hi, kIndexerDim});
+  const TensorView no_heads = TensorView::contiguous(given.data, DType::kFP8E4M3, {t, 0, kIndexerDim});
+  HostTensor wide = random_fp8(d.rng, {t, kMaxIndexerHeads + 1, kIndexerDim});
+  const std::vector<std::pair<TensorView, std::pair<std::string, std::string>>> cases = {
+      {bytes, {"q_idx", "u8 " + bytes.shape_string()}},
+      {no_heads, {"q_idx.shape[1] (indexer heads)", "0"}},
+      {wide.view(), {"q_idx.shape[1] (indexer heads)", "65"}},
+  };
+  for (const auto& [q_idx, named] : cases) {
+    d.params.q_idx = q_idx;
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", named.first, named.second));
+    EXPECT_TRUE(d.untouched());
+  }
+}
+
 // A workspace (as long as the caller says) that also holds q at its start, where the index rows go:
 // q is read by the sparse step alone and the rows are written by the indexer step, so only the
 // call's own check sees both; it refuses before either step runs, and so do the steps run one by one.

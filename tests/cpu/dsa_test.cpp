@@ -12,6 +12,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "latentkv/backend.hpp"
@@ -290,6 +291,29 @@ TEST(DsaDecodeBadInput, TopkOutsideOneTo2048) {
     EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "topk", std::to_string(topk)));
     EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode", "topk",
                              std::to_string(topk)));
+    EXPECT_TRUE(d.untouched());
+  }
+}
+
+// q_idx is the indexer step's q: its dtype and indexer heads are refused under the caller's name,
+// by the call and by its planning alike.
+TEST(DsaDecodeBadInput, IndexerQueriesNamedAsTheCallerGaveThem) {
+  HostDsa d = small_case();
+  const TensorView given = d.q_idx.view();
+  const std::int64_t b = given.size(0), q_len = given.size(1), hi = given.size(2);
+  const TensorView bytes = TensorView::contiguous(given.data, DType::kU8, {b, q_len, hi, kIndexerDim});
+  const TensorView no_heads = TensorView::contiguous(given.data, DType::kFP8E4M3, {b, q_len, 0, kIndexerDim});
+  HostTensor wide = random_fp8(d.rng, {b, q_len, kMaxIndexerHeads + 1, kIndexerDim});
+  const std::vector<std::pair<TensorView, std::pair<std::string, std::string>>> cases = {
+      {bytes, {"q_idx", "u8 " + bytes.shape_string()}},
+      {no_heads, {"q_idx.shape[2] (indexer heads)", "0"}},
+      {wide.view(), {"q_idx.shape[2] (indexer heads)", "65"}},
+  };
+  for (const auto& [q_idx, named] : cases) {
+    d.params.q_idx = q_idx;
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", named.first, named.second));
+    EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode",
+                             named.first, named.second));
     EXPECT_TRUE(d.untouched());
   }
 }

@@ -390,7 +390,7 @@ TEST(Config, ValuesAtTheEndsOfTheirRangesAreAccepted) {
   EXPECT_EQ(with_flags({{"sparse_decode", "my.backend"}}).backend(Slot::kSparseDecode).value, "my.backend");
   EXPECT_THAT(message_of_resolve(with_flags({{"sparse_decode", "my.backend"}}), cpu(), {&reference()}),
               HasSubstr("sparse_decode = 'my.backend' (flag --sparse-decode): no backend is named 'my.backend'"));
-  EXPECT_EQ(with_flags({{"page_size", "2147483647"}}).page_size.value, 2147483647);
+  EXPECT_EQ(with_flags({{"page_size", "1073741824"}}).page_size.value, 1 << 30);  // 2^30: one page fills a table row
 }
 
 TEST(Config, EnvironmentVariablesReadAreTheFileTheKeysTheKernelOverridesAndThePrograms) {
@@ -518,7 +518,9 @@ TEST(ConfigReject, BadIntegers) {
       {"tp", "", "tp = ''"},
       {"tp", "99999999999999999999", "tp = '99999999999999999999'"},
       {"tp", "4294967304", "tp = 4294967304"},
-      {"page_size", "0", "page_size = 0 (flag --page-size): expected an integer from 1 to 2147483647"},
+      {"page_size", "0", "page_size = 0 (flag --page-size): expected an integer from 1 to 1073741824"},
+      {"page_size", "1073741825", "page_size = 1073741825 (flag --page-size): expected an integer from 1 to 1073741824 "
+                                  "(tokens per page; a block-table row holds at most 2^30 tokens)"},
       {"page_size", "-64", "page_size = -64"},
       {"page_size", "6.4", "page_size = '6.4'"},
       {"q_len", "0", "q_len = 0 (flag --q-len): expected an integer from 1 to 4"},
@@ -757,7 +759,11 @@ TEST(ConfigReject, ProgrammaticConfigIsCheckedToo) {
   c = AttentionConfig{};
   c.page_size.value = 0;
   EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
-              HasSubstr("page_size = 0 (default): expected an integer from 1 to 2147483647 (tokens per page)"));
+              HasSubstr("page_size = 0 (default): expected an integer from 1 to 1073741824 (tokens per page"));
+  c = AttentionConfig{};
+  c.page_size.value = (1 << 30) + 1;  // no block table of one page or more could be taken
+  EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
+              HasSubstr("page_size = 1073741825 (default): expected an integer from 1 to 1073741824"));
   c = AttentionConfig{};
   c.q_len.value = 0;
   EXPECT_THAT(config_error([&] { resolve_config(c, cpu()); }).what(),
