@@ -179,7 +179,8 @@ struct ResolvedConfig {
   // What dsa_decode and dsa_prefill run: the indexer and top-k ops resolved here and the sparse slots.
   DsaBackends dsa_backends() const;
   // The slot that serves a query row of `phase` seeing `visible_tokens` tokens: dense only where
-  // that is exact. (A phase, not a bool: route(visible, true) would compile and route wrongly.)
+  // that is exact; throws Error for a negative count. (A phase, not a bool: route(visible, true)
+  // would compile and route wrongly.)
   Slot route(Phase phase, std::int64_t visible_tokens) const;
   Slot route(bool, std::int64_t) const = delete;
   // The rule above in words, for printing.

@@ -878,6 +878,9 @@ Problem slot_problem(const AttentionConfig& config, Slot slot, const DeviceInfo&
 }
 
 Slot ResolvedConfig::route(Phase phase, std::int64_t visible_tokens) const {
+  if (visible_tokens < 0) {
+    throw Error("ResolvedConfig::route", "visible_tokens", std::to_string(visible_tokens), ">= 0 (tokens a row sees)");
+  }
   const bool prefill = phase == Phase::kPrefill;
   if (visible_tokens <= dense_max_visible_tokens) return prefill ? Slot::kDensePrefill : Slot::kDenseDecode;
   return prefill ? Slot::kSparsePrefill : Slot::kSparseDecode;

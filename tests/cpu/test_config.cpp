@@ -14,12 +14,14 @@
 
 #include "latentkv/config.hpp"
 #include "latentkv/environment.hpp"
+#include "support/expect_error.hpp"
 
 namespace latentkv {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using testing::throws_error;
 
 // ---- test-only backends (never registered globally) ---------------------------------------------
 
@@ -813,6 +815,8 @@ TEST(Config, DenseSlotsServeOnlyRowsWithinIndexTopk) {
   EXPECT_EQ(r.route(Phase::kDecode, 2049), Slot::kSparseDecode);
   EXPECT_EQ(r.route(Phase::kPrefill, 2048), Slot::kDensePrefill);
   EXPECT_EQ(r.route(Phase::kPrefill, 495000), Slot::kSparsePrefill);
+  // A negative count is a caller's bug, not a short row for the dense slot.
+  EXPECT_TRUE(throws_error([&] { r.route(Phase::kDecode, -1); }, "ResolvedConfig::route", "visible_tokens", "-1"));
   const std::string rule = r.dense_rule();
   EXPECT_THAT(rule, HasSubstr("glm5 is a DSA model"));
   EXPECT_THAT(rule, HasSubstr("at most 2048 tokens"));
