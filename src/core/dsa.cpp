@@ -68,13 +68,6 @@ void check_caches_and_topk(std::string_view op, const IndexerCache& indexer, con
   }
 }
 
-// q_idx's indexer heads, as the indexer step checks its q.
-void check_indexer_heads(std::string_view op, std::int64_t heads, const char* argument) {
-  if (heads < 1 || heads > kMaxIndexerHeads) {
-    throw Error(std::string(op), argument, std::to_string(heads), "1 .. " + std::to_string(kMaxIndexerHeads));
-  }
-}
-
 // The output dtypes a step on `device` takes: bf16 o and f32 lse on a GPU, also f32/f64 on the CPU.
 detail::Outputs outputs_on(Device device) {
   return device.kind == DeviceKind::kCuda ? detail::Outputs::kDeviceTypes : detail::Outputs::kReferenceTypes;
@@ -119,7 +112,7 @@ void check_shapes(const DsaDecodeParams& p) {
   if (p.q_idx.dtype != DType::kFP8E4M3 || p.q_idx.size(3) != kIndexerDim) {
     throw Error(std::string(kOp), "q_idx", detail::describe(p.q_idx), "[B, q_len, Hi, 128] fp8" + rows);
   }
-  check_indexer_heads(kOp, p.q_idx.size(2), "q_idx.shape[2] (indexer heads)");
+  detail::expect_range(kOp, "q_idx.shape[2] (indexer heads)", p.q_idx.size(2), 1, kMaxIndexerHeads);
   if (p.weights.rank != 3 || p.weights.size(0) != b || p.weights.size(1) != q_len) {
     throw Error(std::string(kOp), "weights", p.weights.shape_string(), "[B, q_len, Hi] f32" + rows);
   }
@@ -353,7 +346,7 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
     throw Error(std::string(kPrefillOp), "q_idx", detail::describe(p.q_idx),
                 "[T, Hi, 128] fp8 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
-  check_indexer_heads(kPrefillOp, p.q_idx.size(1), "q_idx.shape[1] (indexer heads)");
+  detail::expect_range(kPrefillOp, "q_idx.shape[1] (indexer heads)", p.q_idx.size(1), 1, kMaxIndexerHeads);
   if (p.weights.rank != 2 || p.weights.size(0) != p.q.size(0)) {
     throw Error(std::string(kPrefillOp), "weights", p.weights.shape_string(),
                 "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");

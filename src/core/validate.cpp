@@ -256,12 +256,16 @@ void expect_view(std::string_view op, std::string_view arg, const TensorView& v,
   if (!v.is_contiguous()) fail(op, arg, describe(v) + " (strided)", "a contiguous tensor");
 }
 
+}  // namespace
+
 void expect_range(std::string_view op, std::string_view arg, std::int64_t value, std::int64_t lo, std::int64_t hi,
-                  const std::string& what = {}) {
+                  const std::string& what) {
   if (value < lo || value > hi) {
     fail(op, arg, std::to_string(value), std::to_string(lo) + " .. " + std::to_string(hi) + what);
   }
 }
+
+namespace {
 
 // The split count asked of a plan or set from one: 0 (the plan's choice) to kMaxSplits, whichever
 // backend runs the call (the reference ignores it; a GPU call also refuses 0, which plan() fills in),

@@ -73,6 +73,9 @@ void expect_chunk_tokens(std::string_view op, std::int64_t chunk_tokens);
 // "cpu", or "cuda:N": CUDA views and caches must be on the device the call runs on.
 std::string device_text(Device d);
 std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
+// Throws unless lo <= value <= hi: "argument 'q.shape[2] (heads)' = 0: expected 1 .. 128" (+ `what`).
+void expect_range(std::string_view op, std::string_view arg, std::int64_t value, std::int64_t lo, std::int64_t hi,
+                  const std::string& what = {});
 // The errors of the value checks, shared by the reference's checks and the GPU's fault records
 // (device_fault.cpp), so that both say the same for the same input: a bad slot (element `index` of
 // `argument`, outside -1 .. num_slots - 1), a non-finite bf16 or float element, a NaN fp8 code, a
