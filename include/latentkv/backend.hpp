@@ -72,13 +72,20 @@ struct ExecContext {
 // `check` throws what `launch` would refuse in a call whose shapes are valid without reading the
 // data (pointer alignment, grid limits, the planned split count and workspace), queueing nothing;
 // dsa_decode and dsa_prefill run every step's check before they queue the first step. `launch`
-// checks the same again. Empty where a launch has no such checks: the reference backend's refusals
-// of bad values (NaN, slots outside the pool) need the data, and come from its launch.
+// checks the same again. Empty where a launch has no such checks beyond the op of its parameters
+// (make_kernel): the reference backend's refusals of bad values (NaN, slots outside the pool) need
+// the data, and come from its launch.
 struct Kernel {
   std::string name;
   std::function<void(const OpArgs&, const ExecContext&)> launch;
   std::function<void(const OpArgs&)> check = {};
 };
+// A kernel selected for `op` whose launch and check first refuse the parameters of any other op
+// (Error naming `op`, the kernel and the op the parameters are for), so that a kernel kept from
+// select() cannot be handed another op's call. The library's backends make theirs with it; their
+// checks are then never empty.
+Kernel make_kernel(Op op, std::string name, std::function<void(const OpArgs&, const ExecContext&)> launch,
+                   std::function<void(const OpArgs&)> check = {});
 
 // A schedule fixed before a step runs: how the work is split and how much device scratch it needs.
 // It depends only on shapes and the device (never on per-step lengths), so a captured CUDA graph
@@ -136,7 +143,9 @@ DeviceInfo device_of(const OpArgs& args);
 // without it the device of the call's tensors (device_of): a call of the reference on host tensors
 // runs on the CPU wherever it is made, and one of a CUDA backend on host tensors is refused as
 // running on the CPU, the refusal ending with the view that chose it ("; a call that names no
-// device runs where its cache.device is (cpu)").
+// device runs where its cache.device is (cpu)"). A GPU call may be captured in a CUDA graph once a
+// call of the same shapes has run outside the capture on that device (its kernels' first launches
+// there set them up: latentkv/dsa.hpp).
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {});
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device);
 

@@ -32,6 +32,13 @@ std::string_view kv_dtype_name(KvDtype dtype);           // "fp8_e4m3", "bf16"
 KvDtype parse_kv_dtype(std::string_view name);            // throws Error on an unknown name
 std::size_t kv_token_bytes(KvDtype dtype);                // 656 or 1152
 
+// num_pages x page_size, the slots of a pool; INT64_MAX where the product would not fit (a descriptor
+// no call accepts: every op refuses pools of 2^31 slots or more).
+inline std::int64_t pool_slots(std::int64_t num_pages, int page_size) {
+  std::int64_t slots = 0;
+  return __builtin_mul_overflow(num_pages, page_size, &slots) ? INT64_MAX : slots;
+}
+
 // The main latent cache: num_pages pages of page_size tokens, token-major inside a page.
 struct LatentCache {
   std::uint8_t* data = nullptr;  // [num_pages, page_size, token_bytes] bytes
@@ -41,7 +48,7 @@ struct LatentCache {
   Device device{};
 
   std::size_t token_bytes() const { return kv_token_bytes(dtype); }
-  std::int64_t num_slots() const { return num_pages * page_size; }
+  std::int64_t num_slots() const { return pool_slots(num_pages, page_size); }
   std::size_t bytes() const { return static_cast<std::size_t>(num_slots()) * token_bytes(); }
   std::uint8_t* token(std::int64_t slot) const { return data + static_cast<std::size_t>(slot) * token_bytes(); }
 };
@@ -53,7 +60,7 @@ struct IndexerCache {
   int page_size = kDefaultPageSize;
   Device device{};
 
-  std::int64_t num_slots() const { return num_pages * page_size; }
+  std::int64_t num_slots() const { return pool_slots(num_pages, page_size); }
   std::size_t page_bytes() const { return static_cast<std::size_t>(page_size) * kIndexerTokenBytes; }
   std::size_t bytes() const { return static_cast<std::size_t>(num_pages) * page_bytes(); }
   std::uint8_t* key(std::int64_t slot) const {  // 128 fp8 codes

@@ -19,7 +19,7 @@
 namespace latentkv {
 
 // The op whose checks found the fault: the op the caller called (a prefill's checks name the
-// prefill, not the kernels it runs).
+// prefill, not the kernels it runs). Numbered for the record (0: none), not as latentkv::Op.
 enum class DeviceFaultOp : std::int32_t {
   kNone = 0,
   kAppend = 1,
@@ -57,7 +57,7 @@ enum class DeviceFaultCode : std::int32_t {
 // block table is one fault, whatever its row holds past the capacity; a bad offset of a prefill is
 // named as the reference names it, though it breaks two of its checks); with several, any one of
 // them (the reference names the first it checks). GPU backends only: the reference throws the Error
-// itself.
+// itself. The record must be 8-byte aligned (as cudaMalloc gives it); a call refuses one that is not.
 struct DeviceFault {
   std::int32_t code = 0;       // a DeviceFaultCode
   std::int32_t op = 0;         // a DeviceFaultOp

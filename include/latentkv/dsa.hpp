@@ -5,7 +5,10 @@
 // The three ops run back to back on the caller's stream through the chosen backends, with their
 // intermediate results (logits, selected slots) and scratch in one caller-owned workspace. Nothing
 // is allocated and nothing waits for the host, so on a GPU a whole layer (or a whole model's step)
-// can be captured once in a CUDA graph and replayed as the lengths in seq_lens grow.
+// can be captured once in a CUDA graph and replayed as the lengths in seq_lens grow. Capture a call
+// only after one call of the same shapes has run outside the capture on that device: each kernel's
+// first launch on a device sets it up (its shared-memory limit, its occupancy, asked of the runtime
+// once), which is not for a capture (examples/dsa_layer.cpp does so).
 #pragma once
 
 #include <cstddef>

@@ -16,8 +16,9 @@
 //    decode or an indexer call takes at most kMaxGpuRequests (65,535) requests and a sparse decode
 //    65,535 query tokens (B x q_len)
 //    (the prefills run in slices of 65,535 new tokens; the top-k has no such limit), and a call
-//    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned (cudaMalloc gives
-//    256; the indexer prefill and the DSA calls want their workspace 256-byte aligned). What a
+//    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned, an append's latent
+//    16-byte and indexer_keys 8-byte, and a fault record 8-byte (cudaMalloc gives 256; the indexer
+//    prefill and dsa_prefill want their workspace 256-byte aligned). What a
 //    call writes (outputs, the caches of an append, workspace and clear, fault; the workspace as
 //    workspace_bytes long) shares no byte with any other of its arguments.
 //  * num_splits and workspace come from Backend::plan() for the call's shapes: a GPU call refuses
@@ -82,9 +83,10 @@ struct MlaDecodeParams {
   TensorView lse;               // [B, q_len, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
   // Split-KV schedule and scratch, from Backend::plan() before the step (decode never allocates).
-  // KV chunks per request. Set before plan() to ask for a count (1 to 1024), which the plan keeps;
-  // 0 lets the backend choose for these shapes. The call runs the plan's count. (Parameters that
-  // hold an earlier plan's count keep it when planned again: set 0 to have new shapes planned.)
+  // KV chunks per request. Set before plan() to ask a GPU backend for a count (1 to 1024), which
+  // its plan keeps (the reference runs unsplit and plans 1); 0 lets the backend choose for these
+  // shapes. The call runs the plan's count. (Parameters that hold an earlier plan's count keep it
+  // when planned again: set 0 to have new shapes planned.)
   int num_splits = 0;
   void* workspace = nullptr;    // device scratch of at least workspace_bytes
   std::size_t workspace_bytes = 0;
@@ -190,7 +192,7 @@ struct SparseMlaDecodeParams {
   LatentCache cache;            // read only
   TensorView indices;           // [B, q_len, topk] i32 physical slots, -1 ignored
   TensorView o;                 // [B, q_len, H, 512] bf16 (reference: also f32/f64); zeros for an empty row
-  TensorView lse;               // [B, q_len, H] f32; -inf for an empty row
+  TensorView lse;               // [B, q_len, H] f32 (reference: also f64); -inf for an empty row
   float softmax_scale = 0.0f;
   // Split schedule and scratch, from Backend::plan() (as in MlaDecodeParams).
   int num_splits = 0;
@@ -205,7 +207,7 @@ struct SparseMlaPrefillParams {
   LatentCache cache;            // read only
   TensorView indices;           // [T, topk] i32 physical slots, -1 ignored
   TensorView o;                 // [T, H, 512] bf16 (reference: also f32/f64)
-  TensorView lse;               // [T, H] f32
+  TensorView lse;               // [T, H] f32 (reference: also f64)
   float softmax_scale = 0.0f;
   // Split schedule and scratch, from Backend::plan() (as in SparseMlaDecodeParams).
   int num_splits = 0;

@@ -29,7 +29,9 @@ class PageAllocator {
   void release(RequestId request);
 
   std::int64_t length(RequestId request) const;                         // tokens
-  const std::vector<std::int32_t>& block_table(RequestId request) const;  // page ids in order
+  // Page ids in order: the allocator's own list, valid until release() of that request; grow() adds
+  // to it (its data() may move), so copy it to keep a snapshot.
+  const std::vector<std::int32_t>& block_table(RequestId request) const;
   std::int64_t slot(RequestId request, std::int64_t position) const;    // page_id * page_size + offset
 
   // Block tables of `requests` as one row-major [requests.size(), max_pages] matrix padded with -1.

@@ -143,6 +143,25 @@ Problem problem_of(const OpArgs& args, const DeviceInfo& device) {
   return p;
 }
 
+Kernel make_kernel(Op op, std::string name, std::function<void(const OpArgs&, const ExecContext&)> launch,
+                   std::function<void(const OpArgs&)> check) {
+  const auto same_op = [op, name](const OpArgs& args) {
+    if (op_of(args) != op) {
+      throw Error(std::string(op_name(op)), "args", std::string(op_name(op_of(args))) + "'s parameters",
+                  std::string(op_name(op)) + "'s, the op kernel '" + name + "' was selected for");
+    }
+  };
+  return Kernel{name,
+                [same_op, launch = std::move(launch)](const OpArgs& args, const ExecContext& context) {
+                  same_op(args);
+                  launch(args, context);
+                },
+                [same_op, check = std::move(check)](const OpArgs& args) {
+                  same_op(args);
+                  if (check) check(args);
+                }};
+}
+
 namespace detail {
 
 DeviceChoice chosen_by(std::string_view anchor, Device where) {

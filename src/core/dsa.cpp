@@ -3,6 +3,7 @@
 #include "latentkv/dsa.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -16,6 +17,7 @@ namespace {
 
 constexpr std::string_view kOp = "dsa_decode";
 using detail::align_up;
+using detail::kWorkspaceAlign;
 
 void check_backends(const DsaBackends& b) {
   if (b.indexer_logits == nullptr) throw Error(std::string(kOp), "backends.indexer_logits", "null", "a backend");
@@ -73,9 +75,12 @@ detail::Outputs outputs_on(Device device) {
   return device.kind == DeviceKind::kCuda ? detail::Outputs::kDeviceTypes : detail::Outputs::kReferenceTypes;
 }
 
-// The caller's workspace against the `need` bytes the planner (named in messages) asked for.
+// The caller's workspace against the `need` bytes the planner (named in messages) asked for, and on
+// a GPU against the alignment its steps' kernels want of the pieces carved from it at 256-byte
+// offsets (`align`: 16 for dsa_decode's, 256 for dsa_prefill's indexer prefill), refused here under
+// the call's own name rather than by the step that would meet it.
 void check_workspace(std::string_view op, std::string_view planner, const void* workspace, std::size_t bytes,
-                     std::size_t need) {
+                     std::size_t need, Device device, std::size_t align) {
   if (workspace == nullptr && need > 0) {
     throw Error(std::string(op), "workspace", "null",
                 std::to_string(need) + " bytes (" + std::string(planner) + "'s workspace_bytes)");
@@ -83,6 +88,10 @@ void check_workspace(std::string_view op, std::string_view planner, const void* 
   if (bytes < need) {
     throw Error(std::string(op), "workspace_bytes", std::to_string(bytes),
                 ">= " + std::to_string(need) + " (" + std::string(planner) + "'s workspace_bytes for these shapes)");
+  }
+  if (device.kind == DeviceKind::kCuda && reinterpret_cast<std::uintptr_t>(workspace) % align != 0) {
+    throw Error(std::string(op), "workspace", "an address not " + std::to_string(align) + "-byte aligned",
+                std::to_string(align) + "-byte aligned device memory (cudaMalloc gives 256)");
   }
 }
 
@@ -195,6 +204,8 @@ DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base)
 
 DsaBackends same_backend(const Backend& backend) { return {&backend, &backend, &backend, &backend, &backend}; }
 
+namespace {
+
 // The indexer step's views with `requests` rows and no data: what its scratch is planned for.
 IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) {
   for (TensorView* v : {&s.q, &s.weights, &s.block_table, &s.seq_lens, &s.logits}) {
@@ -203,8 +214,6 @@ IndexerLogitsParams with_requests(IndexerLogitsParams s, std::int64_t requests) 
   }
   return s;
 }
-
-namespace {
 
 // Where a DSA call names no device: its main cache's (as run() takes a step's).
 detail::DeviceChoice by_cache(const LatentCache& cache) { return detail::chosen_by("cache.device", cache.device); }
@@ -243,6 +252,8 @@ DsaPlan plan_dsa_decode(const DsaBackends& backends, const DsaDecodeParams& p, c
   return plan_decode(backends, p, device, {});
 }
 
+namespace {
+
 // A step's scratch in a plan the caller hands back: at most 2^60 bytes, so that the layout's sum of
 // a few such terms and the logits (which check_rows_fit keeps within int64) cannot wrap.
 void check_plan_scratch(std::string_view op, const char* field, std::size_t bytes) {
@@ -251,6 +262,8 @@ void check_plan_scratch(std::string_view op, const char* field, std::size_t byte
     throw Error(std::string(op), field, std::to_string(bytes), "<= 2^60 bytes (as the plan call gives it)");
   }
 }
+
+}  // namespace
 
 DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   check_shapes(p);
@@ -266,7 +279,7 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
                     "): with topk_cleared_by_indexer the indexer step clears that much of the top-k's scratch");
   }
   const Layout l = layout_of(p, plan);
-  check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end);
+  check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end, p.q.device, 16);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaSteps s = steps_at(p, l, base);
   s.indexer.workspace = plan.indexer.workspace_bytes ? base + l.indexer : nullptr;
@@ -430,7 +443,8 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   check_plan_scratch(kPrefillOp, "plan.indexer.workspace_bytes", plan.indexer.workspace_bytes);
   check_plan_scratch(kPrefillOp, "plan.sparse.workspace_bytes", plan.sparse.workspace_bytes);
   const PrefillLayout l = prefill_layout_of(p, plan);
-  check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end);
+  check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end, p.q.device,
+                  kWorkspaceAlign);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaPrefillSteps s = prefill_steps_at(p, base);
   if (plan.indexer.chunk_tokens > 0) s.indexer.chunk_tokens = plan.indexer.chunk_tokens;

@@ -26,7 +26,8 @@ class ReferenceBackend final : public Backend {
       return Selection::no(std::string(indexer ? "indexer heads " : "heads ") + std::to_string(problem.heads) +
                            " outside 1 .. " + std::to_string(max_heads));
     }
-    return Selection::yes(Kernel{"reference." + std::string(op_name(problem.op)), launch}, "float64 reference");
+    return Selection::yes(make_kernel(problem.op, "reference." + std::string(op_name(problem.op)), launch),
+                          "float64 reference");
   }
 
  private:

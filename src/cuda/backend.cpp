@@ -25,9 +25,10 @@ using cuda::stream_of;
 
 const MlaDecodeParams& decode_args(const OpArgs& args) { return std::get<MlaDecodeParams>(args); }
 
-// An op's kernel. Both its check (Kernel::check) and its launch run the shape checks every backend
-// makes (validate.hpp); then the check runs `check_call`, what the launcher refuses before it
-// queues anything, and the launch runs `launch`, the launcher, which calls check_call itself first.
+// An op's kernel, which refuses other ops' parameters (make_kernel). Both its check (Kernel::check)
+// and its launch run the shape checks every backend makes (validate.hpp); then the check runs
+// `check_call`, what the launcher refuses before it queues anything, and the launch runs `launch`,
+// the launcher, which calls check_call itself first.
 template <typename Params, typename CheckCall, typename Launch>
 Kernel op_kernel(std::string name, CheckCall check_call, Launch launch) {
   const auto shapes = [](const OpArgs& args) {
@@ -39,15 +40,16 @@ Kernel op_kernel(std::string name, CheckCall check_call, Launch launch) {
       detail::validate_shapes(p, device);
     }
   };
-  return Kernel{std::move(name),
-                [shapes, launch](const OpArgs& args, const ExecContext& c) {
-                  shapes(args);
-                  launch(std::get<Params>(args), stream_of(c));
-                },
-                [shapes, check_call](const OpArgs& args) {
-                  shapes(args);
-                  check_call(std::get<Params>(args));
-                }};
+  return make_kernel(
+      op_of(OpArgs(std::in_place_type<Params>)), std::move(name),
+      [shapes, launch](const OpArgs& args, const ExecContext& c) {
+        shapes(args);
+        launch(std::get<Params>(args), stream_of(c));
+      },
+      [shapes, check_call](const OpArgs& args) {
+        shapes(args);
+        check_call(std::get<Params>(args));
+      });
 }
 
 class CudaBackend final : public Backend {

@@ -103,6 +103,23 @@ struct Pool {
   return ::testing::AssertionSuccess();
 }
 
+// A pool's slot count is num_pages x page_size, or INT64_MAX where that product would wrap (a
+// descriptor every op refuses, which must not read as a small or negative pool on the way).
+TEST(CacheLayout, SlotCountsDoNotWrap) {
+  LatentCache latent;
+  latent.num_pages = 1000;
+  latent.page_size = 64;
+  IndexerCache indexer;
+  indexer.num_pages = 1000;
+  indexer.page_size = 64;
+  EXPECT_EQ(latent.num_slots(), 64000);
+  EXPECT_EQ(indexer.num_slots(), 64000);
+  latent.num_pages = indexer.num_pages = INT64_MAX / 32;
+  EXPECT_EQ(latent.num_slots(), INT64_MAX);
+  EXPECT_EQ(indexer.num_slots(), INT64_MAX);
+  EXPECT_EQ(pool_slots(INT64_MAX / 64, 64), INT64_MAX / 64 * 64);
+}
+
 TEST(CacheLayout, Fp8TokenGoldenBytes) {
   Pool pool(4, 3, KvDtype::kFp8E4M3);  // slot 5 = page 1, offset 1: bytes 5 * 656 = 3280 .. 3936
   const std::vector<std::uint8_t> cache_before = pool.cache, indexer_before = pool.indexer;

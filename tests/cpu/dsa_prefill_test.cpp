@@ -373,6 +373,28 @@ TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
   EXPECT_FALSE(d.untouched());
 }
 
+// The 256-byte alignment a GPU's indexer prefill wants of the workspace is asked only of a call on
+// a GPU, under dsa_prefill's own name (the views here are host memory marked as a GPU's, which the
+// shape checks after it would refuse; tests/gpu/test_dsa_prefill.cpp makes the real call). The
+// reference takes a workspace 16 bytes past a 256-byte boundary and gives the same outputs.
+TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
+  HostDsaPrefill d = small_case();
+  d.run();
+  const HostTensor o = d.o, lse = d.lse;
+  std::vector<std::uint8_t> arena(d.plan.workspace_bytes + 512, kWorkspaceGarbage);
+  auto* at = arena.data() + (256 - reinterpret_cast<std::uintptr_t>(arena.data()) % 256) % 256 + 16;
+  d.params.workspace = at;
+  fill_sentinel(d.o);
+  fill_sentinel(d.lse);
+  d.run();
+  EXPECT_EQ(d.o.byte_vector(), o.byte_vector());
+  EXPECT_EQ(d.lse.byte_vector(), lse.byte_vector());
+
+  d.params.q.device = Device::cuda();
+  EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "workspace",
+                           "not 256-byte aligned"));
+}
+
 TEST(DsaPrefillBadInput, IndexerPageSizeUnlikeTheMainCache) {
   HostDsaPrefill d = small_case();
   // The same indexer bytes described as pages of 2 tokens: one block table cannot serve both.

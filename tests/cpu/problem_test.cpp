@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "latentkv/backend.hpp"
 #include "support/expect_error.hpp"
@@ -167,6 +168,53 @@ TEST(DeviceOf, ACallRunsWhereItsCacheIs) {
   each_op(Device::cuda(0), Device::cpu(), gpu);
   EXPECT_EQ(device_info_for(Device::cpu()).name, "cpu");
   EXPECT_EQ(device_info_for(Device::cuda(3)).index, gpu.index);  // the current device, which validation holds views to
+}
+
+// A kernel is its op's: the reference's kernel selected for mla_decode, kept and handed an append's
+// parameters (or a top-k's), refuses them in its launch and its check, naming the op it was selected
+// for, before it touches anything (the cache here would be written at slot 0 by an append).
+TEST(SelectedKernel, RefusesTheParametersOfAnotherOp) {
+  const Backend* reference = find_backend("reference");
+  ASSERT_NE(reference, nullptr);
+  Problem problem;
+  problem.op = Op::kMlaDecode;
+  const Selection s = reference->select(problem);
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s.kernel->check) << "the op check is always there";
+  std::vector<std::uint8_t> pool(kFp8TokenBytes * 16, 0x5A);
+  std::vector<std::uint16_t> latent(576, 0x3F80);  // bf16 1.0
+  std::int32_t slot = 0;
+  AppendParams append;
+  append.cache.data = pool.data();
+  append.cache.num_pages = 1;
+  append.cache.page_size = 16;
+  append.latent = TensorView::contiguous(latent.data(), DType::kBF16, {1, 576});
+  append.slots = TensorView::contiguous(&slot, DType::kI32, {1});
+  EXPECT_TRUE(throws_error([&] { s.kernel->launch(append, {}); }, "mla_decode", "args", "append's parameters"));
+  EXPECT_NE(error_of([&] { s.kernel->check(append); }).find("expected mla_decode's, the op kernel "
+                                                             "'reference.mla_decode' was selected for"),
+            std::string::npos);
+  EXPECT_TRUE(throws_error([&] { s.kernel->check(TopkParams{}); }, "mla_decode", "args", "topk's parameters"));
+  EXPECT_EQ(pool, std::vector<std::uint8_t>(kFp8TokenBytes * 16, 0x5A)) << "the cache was written";
+  // The same parameters through run() on the backend selected for them: the append runs.
+  run(*reference, append, {}, DeviceInfo{});
+  EXPECT_NE(pool, std::vector<std::uint8_t>(kFp8TokenBytes * 16, 0x5A));
+}
+
+// make_kernel passes its op's parameters on to the launch and the check it was given, once each.
+TEST(SelectedKernel, PassesItsOwnOpsParametersOn) {
+  int launched = 0, checked = 0;
+  const Kernel k = make_kernel(
+      Op::kTopk, "counting", [&](const OpArgs&, const ExecContext&) { ++launched; },
+      [&](const OpArgs&) { ++checked; });
+  k.check(TopkParams{});
+  k.launch(TopkParams{}, {});
+  EXPECT_EQ(launched, 1);
+  EXPECT_EQ(checked, 1);
+  const Kernel unchecked = make_kernel(Op::kTopk, "unchecked", [&](const OpArgs&, const ExecContext&) { ++launched; });
+  EXPECT_NO_THROW(unchecked.check(TopkParams{}));
+  EXPECT_TRUE(throws_error([&] { unchecked.launch(AppendParams{}, {}); }, "topk", "args", "append's parameters"));
+  EXPECT_EQ(launched, 1);
 }
 
 }  // namespace

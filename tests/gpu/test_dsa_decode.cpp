@@ -139,6 +139,9 @@ class DeviceDsa {
     steps_ = dsa_steps(params_, plan_);
   }
   std::size_t o_bytes() const { return o_host_.bytes(); }
+  // Calls from now on over the planned workspace's size at `data` (for a call that must be refused:
+  // the steps' views stay where they were).
+  void move_workspace(void* data) { params_.workspace = data; }
   std::vector<std::uint8_t> workspace_contents() const { return workspace_bytes(workspace_.get(), workspace_.bytes()); }
 
   std::vector<std::uint8_t> workspace_bytes(const void* from, std::size_t bytes) const {
@@ -375,6 +378,27 @@ TEST(GpuDsaDecodeChecks, AMisalignedOutputQueuesNoStep) {
     DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()), {}, sparse);
     expect_misaligned_o_queues_nothing(d, "sparse_mla_decode");
   }
+}
+
+// A workspace 4 bytes past a 16-byte boundary (of the planned size; valid otherwise), which the
+// top-k and sparse steps' scratch cannot take: refused under dsa_decode's own name, by the call and
+// by dsa_steps, before any step is queued (o and lse keep their sentinels, the record stays empty).
+TEST(GpuDsaDecodeChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixture f = make_fixture(64, {300, 3000}, rng);
+  const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
+  DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
+  DeviceBuffer shifted(d.plan().workspace_bytes + 256);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  d.move_workspace(shifted.get<std::uint8_t>() + 4);
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "workspace", "not 16-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  const DsaResult r = d.download();
+  EXPECT_TRUE(is_sentinel(r.o));
+  EXPECT_TRUE(is_sentinel(r.lse));
+  EXPECT_EQ(d.fault(), "");
 }
 
 // 16 requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the

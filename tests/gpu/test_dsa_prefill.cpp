@@ -132,6 +132,9 @@ class DeviceDsaPrefill {
     steps_ = dsa_prefill_steps(params_, plan_);
   }
   std::size_t o_bytes() const { return o_host_.bytes(); }
+  // Calls from now on over the planned workspace's size at `data` (for a call that must be refused:
+  // the steps' views stay where they were).
+  void move_workspace(void* data) { params_.workspace = data; }
   std::vector<std::uint8_t> workspace_contents() const {
     std::vector<std::uint8_t> host(workspace_.bytes());
     check_cuda(cudaMemcpy(host.data(), workspace_.get(), host.size(), cudaMemcpyDeviceToHost));
@@ -367,6 +370,26 @@ TEST(GpuDsaPrefillChecks, AMisalignedOutputQueuesNoStep) {
     DeviceDsaPrefill d(in, kMaxTopk, 0, sparse);
     expect_misaligned_o_queues_nothing(d, "sparse_mla_prefill");
   }
+}
+
+// A workspace 16 bytes past a 256-byte boundary (of the planned size; valid otherwise), which the
+// indexer prefill step's scratch cannot take: refused under dsa_prefill's own name, by the call and by
+// dsa_prefill_steps, before any step is queued (o and lse keep their sentinels).
+TEST(GpuDsaPrefillChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  DsaPrefillInputs in = make_inputs({{100, 7, 2100}, {5, 0, 37}}, 64, 8, 8, rng);
+  DeviceDsaPrefill d(in, kMaxTopk);
+  DeviceBuffer shifted(d.plan().workspace_bytes + 256);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  d.move_workspace(shifted.get<std::uint8_t>() + 16);
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace", "not 256-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  const DsaPrefillResult r = d.download();
+  EXPECT_TRUE(is_sentinel(r.o));
+  EXPECT_TRUE(is_sentinel(r.lse));
+  EXPECT_EQ(d.fault(), "");
 }
 
 // ---- a CUDA graph --------------------------------------------------------------------------------

@@ -49,11 +49,12 @@ class CastBaseline : public Backend {
     const Backend* self = this;
     const std::string inner =
         cuda::mla_decode_kernel_name(KvDtype::kBf16, sparse ? std::max(p.heads, 1) : rows_of(p), p.device.sm, sparse);
-    return Selection::yes(Kernel{std::string(name()) + " + " + inner,
-                                 [self](const OpArgs& args, const ExecContext& c) {
-                                   static_cast<const CastBaseline*>(self)->run(args, stream_of(c));
-                                 },
-                                 [self](const OpArgs& args) { static_cast<const CastBaseline*>(self)->check(args); }},
+    return Selection::yes(make_kernel(
+                              p.op, std::string(name()) + " + " + inner,
+                              [self](const OpArgs& args, const ExecContext& c) {
+                                static_cast<const CastBaseline*>(self)->run(args, stream_of(c));
+                              },
+                              [self](const OpArgs& args) { static_cast<const CastBaseline*>(self)->check(args); }),
                           "baseline: " + std::string(extra_traffic()));
   }
 
