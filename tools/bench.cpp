@@ -17,12 +17,12 @@ namespace latentkv::tools {
 void add_bench_command(CLI::App& app) {
   auto opt = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "Time backends side by side on one shape (needs a CUDA GPU)");
-  CLI::Option* check_requests = add_bench_options(*cmd, *opt);
-  cmd->callback([opt, check_requests] {
+  add_bench_options(*cmd, *opt);
+  cmd->callback([opt, cmd] {
     // What the command line can get wrong, checked before anything runs, then whether there is a GPU
     // to run on: exit code 2 when either is wrong.
     or_usage_error([&] {
-      check_bench_options(*opt, check_requests->count() > 0);
+      check_bench_options(*opt, given_options(*cmd));
       if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
       if (detect_device().kind != DeviceKind::kCuda) {
         throw Error("bench",

@@ -59,9 +59,10 @@ bool reads_kv_dtype(const std::string& op) {
          op == "dsa_prefill";
 }
 
-// Throws latentkv::Error naming --op unless the op reads the option `given` (as typed: "--splits",
-// "--kv-dtype bf16"): "expected mla_decode or sparse_mla_decode with --splits".
-void refuse_unless_read(const std::string& op, bool (*reads)(const std::string&), const std::string& given) {
+// Throws latentkv::Error naming `option` and its `value` unless the op reads it: "bench: argument
+// '--splits' = 4: expected only with --op mla_decode or sparse_mla_decode (topk does not read it)".
+void refuse_unless_read(const std::string& op, bool (*reads)(const std::string&), const std::string& option,
+                        const std::string& value) {
   if (reads(op)) return;
   std::vector<std::string> readers;
   for (const std::string& other : kOps) {
@@ -70,24 +71,33 @@ void refuse_unless_read(const std::string& op, bool (*reads)(const std::string&)
   const std::string last = readers.back();
   readers.pop_back();
   const std::string ops = readers.empty() ? last : join(readers, ", ") + " or " + last;
-  throw Error("bench", "--op", op, ops + " with " + given);
+  throw Error("bench", option, value, "only with --op " + ops + " (" + op + " does not read it)");
 }
 
-// Refuses what the op does not read: the options only some ops take, given (or set away from their
-// defaults, which every op takes alike).
-void check_op_reads(const BenchOptions& o) {
+// Refuses what the op does not read: the options only some ops take, typed (even at their default
+// values) or set away from their defaults.
+void check_op_reads(const BenchOptions& o, const std::set<std::string>& given) {
   const BenchOptions defaults;
-  if (o.splits > 0) refuse_unless_read(o.op, reads_splits, "--splits");
-  if (o.context_min > 0) refuse_unless_read(o.op, reads_context_min, "--context-min");
-  if (o.heads > 0) refuse_unless_read(o.op, reads_heads, "--heads");
+  const auto set = [&](const char* option, bool away_from_default) {
+    return away_from_default || given.contains(option);
+  };
+  if (set("--splits", o.splits > 0)) refuse_unless_read(o.op, reads_splits, "--splits", std::to_string(o.splits));
+  if (set("--context-min", o.context_min > 0)) {
+    refuse_unless_read(o.op, reads_context_min, "--context-min", std::to_string(o.context_min));
+  }
+  if (set("--heads", o.heads > 0)) refuse_unless_read(o.op, reads_heads, "--heads", std::to_string(o.heads));
   if (o.heads > kMaxIndexerHeads && reads_indexer_heads(o.op)) {
     throw Error("bench", "--heads", std::to_string(o.heads),
                 "1 .. " + std::to_string(kMaxIndexerHeads) + " for " + o.op + " (indexer heads)");
   }
-  if (o.topk != defaults.topk) refuse_unless_read(o.op, reads_topk, "--topk");
-  if (o.q_len != defaults.q_len) refuse_unless_read(o.op, is_decode, "--q-len");
-  if (o.new_tokens != defaults.new_tokens) refuse_unless_read(o.op, is_prefill, "--new-tokens");
-  if (o.kv_dtype != defaults.kv_dtype) refuse_unless_read(o.op, reads_kv_dtype, "--kv-dtype " + o.kv_dtype);
+  if (set("--topk", o.topk != defaults.topk)) refuse_unless_read(o.op, reads_topk, "--topk", std::to_string(o.topk));
+  if (set("--q-len", o.q_len != defaults.q_len)) refuse_unless_read(o.op, is_decode, "--q-len", std::to_string(o.q_len));
+  if (set("--new-tokens", o.new_tokens != defaults.new_tokens)) {
+    refuse_unless_read(o.op, is_prefill, "--new-tokens", std::to_string(o.new_tokens));
+  }
+  if (set("--kv-dtype", o.kv_dtype != defaults.kv_dtype)) {
+    refuse_unless_read(o.op, reads_kv_dtype, "--kv-dtype", o.kv_dtype);
+  }
 }
 
 // What an op's shape asks of the lengths, checked before the GPU is looked for.
@@ -110,7 +120,7 @@ void check_lengths(const BenchOptions& o) {
 
 }  // namespace
 
-CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
+void add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--op", o.op, "Operation to time")
       ->capture_default_str()
       ->check(CLI::IsMember(kOps));
@@ -162,19 +172,25 @@ CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& o) {
                  "GPU time); paced: the host launches each as it goes (its launch latency included)")
       ->capture_default_str()
       ->check(CLI::IsMember({"queued", "paced"}));
-  CLI::Option* check_requests =
-      cmd.add_option("--check-requests", o.check_requests,
-                     "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
-                     "0: none)")
-          ->check(integer_in(0, kIntMax));
+  cmd.add_option("--check-requests", o.check_requests,
+                 "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
+                 "0: none)")
+      ->check(integer_in(0, kIntMax));
   cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->capture_default_str()->check(seed_in_range());
   cmd.add_option("--json", o.json, "Also write the rows as JSON to this file");
-  return check_requests;
 }
 
-void check_bench_options(const BenchOptions& o, bool check_requests_given) {
+std::set<std::string> given_options(const CLI::App& cmd) {
+  std::set<std::string> given;
+  for (const CLI::Option* option : cmd.get_options()) {
+    if (option->count() > 0 && !option->get_lnames().empty()) given.insert("--" + option->get_lnames().front());
+  }
+  return given;
+}
+
+void check_bench_options(const BenchOptions& o, const std::set<std::string>& given) {
   check_backend_names(o.backends);
-  check_op_reads(o);
+  check_op_reads(o, given);
   if (o.context_min > o.context) {
     throw Error("bench", "--context-min", std::to_string(o.context_min),
                 "at most --context (" + std::to_string(o.context) + ")");
@@ -182,7 +198,7 @@ void check_bench_options(const BenchOptions& o, bool check_requests_given) {
   check_lengths(o);
   // One set of requests must fit in the pool (the timed calls rotate over as many as it holds).
   check_pool("bench", o.pool, o.batch, o.context, o.page_size);
-  if (check_requests_given && o.check_requests > o.batch) {
+  if (given.contains("--check-requests") && o.check_requests > o.batch) {
     throw Error("bench", "--check-requests", std::to_string(o.check_requests),
                 "at most the batch, " + std::to_string(o.batch) + " (--batch)");
   }

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <set>
 #include <string>
 
 #include "bench.hpp"
@@ -12,16 +13,19 @@
 namespace latentkv::tools {
 
 // Adds bench's options to `cmd`, each writing into `options` (which must outlive the parse), with
-// their bounds. Returns --check-requests, whose count() says whether it was given.
-CLI::Option* add_bench_options(CLI::App& cmd, BenchOptions& options);
+// their bounds.
+void add_bench_options(CLI::App& cmd, BenchOptions& options);
+
+// The options typed on `cmd`'s parsed command line, by their long names ("--topk").
+std::set<std::string> given_options(const CLI::App& cmd);
 
 // What the command line can get wrong, checked before anything runs: throws latentkv::Error naming
-// the option, the value and what was expected. That includes an option the op does not read, given
-// or set away from its default (--kv-dtype bf16 with an op that reads fp8 caches only, --topk with
-// a dense op, --q-len with a prefill op ...), and a --pool that cannot hold one set of --batch
-// requests of --context tokens. `check_requests_given`: --check-requests was typed (its default
-// adapts to the batch; a typed value must fit it).
-void check_bench_options(const BenchOptions& options, bool check_requests_given);
+// the option, the value and what was expected. That includes an option the op does not read, typed
+// (in `given`, even at its default value) or set away from its default (--kv-dtype bf16 with an op
+// that reads fp8 caches only, --topk with a dense op, --q-len with a prefill op ...), and a --pool
+// that cannot hold one set of --batch requests of --context tokens. A typed --check-requests must
+// fit the batch (its default adapts to it).
+void check_bench_options(const BenchOptions& options, const std::set<std::string>& given);
 
 // A `latentkv bench ...` line that runs the same measurement again: the options the op reads
 // (--q-len or --new-tokens, --topk, --splits and --kv-dtype only for the ops that take them;

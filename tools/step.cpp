@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <system_error>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -265,6 +266,9 @@ bool draw_plot(const std::string& json_path, const std::string& out_path, const 
   const std::string chosen = chosen_python();
   const std::vector<std::string> pythons = plot_pythons();
   bool any_python = false;
+  // A picture already there (an earlier run's) must not pass for this one's.
+  std::error_code ignored;
+  std::filesystem::remove(out_path, ignored);
   for (const std::string& python : pythons) {
     const std::string command = "command -v " + shell_quote(python) + " >/dev/null 2>&1 || exit 127; exec " +
                                 shell_quote(python) + " - " + shell_quote(json_path) + " " + shell_quote(out_path);

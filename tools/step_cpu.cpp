@@ -44,6 +44,23 @@ TensorView host_view(std::vector<T>& v, DType dtype, std::initializer_list<std::
   return TensorView::contiguous(v.data(), dtype, shape);
 }
 
+// The library op that runs a step op: the kernel names are those the reference's select() gives.
+Op library_op(StepOp op) {
+  switch (op) {
+    case StepOp::kAppend:
+      return Op::kAppend;
+    case StepOp::kIndexerLogits:
+      return Op::kIndexerLogits;
+    case StepOp::kTopk:
+      return Op::kTopk;
+    case StepOp::kSparseDecode:
+      return Op::kSparseMlaDecode;
+    case StepOp::kDenseDecode:
+      return Op::kMlaDecode;
+  }
+  return Op::kAppend;
+}
+
 // Fills every slot of the layer's caches with a random token through the reference append, then
 // draws the step's inputs.
 void fill_layer(HostLayer& layer, const StepShape& s, std::int64_t num_pages, std::uint64_t seed, const Backend& ref,
@@ -154,7 +171,7 @@ StepReport run_step_cpu(const StepRun& job) {
       OpResult r;
       r.op = op;
       r.backend = "reference";
-      r.kernel = "reference." + std::string(step_op_name(op));
+      r.kernel = "reference." + std::string(op_name(library_op(op)));
       result.ops.push_back(r);
     }
     if (spec.backend != "cuda") {

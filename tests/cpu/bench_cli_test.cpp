@@ -34,14 +34,21 @@ using ::testing::Not;
 using latentkv::testing::line_of;
 using latentkv::testing::words_of;
 
-// The options `latentkv bench <args>` parses into; parse errors propagate as CLI11's exceptions.
-BenchOptions parse_bench(const std::string& args) {
+// The options `latentkv bench <args>` parses into, and those typed; parse errors propagate as
+// CLI11's exceptions.
+struct Parsed {
+  BenchOptions options;
+  std::set<std::string> given;
+};
+Parsed parse_bench_given(const std::string& args) {
   CLI::App app{"bench"};
-  BenchOptions parsed;
-  latentkv::tools::add_bench_options(app, parsed);
+  Parsed parsed;
+  latentkv::tools::add_bench_options(app, parsed.options);
   app.parse(args, false);
+  parsed.given = latentkv::tools::given_options(app);
   return parsed;
 }
+BenchOptions parse_bench(const std::string& args) { return parse_bench_given(args).options; }
 
 // Options for `op` with every field that op reads set away from its default.
 BenchOptions options_for(const std::string& op) {
@@ -90,13 +97,13 @@ TEST(BenchCli, ReproLineParsesBackToTheOptionsItWasMadeFrom) {
     const std::string line = latentkv::tools::repro_line(o);
     const std::string prefix = "latentkv bench ";
     ASSERT_EQ(line.rfind(prefix, 0), 0u) << line;
-    BenchOptions parsed;
-    ASSERT_NO_THROW(parsed = parse_bench(line.substr(prefix.size()))) << line;
+    Parsed parsed;
+    ASSERT_NO_THROW(parsed = parse_bench_given(line.substr(prefix.size()))) << line;
     BenchOptions want = o;
     want.json.clear();  // where a run writes its JSON is not part of the measurement
-    EXPECT_EQ(parsed, want) << line;
-    const bool check_requests_typed = line.find(" --check-requests ") != std::string::npos;
-    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed, check_requests_typed)) << line;
+    EXPECT_EQ(parsed.options, want) << line;
+    EXPECT_EQ(parsed.given.contains("--check-requests"), line.find(" --check-requests ") != std::string::npos);
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed.options, parsed.given)) << line;
   }
 }
 
@@ -237,23 +244,24 @@ TEST(BenchCli, BoundsIncludeTheirLimit) {
   // --check-requests up to the batch, --context down to --q-len, --new-tokens up to --context.
   BenchOptions o = options_for("mla_decode");  // batch 3, q_len 3
   o.check_requests = 3;
-  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, true));
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {"--check-requests"}));
   o.check_requests = 4;
-  EXPECT_THROW(latentkv::tools::check_bench_options(o, true), latentkv::Error);
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, {"--check-requests"}), latentkv::Error);
   o = options_for("mla_decode");
   o.context = 3;
-  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false));
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {}));
   o.context = 2;
-  EXPECT_THROW(latentkv::tools::check_bench_options(o, false), latentkv::Error);
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, {}), latentkv::Error);
   o = options_for("mla_prefill");  // new tokens 300
   o.context = 300;
-  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false));
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {}));
   o.context = 299;
-  EXPECT_THROW(latentkv::tools::check_bench_options(o, false), latentkv::Error);
+  EXPECT_THROW(latentkv::tools::check_bench_options(o, {}), latentkv::Error);
 }
 
 // An option the op does not read is refused (not ignored while the header and the JSON print it),
-// naming --op and the ops that do read it; the same option is taken by those ops.
+// naming the option, its value, the ops that do read it and --op; the same option is taken by those
+// ops.
 TEST(BenchCli, OptionsTheOpDoesNotReadAreRefused) {
   struct Unread {
     std::string given;
@@ -265,15 +273,15 @@ TEST(BenchCli, OptionsTheOpDoesNotReadAreRefused) {
   const std::vector<Unread> options = {
       {"--kv-dtype bf16", [](BenchOptions& o) { o.kv_dtype = "bf16"; },
        {"mla_decode", "sparse_mla_decode", "mla_prefill", "sparse_mla_prefill", "dsa_prefill"}},
-      {"--topk", [](BenchOptions& o) { o.topk = 1024; },
+      {"--topk 1024", [](BenchOptions& o) { o.topk = 1024; },
        {"sparse_mla_decode", "topk", "dsa_decode", "sparse_mla_prefill", "indexer_prefill", "dsa_prefill"}},
-      {"--q-len", [](BenchOptions& o) { o.q_len = 2; }, decode},
-      {"--new-tokens", [](BenchOptions& o) { o.new_tokens = 512; }, prefill},
-      {"--heads", [](BenchOptions& o) { o.heads = 16; },
+      {"--q-len 2", [](BenchOptions& o) { o.q_len = 2; }, decode},
+      {"--new-tokens 512", [](BenchOptions& o) { o.new_tokens = 512; }, prefill},
+      {"--heads 16", [](BenchOptions& o) { o.heads = 16; },
        {"mla_decode", "sparse_mla_decode", "indexer_logits", "dsa_decode", "mla_prefill", "sparse_mla_prefill",
         "indexer_prefill", "dsa_prefill"}},
-      {"--splits", [](BenchOptions& o) { o.splits = 4; }, {"mla_decode", "sparse_mla_decode"}},
-      {"--context-min", [](BenchOptions& o) { o.context_min = 1000; }, {"mla_decode"}},
+      {"--splits 4", [](BenchOptions& o) { o.splits = 4; }, {"mla_decode", "sparse_mla_decode"}},
+      {"--context-min 1000", [](BenchOptions& o) { o.context_min = 1000; }, {"mla_decode"}},
   };
   for (const Unread& u : options) {
     for (const std::string& op : kOps) {
@@ -281,18 +289,36 @@ TEST(BenchCli, OptionsTheOpDoesNotReadAreRefused) {
       o.op = op;
       u.set(o);
       if (u.readers.contains(op)) {
-        EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op << " " << u.given;
+        EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {})) << op << " " << u.given;
         continue;
       }
       try {
-        latentkv::tools::check_bench_options(o, false);
+        latentkv::tools::check_bench_options(o, {});
         ADD_FAILURE() << op << " took " << u.given;
       } catch (const latentkv::Error& e) {
-        EXPECT_EQ(e.argument(), "--op") << e.what();
-        EXPECT_THAT(e.what(), HasSubstr(" with " + u.given)) << op;
+        EXPECT_EQ(e.argument() + " " + e.value(), u.given) << e.what();
+        EXPECT_THAT(e.expected(), HasSubstr("only with --op ")) << e.what();
+        EXPECT_THAT(e.expected(), HasSubstr("(" + op + " does not read it)")) << e.what();
         for (const std::string& reader : u.readers) EXPECT_THAT(e.expected(), HasSubstr(reader)) << e.what();
       }
     }
+  }
+}
+
+// Typed at its default value, an option the op does not read is refused all the same (the bench
+// cannot tell the typed value from the default by the value alone), and typed where it is read it
+// is taken.
+TEST(BenchCli, OptionsTheOpDoesNotReadAreRefusedAtTheirDefaults) {
+  for (const std::string& line : {"--op mla_decode --new-tokens 4096", "--op mla_decode --topk 2048",
+                                  "--op mla_prefill --q-len 1", "--op topk --kv-dtype fp8"}) {
+    const Parsed parsed = parse_bench_given(line);
+    EXPECT_THROW(latentkv::tools::check_bench_options(parsed.options, parsed.given), latentkv::Error) << line;
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed.options, {})) << line << " (untyped)";
+  }
+  for (const std::string& line : {"--op mla_prefill --new-tokens 4096", "--op topk --topk 2048",
+                                  "--op mla_decode --q-len 1 --kv-dtype fp8_e4m3"}) {
+    const Parsed parsed = parse_bench_given(line);
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed.options, parsed.given)) << line;
   }
 }
 
@@ -304,14 +330,14 @@ TEST(BenchCli, IndexerOpsTakeAtMost64Heads) {
     BenchOptions o;
     o.op = op;
     o.heads = 64;
-    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {})) << op;
     o.heads = 65;
     if (op != "indexer_logits" && op != "indexer_prefill") {
-      EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+      EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {})) << op;
       continue;
     }
     try {
-      latentkv::tools::check_bench_options(o, false);
+      latentkv::tools::check_bench_options(o, {});
       ADD_FAILURE() << op << " took --heads 65";
     } catch (const latentkv::Error& e) {
       EXPECT_EQ(e.argument(), "--heads") << e.what();
@@ -344,10 +370,10 @@ TEST(BenchCli, PoolMustHoldOneSetOfRequests) {
     o.page_size = 64;
     if (op.ends_with("prefill")) o.new_tokens = 100;
     o.pool = 3 * 16 * 64;  // 16 pages of 64 a request
-    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, false)) << op;
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(o, {})) << op;
     o.pool -= 1;
     try {
-      latentkv::tools::check_bench_options(o, false);
+      latentkv::tools::check_bench_options(o, {});
       ADD_FAILURE() << op << " took a pool of " << o.pool;
     } catch (const latentkv::Error& e) {
       EXPECT_EQ(e.argument(), "--pool") << e.what();
@@ -357,12 +383,12 @@ TEST(BenchCli, PoolMustHoldOneSetOfRequests) {
   BenchOptions big;
   big.page_size = 100;
   big.pool = 2147483647;  // rounded up to whole pages of 100: past int32 slots
-  EXPECT_THROW(latentkv::tools::check_bench_options(big, false), latentkv::Error);
+  EXPECT_THROW(latentkv::tools::check_bench_options(big, {}), latentkv::Error);
   big.pool = 2147483600;
-  EXPECT_NO_THROW(latentkv::tools::check_bench_options(big, false));
+  EXPECT_NO_THROW(latentkv::tools::check_bench_options(big, {}));
   big.batch = 4096;  // 4096 x 524,288 slots
   big.context = 524288;
-  EXPECT_THROW(latentkv::tools::check_bench_options(big, false), latentkv::Error);
+  EXPECT_THROW(latentkv::tools::check_bench_options(big, {}), latentkv::Error);
 }
 
 TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {

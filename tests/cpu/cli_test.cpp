@@ -189,9 +189,10 @@ TEST_F(Cli, CommandsTakeEachOthersNamesForTheSameValues) {
   const Result config = run({"config", "--device", "auto", "--json"});
   EXPECT_EQ(config.exit_code, 0) << config.err;
   // Refused for another option, checked after the values were read, and on any machine before a GPU runs.
-  const Result bench = run({"bench", "--kv-dtype", "fp8", "--op", "topk", "--context-min", "5"});
+  const Result bench = run({"bench", "--kv-dtype", "fp8", "--op", "sparse_mla_decode", "--context-min", "5"});
   EXPECT_EQ(bench.exit_code, 2);
-  EXPECT_THAT(bench.err, HasSubstr("argument '--op' = topk: expected mla_decode with --context-min"));
+  EXPECT_THAT(bench.err, HasSubstr("argument '--context-min' = 5: expected only with --op mla_decode "
+                                   "(sparse_mla_decode does not read it)"));
   const Result bad = run({"bench", "--kv-dtype", "fp9"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.err, HasSubstr("--kv-dtype: fp9 not in {fp8_e4m3,bf16}"));
@@ -257,6 +258,10 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   EXPECT_EQ(positions.exit_code, 2);
   EXPECT_THAT(positions.err, HasSubstr("demo: argument '--context' = 170000: expected <= 163840 (max positions of "
                                        "deepseek-v3.2)"));
+  // demo's --context goes up to the model's max positions (glm5's 202,752), as step's does.
+  const Result past_glm5 = run({"demo", "--context", "202753"});
+  EXPECT_EQ(past_glm5.exit_code, 2);
+  EXPECT_THAT(past_glm5.err, HasSubstr("demo: argument '--context' = 202753: expected <= 202752 (max positions of glm5)"));
   EXPECT_THAT(run({"demo", "--tp", "0"}).err, HasSubstr("--tp: 0 is not in 1 .. "));
   const Result negative = run({"bench", "--check-requests", "-5"});
   EXPECT_EQ(negative.exit_code, 2);
@@ -286,12 +291,17 @@ TEST_F(Cli, UsageErrorsExitTwoInDemoAndBench) {
 TEST_F(Cli, BenchRefusesWhatItsOpWouldNotRunBeforeLookingForAGpu) {
   const Result dtype = run({"bench", "--op", "dsa_decode", "--kv-dtype", "bf16"});
   EXPECT_EQ(dtype.exit_code, 2);
-  EXPECT_THAT(dtype.err, HasSubstr("argument '--op' = dsa_decode: expected mla_decode, sparse_mla_decode, "
-                                   "mla_prefill, sparse_mla_prefill or dsa_prefill with --kv-dtype bf16"));
+  EXPECT_THAT(dtype.err, HasSubstr("argument '--kv-dtype' = bf16: expected only with --op mla_decode, "
+                                   "sparse_mla_decode, mla_prefill, sparse_mla_prefill or dsa_prefill (dsa_decode "
+                                   "does not read it)"));
   const Result q_len = run({"bench", "--op", "mla_prefill", "--q-len", "4"});
   EXPECT_EQ(q_len.exit_code, 2);
-  EXPECT_THAT(q_len.err, HasSubstr("argument '--op' = mla_prefill: expected mla_decode, sparse_mla_decode, "
-                                   "indexer_logits, topk or dsa_decode with --q-len"));
+  EXPECT_THAT(q_len.err, HasSubstr("argument '--q-len' = 4: expected only with --op mla_decode, sparse_mla_decode, "
+                                   "indexer_logits, topk or dsa_decode (mla_prefill does not read it)"));
+  // Typed at its default value, too: the bench cannot tell it from an option left out by the value.
+  const Result at_default = run({"bench", "--op", "mla_decode", "--new-tokens", "4096"});
+  EXPECT_EQ(at_default.exit_code, 2);
+  EXPECT_THAT(at_default.err, HasSubstr("argument '--new-tokens' = 4096: expected only with --op mla_prefill"));
   const Result pool = run({"bench", "--pool", "1000", "--context", "4096"});
   EXPECT_EQ(pool.exit_code, 2);
   EXPECT_THAT(pool.err, HasSubstr("argument '--pool' = 1000: expected >= 4096 tokens (1 request of 4096 tokens "
@@ -408,6 +418,14 @@ TEST_F(Cli, ChosenPythonThatCannotRunIsNamedAndRefusedBeforeTheRun) {
   EXPECT_EQ(bare.exit_code, 1);
   EXPECT_THAT(bare.err, HasSubstr("LATENTKV_PYTHON=" + without + " cannot import matplotlib"));
   EXPECT_THAT(bare.err, HasSubstr("kept in " + report));
+  EXPECT_FALSE(fs::exists(plot));
+  // One that exits 0 without drawing is an error too, also where an earlier picture lies at the path
+  // (it is not taken for this one's, and does not stay to be).
+  { std::ofstream(plot) << "an earlier run's picture"; }
+  const std::string silent = script("python-that-draws-nothing", "cat >/dev/null; exit 0");
+  const Result nothing = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + silent});
+  EXPECT_EQ(nothing.exit_code, 1);
+  EXPECT_THAT(nothing.err, HasSubstr("exit 0 without writing " + plot));
   EXPECT_FALSE(fs::exists(plot));
 }
 
