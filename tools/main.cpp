@@ -48,6 +48,12 @@ std::string plain_message(std::string message) {
     return message.substr(0, colon) + ": expected a value (" +
            message.substr(type, message.size() - missing.size() - type) + "), none was given";
   }
+  // "--tp: At Most 1 required but received 2": an option given more than once.
+  const std::size_t repeated = message.find(": At Most 1 required but received ");
+  if (repeated != std::string::npos) {
+    const std::string times = message.substr(repeated + std::string(": At Most 1 required but received ").size());
+    return message.substr(0, repeated) + ": given " + times + " times; give it once";
+  }
   if (!message.empty() && message.front() >= 'A' && message.front() <= 'Z') message.front() += 'a' - 'A';
   return message;
 }

@@ -213,6 +213,12 @@ void set_from_text(AttentionConfig& config, const KeySpec& spec, const std::stri
   set_integer(config, spec.key, *value, source);
 }
 
+// ", got a string", ", got an array": what a setting's value was instead.
+std::string got(std::string_view type) {
+  const bool vowel = !type.empty() && std::string_view("aeiou").find(type.front()) != std::string_view::npos;
+  return std::string(vowel ? ", got an " : ", got a ") + std::string(type);
+}
+
 // ---- TOML ---------------------------------------------------------------------------------------
 
 std::string_view toml_type_name(toml::node_type type) {
@@ -313,14 +319,14 @@ void apply_toml(AttentionConfig& config, std::string_view text, std::string_view
       const auto* value = node.as_integer();
       if (value == nullptr) {
         throw ConfigError(name, toml_shown(node), source,
-                          expected_text(name) + ", got a " + std::string(toml_type_name(node.type())));
+                          expected_text(name) + got(toml_type_name(node.type())));
       }
       set_integer(config, name, value->get(), source);
     } else {
       const auto* value = node.as_string();
       if (value == nullptr) {
         throw ConfigError(name, toml_shown(node), source,
-                          "a string: " + expected_text(name) + ", got a " + std::string(toml_type_name(node.type())));
+                          "a string: " + expected_text(name) + got(toml_type_name(node.type())));
       }
       set_string(config, name, value->get(), source);
     }
@@ -393,12 +399,12 @@ void apply_json(AttentionConfig& config, std::string_view text, std::string_view
       } else if (value.is_number_integer()) {
         set_integer(config, name, value.get<std::int64_t>(), source);
       } else {
-        throw ConfigError(name, json_shown(value), source, expected_text(name) + ", got a " + json_type_name(value));
+        throw ConfigError(name, json_shown(value), source, expected_text(name) + got(json_type_name(value)));
       }
     } else {
       if (!value.is_string()) {
         throw ConfigError(name, json_shown(value), source,
-                          "a string: " + expected_text(name) + ", got a " + json_type_name(value));
+                          "a string: " + expected_text(name) + got(json_type_name(value)));
       }
       set_string(config, name, value.get_ref<const std::string&>(), source);
     }

@@ -252,6 +252,9 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   const Result fraction = run({"step", "--iters", "1.0"});
   EXPECT_EQ(fraction.exit_code, 2);
   EXPECT_THAT(fraction.err, HasSubstr("--iters: '1.0' is not an integer"));
+  const Result twice = run({"step", "--tp", "8", "--tp", "4"});
+  EXPECT_EQ(twice.exit_code, 2);
+  EXPECT_THAT(twice.err, HasSubstr("error: step: --tp: given 2 times; give it once"));
   // The same checks in the other subcommands.
   EXPECT_THAT(run({"demo", "--batch", "65"}).err, HasSubstr("--batch: 65 is not in 1 .. 64"));
   const Result positions = run({"demo", "--model", "deepseek-v3.2", "--context", "170000"});

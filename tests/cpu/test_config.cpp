@@ -604,6 +604,8 @@ TEST(ConfigReject, JsonErrorsNameFileKeyValueAndExpected) {
   EXPECT_THAT(json("{\"tp\": 1e30}"), HasSubstr("got a floating-point number"));
   EXPECT_THAT(json("{\"tp\": 18446744073709551615}"), HasSubstr("tp = 18446744073709551615"));
   EXPECT_THAT(json("{\"tp\": true}"), HasSubstr("got a boolean"));
+  EXPECT_THAT(json("{\"tp\": {\"a\": 1}}"), HasSubstr("got an object"));
+  EXPECT_THAT(json("{\"model\": 5}"), HasSubstr("got an integer"));
   EXPECT_THAT(json("{\"model\": null}"), HasSubstr("model = null (file cfg.json): expected a string"));
   EXPECT_THAT(json("{\"extra\": {}}"), HasSubstr("unknown key 'extra' (file cfg.json)"));
   EXPECT_THAT(json(""), HasSubstr("malformed JSON"));
