@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 
 #include "latentkv/dtype.hpp"
@@ -22,8 +23,11 @@ struct TensorView {
   std::array<std::int64_t, kMaxRank> shape{};
   std::array<std::int64_t, kMaxRank> strides{};
 
-  // A contiguous (row-major) view.
+  // A contiguous (row-major) view of at most kMaxRank dims (more: Error). The span form takes a shape
+  // known only at run time (a framework tensor's sizes).
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                               Device device = Device::cpu());
+  static TensorView contiguous(void* data, DType dtype, std::span<const std::int64_t> shape,
                                Device device = Device::cpu());
 
   bool present() const { return data != nullptr; }

@@ -45,6 +45,10 @@ std::string_view dtype_name(DType dtype) {
 std::string_view device_kind_name(DeviceKind kind) { return kind == DeviceKind::kCpu ? "cpu" : "cuda"; }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape, Device device) {
+  return contiguous(data, dtype, std::span<const std::int64_t>(shape.begin(), shape.size()), device);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::span<const std::int64_t> shape, Device device) {
   if (shape.size() > static_cast<std::size_t>(kMaxRank)) {
     throw Error("TensorView", "shape", std::to_string(shape.size()) + " dims", "at most 4 dims");
   }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -751,6 +752,15 @@ TEST(BadInput, ViewCountsPast64Bits) {
   EXPECT_EQ(v.numel(), std::numeric_limits<std::int64_t>::max());
   EXPECT_TRUE(v.is_contiguous());
   EXPECT_EQ(TensorView::contiguous(nullptr, DType::kBF16, {big, big, 0}).numel(), 0);
+  // A shape known at run time (a span) makes the same view as the braced one; past 4 dims, an Error.
+  const std::vector<std::int64_t> sizes = {big, 4, 4};
+  const TensorView from_span = TensorView::contiguous(nullptr, DType::kBF16, std::span<const std::int64_t>(sizes));
+  EXPECT_EQ(from_span.rank, v.rank);
+  EXPECT_EQ(from_span.shape, v.shape);
+  EXPECT_EQ(from_span.strides, v.strides);
+  const std::vector<std::int64_t> five = {1, 2, 3, 4, 5};
+  EXPECT_TRUE(throws_error([&] { TensorView::contiguous(nullptr, DType::kBF16, std::span<const std::int64_t>(five)); },
+                           "TensorView", "shape", "5 dims"));
 
   DecodeCase c;
   HostTensor q(DType::kBF16, {0, 4, kQkDim}), o(DType::kBF16, {0, 4, kLatentDim}), lse(DType::kF32, {0, 4});
