@@ -143,9 +143,11 @@ DeviceInfo device_of(const OpArgs& args);
 // without it the device of the call's tensors (device_of): a call of the reference on host tensors
 // runs on the CPU wherever it is made, and one of a CUDA backend on host tensors is refused as
 // running on the CPU, the refusal ending with the view that chose it ("; a call that names no
-// device runs where its cache.device is (cpu)"). A GPU call may be captured in a CUDA graph once a
-// call of the same shapes has run outside the capture on that device (its kernels' first launches
-// there set them up: latentkv/dsa.hpp).
+// device runs where its cache.device is (cpu)"). A GPU call launches on the calling thread's current
+// CUDA device, which a `device` given must be (on a machine of several GPUs, cudaSetDevice first: a
+// view on another GPU is refused, naming it; Backend::plan alone switches to device.index while it
+// plans). A GPU call may be captured in a CUDA graph once a call of the same shapes has run outside
+// the capture on that device (its kernels' first launches there set them up: latentkv/dsa.hpp).
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context = {});
 void run(const Backend& backend, const OpArgs& args, const ExecContext& context, const DeviceInfo& device);
 
