@@ -100,8 +100,8 @@ for step in "${steps[@]}"; do
       op=${PROFILE_OP:-mla_decode}
       log "ncu on $op kernels matching ${PROFILE_KERNELS:-decode_kernel} (${PROFILE_ARGS:-glm5 tp 8, B=1 and B=64})"
       if [ -n "${PROFILE_ARGS:-}" ]; then IFS=';' read -ra shapes <<<"$PROFILE_ARGS"; else
-        shapes=("--op $op --batch 1 --context 32768 --topk 2048 --pool 600000"
-                "--op $op --batch 64 --context 8192 --topk 2048 --pool 600000"); fi
+        shapes=("--op $op --batch 1 --context 32768 --pool 600000"
+                "--op $op --batch 64 --context 8192 --pool 600000"); fi
       for shape in "${shapes[@]}"; do
         ncu --clock-control none -k "regex:${PROFILE_KERNELS:-decode_kernel}" -c "${PROFILE_COUNT:-1}" \
           --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \

@@ -78,24 +78,30 @@ void refuse_unless_read(const std::string& op, bool (*reads)(const std::string&)
 // values) or set away from their defaults.
 void check_op_reads(const BenchOptions& o, const std::set<std::string>& given) {
   const BenchOptions defaults;
-  const auto set = [&](const char* option, bool away_from_default) {
+  const auto typed_or_set = [&](const char* option, bool away_from_default) {
     return away_from_default || given.contains(option);
   };
-  if (set("--splits", o.splits > 0)) refuse_unless_read(o.op, reads_splits, "--splits", std::to_string(o.splits));
-  if (set("--context-min", o.context_min > 0)) {
+  if (typed_or_set("--splits", o.splits > 0)) {
+    refuse_unless_read(o.op, reads_splits, "--splits", std::to_string(o.splits));
+  }
+  if (typed_or_set("--context-min", o.context_min > 0)) {
     refuse_unless_read(o.op, reads_context_min, "--context-min", std::to_string(o.context_min));
   }
-  if (set("--heads", o.heads > 0)) refuse_unless_read(o.op, reads_heads, "--heads", std::to_string(o.heads));
+  if (typed_or_set("--heads", o.heads > 0)) refuse_unless_read(o.op, reads_heads, "--heads", std::to_string(o.heads));
   if (o.heads > kMaxIndexerHeads && reads_indexer_heads(o.op)) {
     throw Error("bench", "--heads", std::to_string(o.heads),
                 "1 .. " + std::to_string(kMaxIndexerHeads) + " for " + o.op + " (indexer heads)");
   }
-  if (set("--topk", o.topk != defaults.topk)) refuse_unless_read(o.op, reads_topk, "--topk", std::to_string(o.topk));
-  if (set("--q-len", o.q_len != defaults.q_len)) refuse_unless_read(o.op, is_decode, "--q-len", std::to_string(o.q_len));
-  if (set("--new-tokens", o.new_tokens != defaults.new_tokens)) {
+  if (typed_or_set("--topk", o.topk != defaults.topk)) {
+    refuse_unless_read(o.op, reads_topk, "--topk", std::to_string(o.topk));
+  }
+  if (typed_or_set("--q-len", o.q_len != defaults.q_len)) {
+    refuse_unless_read(o.op, is_decode, "--q-len", std::to_string(o.q_len));
+  }
+  if (typed_or_set("--new-tokens", o.new_tokens != defaults.new_tokens)) {
     refuse_unless_read(o.op, is_prefill, "--new-tokens", std::to_string(o.new_tokens));
   }
-  if (set("--kv-dtype", o.kv_dtype != defaults.kv_dtype)) {
+  if (typed_or_set("--kv-dtype", o.kv_dtype != defaults.kv_dtype)) {
     refuse_unless_read(o.op, reads_kv_dtype, "--kv-dtype", o.kv_dtype);
   }
 }

@@ -17,9 +17,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <system_error>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 

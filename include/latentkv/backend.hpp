@@ -72,9 +72,9 @@ struct ExecContext {
 // `check` throws what `launch` would refuse in a call whose shapes are valid without reading the
 // data (pointer alignment, grid limits, the planned split count and workspace), queueing nothing;
 // dsa_decode and dsa_prefill run every step's check before they queue the first step. `launch`
-// checks the same again. Empty where a launch has no such checks beyond the op of its parameters
-// (make_kernel): the reference backend's refusals of bad values (NaN, slots outside the pool) need
-// the data, and come from its launch.
+// checks the same again. A Kernel built directly may leave `check` empty; one from make_kernel
+// always checks at least the op of its parameters (the reference's checks no more: its refusals of
+// bad values, NaN or slots outside the pool, need the data and come from its launch).
 struct Kernel {
   std::string name;
   std::function<void(const OpArgs&, const ExecContext&)> launch;
@@ -82,8 +82,7 @@ struct Kernel {
 };
 // A kernel selected for `op` whose launch and check first refuse the parameters of any other op
 // (Error naming `op`, the kernel and the op the parameters are for), so that a kernel kept from
-// select() cannot be handed another op's call. The library's backends make theirs with it; their
-// checks are then never empty.
+// select() cannot be handed another op's call. The library's backends make theirs with it.
 Kernel make_kernel(Op op, std::string name, std::function<void(const OpArgs&, const ExecContext&)> launch,
                    std::function<void(const OpArgs&)> check = {});
 

@@ -148,7 +148,8 @@ Kernel make_kernel(Op op, std::string name, std::function<void(const OpArgs&, co
   const auto same_op = [op, name](const OpArgs& args) {
     if (op_of(args) != op) {
       throw Error(std::string(op_name(op)), "args", std::string(op_name(op_of(args))) + "'s parameters",
-                  std::string(op_name(op)) + "'s, the op kernel '" + name + "' was selected for");
+                  std::string(op_name(op)) + "'s parameters (kernel '" + name + "' was selected for " +
+                      std::string(op_name(op)) + ")");
     }
   };
   return Kernel{name,

@@ -213,8 +213,9 @@ void set_from_text(AttentionConfig& config, const KeySpec& spec, const std::stri
   set_integer(config, spec.key, *value, source);
 }
 
-// ", got a string", ", got an array": what a setting's value was instead.
+// ", got a string", ", got an array", ", got null": what a setting's value was instead.
 std::string got(std::string_view type) {
+  if (type == "null") return ", got null";
   const bool vowel = !type.empty() && std::string_view("aeiou").find(type.front()) != std::string_view::npos;
   return std::string(vowel ? ", got an " : ", got a ") + std::string(type);
 }

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -318,6 +320,41 @@ TEST(BenchCli, OptionsTheOpDoesNotReadAreRefusedAtTheirDefaults) {
   for (const std::string& line : {"--op mla_prefill --new-tokens 4096", "--op topk --topk 2048",
                                   "--op mla_decode --q-len 1 --kv-dtype fp8_e4m3"}) {
     const Parsed parsed = parse_bench_given(line);
+    EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed.options, parsed.given)) << line;
+  }
+}
+
+// Every bench command line of scripts/gpu_run.sh passes the checks a GPU run makes first: each
+// `run_bench <name> <args>` row, and the profile step's default shapes for every --op (PROFILE_OP
+// may name any). A row refused there would cost a GPU session its figure.
+TEST(BenchCli, TheGpuScriptsCommandLinesPassTheirChecks) {
+  std::ifstream script(std::string(LKV_SOURCE_DIR) + "/scripts/gpu_run.sh");
+  ASSERT_TRUE(script) << "scripts/gpu_run.sh";
+  std::vector<std::string> lines;
+  int profile_shapes = 0;
+  for (std::string line; std::getline(script, line);) {
+    const std::string text = line.substr(std::min(line.find_first_not_of(' '), line.size()));
+    if (text.starts_with("run_bench ")) {
+      std::istringstream words(text);
+      std::string command, name, rest;
+      words >> command >> name;
+      std::getline(words, rest);
+      lines.push_back(rest);
+    }
+    // The profile defaults: quoted "--op $op ..." shapes.
+    for (std::size_t at = text.find("\"--op $op "); at != std::string::npos; at = text.find("\"--op $op ", at + 1)) {
+      const std::size_t end = text.find('"', at + 1);
+      ASSERT_NE(end, std::string::npos) << text;
+      const std::string shape = text.substr(at + 1, end - at - 1);
+      ++profile_shapes;
+      for (const std::string& op : kOps) lines.push_back("--op " + op + shape.substr(std::string("--op $op").size()));
+    }
+  }
+  EXPECT_GE(lines.size(), 20u) << "the script's rows were not found";
+  EXPECT_EQ(profile_shapes, 2);
+  for (const std::string& line : lines) {
+    Parsed parsed;
+    ASSERT_NO_THROW(parsed = parse_bench_given(line)) << line;
     EXPECT_NO_THROW(latentkv::tools::check_bench_options(parsed.options, parsed.given)) << line;
   }
 }

@@ -264,7 +264,8 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   // demo's --context goes up to the model's max positions (glm5's 202,752), as step's does.
   const Result past_glm5 = run({"demo", "--context", "202753"});
   EXPECT_EQ(past_glm5.exit_code, 2);
-  EXPECT_THAT(past_glm5.err, HasSubstr("demo: argument '--context' = 202753: expected <= 202752 (max positions of glm5)"));
+  EXPECT_THAT(past_glm5.err,
+              HasSubstr("demo: argument '--context' = 202753: expected <= 202752 (max positions of glm5)"));
   EXPECT_THAT(run({"demo", "--tp", "0"}).err, HasSubstr("--tp: 0 is not in 1 .. "));
   const Result negative = run({"bench", "--check-requests", "-5"});
   EXPECT_EQ(negative.exit_code, 2);

@@ -191,8 +191,8 @@ TEST(SelectedKernel, RefusesTheParametersOfAnotherOp) {
   append.latent = TensorView::contiguous(latent.data(), DType::kBF16, {1, 576});
   append.slots = TensorView::contiguous(&slot, DType::kI32, {1});
   EXPECT_TRUE(throws_error([&] { s.kernel->launch(append, {}); }, "mla_decode", "args", "append's parameters"));
-  EXPECT_NE(error_of([&] { s.kernel->check(append); }).find("expected mla_decode's, the op kernel "
-                                                             "'reference.mla_decode' was selected for"),
+  EXPECT_NE(error_of([&] { s.kernel->check(append); }).find("expected mla_decode's parameters (kernel "
+                                                             "'reference.mla_decode' was selected for mla_decode)"),
             std::string::npos);
   EXPECT_TRUE(throws_error([&] { s.kernel->check(TopkParams{}); }, "mla_decode", "args", "topk's parameters"));
   EXPECT_EQ(pool, std::vector<std::uint8_t>(kFp8TokenBytes * 16, 0x5A)) << "the cache was written";

@@ -606,6 +606,7 @@ TEST(ConfigReject, JsonErrorsNameFileKeyValueAndExpected) {
   EXPECT_THAT(json("{\"tp\": true}"), HasSubstr("got a boolean"));
   EXPECT_THAT(json("{\"tp\": {\"a\": 1}}"), HasSubstr("got an object"));
   EXPECT_THAT(json("{\"model\": 5}"), HasSubstr("got an integer"));
+  EXPECT_THAT(json("{\"tp\": null}"), HasSubstr("attention heads, got null"));
   EXPECT_THAT(json("{\"model\": null}"), HasSubstr("model = null (file cfg.json): expected a string"));
   EXPECT_THAT(json("{\"extra\": {}}"), HasSubstr("unknown key 'extra' (file cfg.json)"));
   EXPECT_THAT(json(""), HasSubstr("malformed JSON"));

@@ -381,8 +381,9 @@ TEST(GpuDsaDecodeChecks, AMisalignedOutputQueuesNoStep) {
 }
 
 // A workspace 4 bytes past a 16-byte boundary (of the planned size; valid otherwise), which the
-// top-k and sparse steps' scratch cannot take: refused under dsa_decode's own name, by the call and
-// by dsa_steps, before any step is queued (o and lse keep their sentinels, the record stays empty).
+// top-k and sparse steps' scratch cannot take: the call refuses it under dsa_decode's own name
+// (dsa_steps' check) before any step is queued (o and lse keep their sentinels, the record stays
+// empty).
 TEST(GpuDsaDecodeChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();

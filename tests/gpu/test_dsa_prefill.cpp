@@ -373,8 +373,8 @@ TEST(GpuDsaPrefillChecks, AMisalignedOutputQueuesNoStep) {
 }
 
 // A workspace 16 bytes past a 256-byte boundary (of the planned size; valid otherwise), which the
-// indexer prefill step's scratch cannot take: refused under dsa_prefill's own name, by the call and by
-// dsa_prefill_steps, before any step is queued (o and lse keep their sentinels).
+// indexer prefill step's scratch cannot take: the call refuses it under dsa_prefill's own name
+// (dsa_prefill_steps' check) before any step is queued (o and lse keep their sentinels).
 TEST(GpuDsaPrefillChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
   LKV_REQUIRE_GPU();
   Rng rng = test_rng();
