@@ -36,7 +36,7 @@ struct ConfigCommandState {
   std::map<std::string, CLI::Option*> options;   // key -> its option
   bool explain = false;
   bool json = false;
-  std::string device = "detected";  // or "cpu": resolve for the CPU whatever the machine has
+  std::string device = "detected";  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
 };
 
 std::string pad(std::string text, std::size_t width) {
@@ -309,7 +309,13 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
     }
     matrix_ok = true;
     const AttentionConfig config = load_config(sources);
-    resolved = resolve_config(config, state.device == "cpu" ? DeviceInfo{} : io.device(), backends);
+    const DeviceInfo device = state.device == "cpu" ? DeviceInfo{} : io.device();
+    if (state.device == "cuda" && device.kind != DeviceKind::kCuda) {
+      throw Error("config", "--device", "cuda",
+                  "a CUDA GPU (none was found, or this build has no CUDA backends); --device cpu or auto resolves "
+                  "for the CPU");
+    }
+    resolved = resolve_config(config, device, backends);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -363,9 +369,11 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
   }
   cmd->add_flag("--explain", state->explain, "also print the capability matrix of every registered backend");
   cmd->add_flag("--json", state->json, "print the resolved configuration as JSON");
-  cmd->add_option("--device", state->device, "resolve for the detected device, or for the cpu")
+  cmd->add_option("--device", state->device,
+                  "resolve for the detected device (auto), for the cpu, or for the detected GPU (cuda: an error "
+                  "where there is none)")
       ->transform(CLI::Transformer({{"auto", "detected"}}))
-      ->check(CLI::IsMember({"detected", "cpu"}))
+      ->check(CLI::IsMember({"detected", "cpu", "cuda"}))
       ->capture_default_str();
   cmd->callback([state, io = std::move(io)] { run_config_command(*state, io); });
   return cmd;

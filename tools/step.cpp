@@ -534,7 +534,8 @@ void add_step_command(CLI::App& app) {
                 "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
                 "pages, slots and values (q, weights) they read (latentkv/device_fault.hpp), and the step fails "
                 "on a bad one");
-  cmd->add_option("--device", opt->device, "auto (a GPU when there is one), cuda or cpu")
+  cmd->add_option("--device", opt->device, "auto (a GPU when there is one; also 'detected'), cuda or cpu")
+      ->transform(CLI::Transformer({{"detected", "auto"}}))
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables (default 1)")
       ->check(seed_in_range());

@@ -184,10 +184,23 @@ TEST_F(Cli, HelpIsWrappedToAHundredColumns) {
 }
 
 // The commands take each other's names for the same values: `config --device auto` (step's word
-// for the detected device) and `bench --kv-dtype fp8` (config's short name of fp8_e4m3).
+// for the detected device) and `config --device cuda` (step's word for a GPU, an error without
+// one), `step --device detected` (config's word), and `bench --kv-dtype fp8` (config's short name
+// of fp8_e4m3).
 TEST_F(Cli, CommandsTakeEachOthersNamesForTheSameValues) {
   const Result config = run({"config", "--device", "auto", "--json"});
   EXPECT_EQ(config.exit_code, 0) << config.err;
+  const Result gpu = run({"config", "--device", "cuda", "--json"});
+  if (latentkv::detect_device().kind == latentkv::DeviceKind::kCuda) {
+    EXPECT_EQ(gpu.exit_code, 0) << gpu.err;
+  } else {
+    EXPECT_EQ(gpu.exit_code, 2);
+    EXPECT_THAT(gpu.err, HasSubstr("config: argument '--device' = cuda: expected a CUDA GPU"));
+  }
+  std::vector<std::string> detected = kSmallStep;
+  detected[2] = "detected";  // in place of cpu
+  const Result step = run(detected, {"--check-requests", "0"});
+  EXPECT_EQ(step.exit_code, 0) << step.err;
   // Refused for another option, checked after the values were read, and on any machine before a GPU runs.
   const Result bench = run({"bench", "--kv-dtype", "fp8", "--op", "sparse_mla_decode", "--context-min", "5"});
   EXPECT_EQ(bench.exit_code, 2);
