@@ -25,9 +25,8 @@ void add_bench_command(CLI::App& app) {
       check_bench_options(*opt, given_options(*cmd));
       if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
       if (detect_device().kind != DeviceKind::kCuda) {
-        throw Error("bench",
-                    "no CUDA GPU was found (or this build has no CUDA backends): bench times GPU kernels; "
-                    "`latentkv step --device cpu` and `latentkv demo` run the CPU reference");
+        throw Error("bench", why_no_gpu() + ": bench times GPU kernels; `latentkv step --device cpu` and "
+                                            "`latentkv demo` run the CPU reference");
       }
     });
     const BenchReport report = opt->op == "indexer_logits"    ? run_indexer_bench(*opt)

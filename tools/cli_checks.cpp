@@ -13,6 +13,8 @@
 #include <sstream>
 #include <type_traits>
 
+#include "latentkv/backend.hpp"
+
 namespace latentkv::tools {
 namespace {
 
@@ -220,6 +222,11 @@ void check_host_memory(const std::string& command, double needed, const std::str
   if (needed > left) {
     throw Error(command, need + "the address-space limit (ulimit -v) leaves " + gigabytes(left) + ": lower " + lower);
   }
+}
+
+std::string why_no_gpu() {
+  if (find_backend("cuda") == nullptr) return "this build has no CUDA backends (it was built without nvcc)";
+  return "no CUDA GPU was found (or its driver cannot run this build's CUDA runtime)";
 }
 
 }  // namespace latentkv::tools

@@ -70,6 +70,11 @@ void check_pool(const std::string& command, std::int64_t pool, int batch, std::i
 // "12.3 GB"
 std::string gigabytes(double bytes);
 
+// Why there is no GPU to run on, where detect_device() says the CPU: "this build has no CUDA backends
+// (it was built without nvcc)", or "no CUDA GPU was found (or its driver cannot run this build's
+// CUDA runtime)".
+std::string why_no_gpu();
+
 // Throws latentkv::Error(command, ...) before anything is allocated when `needed` bytes of host
 // memory (`what` says of what) exceed what this process can still get: the machine's available
 // memory, and the address-space limit (ulimit -v) when one is set. `lower` names the options.

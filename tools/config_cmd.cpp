@@ -312,8 +312,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
     const DeviceInfo device = state.device == "cpu" ? DeviceInfo{} : io.device();
     if (state.device == "cuda" && device.kind != DeviceKind::kCuda) {
       throw Error("config", "--device", "cuda",
-                  "a CUDA GPU (none was found, or this build has no CUDA backends); --device cpu or auto resolves "
-                  "for the CPU");
+                  "a CUDA GPU: " + why_no_gpu() + "; --device cpu or auto resolves for the CPU");
     }
     resolved = resolve_config(config, device, backends);
   } catch (const Error& e) {

@@ -403,7 +403,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
     }
     const bool have_gpu = detect_device().kind == DeviceKind::kCuda;
     if (o.device == "cuda" && !have_gpu) {
-      throw Error("step", "--device", "cuda", "a CUDA GPU (none was found, or this build has no CUDA backends)");
+      throw Error("step", "--device", "cuda", "a CUDA GPU: " + why_no_gpu());
     }
     cpu = o.device == "cpu" || !have_gpu;
     run = resolve_run(o, cpu, o.device != "cpu");
