@@ -168,4 +168,21 @@ void expect_misaligned_o_queues_nothing(Dsa& d, std::string_view sparse_op) {
   EXPECT_EQ(d.fault(), "");
 }
 
+// A DSA call with its workspace (the planned size, at `offset` bytes past a 256-byte boundary)
+// aligned less than its steps want (`align` bytes): the call refuses it under its own name `op`
+// before any step is queued, so o and lse keep their sentinels and the fault record stays empty.
+template <class Dsa>
+void expect_misaligned_workspace_refused(Dsa& d, std::string_view op, std::size_t offset, std::size_t align) {
+  DeviceBuffer shifted(d.plan().workspace_bytes + 256);
+  d.fill_sentinels();
+  check_cuda(cudaDeviceSynchronize());
+  d.move_workspace(shifted.template get<std::uint8_t>() + offset);
+  EXPECT_TRUE(throws_error([&] { d.run(); }, op, "workspace", "not " + std::to_string(align) + "-byte aligned"));
+  check_cuda(cudaDeviceSynchronize());
+  const auto r = d.download();
+  EXPECT_TRUE(is_sentinel(r.o));
+  EXPECT_TRUE(is_sentinel(r.lse));
+  EXPECT_EQ(d.fault(), "");
+}
+
 }  // namespace latentkv::testing

@@ -390,16 +390,7 @@ TEST(GpuDsaDecodeChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
   PagedFixture f = make_fixture(64, {300, 3000}, rng);
   const DsaInputs in = random_inputs(rng, f.batch(), 1, 8, 32);
   DeviceDsa d(f, in, 2048, static_cast<int>(f.max_len()));
-  DeviceBuffer shifted(d.plan().workspace_bytes + 256);
-  d.fill_sentinels();
-  check_cuda(cudaDeviceSynchronize());
-  d.move_workspace(shifted.get<std::uint8_t>() + 4);
-  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "workspace", "not 16-byte aligned"));
-  check_cuda(cudaDeviceSynchronize());
-  const DsaResult r = d.download();
-  EXPECT_TRUE(is_sentinel(r.o));
-  EXPECT_TRUE(is_sentinel(r.lse));
-  EXPECT_EQ(d.fault(), "");
+  expect_misaligned_workspace_refused(d, "dsa_decode", 4, 16);
 }
 
 // 16 requests long enough that on sm_90 the indexer's spans (24 turns and more) claim turns from the

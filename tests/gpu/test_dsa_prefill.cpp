@@ -380,16 +380,7 @@ TEST(GpuDsaPrefillChecks, AMisalignedWorkspaceIsNamedAsTheCallers) {
   Rng rng = test_rng();
   DsaPrefillInputs in = make_inputs({{100, 7, 2100}, {5, 0, 37}}, 64, 8, 8, rng);
   DeviceDsaPrefill d(in, kMaxTopk);
-  DeviceBuffer shifted(d.plan().workspace_bytes + 256);
-  d.fill_sentinels();
-  check_cuda(cudaDeviceSynchronize());
-  d.move_workspace(shifted.get<std::uint8_t>() + 16);
-  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace", "not 256-byte aligned"));
-  check_cuda(cudaDeviceSynchronize());
-  const DsaPrefillResult r = d.download();
-  EXPECT_TRUE(is_sentinel(r.o));
-  EXPECT_TRUE(is_sentinel(r.lse));
-  EXPECT_EQ(d.fault(), "");
+  expect_misaligned_workspace_refused(d, "dsa_prefill", 16, 256);
 }
 
 // ---- a CUDA graph --------------------------------------------------------------------------------
