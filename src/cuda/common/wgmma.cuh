@@ -112,32 +112,6 @@ __device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], std::uint64_t a
 #endif
 }
 
-// D (+)= A B for one m64n32k16 step, A and B from shared memory as in mma_m64n64k16_ss; D in 4
-// column groups of 8.
-template <Type kType = Type::kBf16>
-__device__ __forceinline__ void mma_m64n32k16_ss(float (&d)[16], std::uint64_t a_desc, std::uint64_t b_desc,
-                                                 int scale_d) {
-#if LKV_WGMMA
-#define LKV_WGMMA_M64N32K16(TYPE)                                                                     \
-  asm volatile(                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                  \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"                                 \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-      : "l"(a_desc), "l"(b_desc), "r"(scale_d))
-  if constexpr (kType == Type::kBf16) {
-    LKV_WGMMA_M64N32K16("bf16");
-  } else {
-    LKV_WGMMA_M64N32K16("f16");
-  }
-#undef LKV_WGMMA_M64N32K16
-#else
-  (void)d, (void)a_desc, (void)b_desc, (void)scale_d;
-  __trap();
-#endif
-}
-
 // D += A B for one m64n128k16 step: A (64 x 16) from registers in the mma.m16n8k16 fragment layout
 // (warp w of the warpgroup holds rows 16w .. 16w + 15), B from shared memory N-major (128-byte
 // swizzle, imm-trans-b = 1). D as in mma_m64n64k16_ss, 16 column groups of 8.

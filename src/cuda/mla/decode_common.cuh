@@ -291,7 +291,7 @@ int narrow_blocks_per_sm(int rows, int batch);
 // LATENTKV_MLA_KERNEL=mma (which keeps the mma.sync kernels, for comparison; any value but "mma" or
 // "auto" is an error).
 inline constexpr int kWgmmaRows = 64;
-inline constexpr int kWgmmaTile = 32;
+inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
 bool wgmma_decode_available(int sm);
 // `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record.

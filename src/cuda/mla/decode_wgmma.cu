@@ -40,8 +40,13 @@
 // partials exchanged. (Two score accumulators, so that block 2g's fold overlaps block 2g + 1's
 // products, were measured on an H200: H 128 B 64 decode 611 -> 618 us, sparse prefill H 128 10.07 ->
 // 9.99 ms, dense prefill H 64 79.4 -> 78.5 ms, with more spills; not kept - docs/benchmarks.md,
-// twentieth session of 2026-12-03.) Shared memory: 226,332 bytes (with the alignment slack), so
-// sm_90 only; the 99 KB kernels of decode.cu serve sm_89, sm_100 and sm_120, and bf16 caches.
+// twentieth session of 2026-12-03. Nor did S of tile t + 1 issued before P V of tile t, on 32-token
+// tiles in four K buffers, so that the fold, exchange and softmax of t + 1 and the conversion of
+// t + 2 ran beside P V of t: H100, H 128 B 64 decode 598 -> 748-754 us, sparse prefill H 128 9.9 ->
+// 12.1 ms; its warps' own instruction chains hold it (6.4 cycles between a warp's instructions, 2
+// warps per scheduler, the tensor pipe 27% busy) - fifty-eighth session, commit 8d847a0.) Shared
+// memory: 226,332 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu
+// serve sm_89, sm_100 and sm_120, and bf16 caches.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -64,32 +69,28 @@ namespace {
 constexpr int kThreads = 256;       // two warpgroups
 constexpr int kRows = kWgmmaRows;   // query rows per CTA
 constexpr int kTile = kWgmmaTile;   // tokens per tile
-static_assert(kTile == 32, "the loop below is laid out for 32-token tiles");
 [[maybe_unused]] constexpr int kTokenBytes = 656;  // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
-constexpr int kBuffers = 4;         // K tiles: P V's, S's, the one converted, the one being copied
-constexpr int kQBlockBytes = kRows * wgmma::kSwizzleRowBytes;   // one column block of the 64 query rows
-constexpr int kKBlockBytes = kTile * wgmma::kSwizzleRowBytes;   // one column block of a tile's 32 tokens
-[[maybe_unused]] constexpr int kHalfBlock = kKBlockBytes / 2;  // a block's upper half: its codes before conversion
-constexpr int kQBytes = kColumnBlocks * kQBlockBytes;
-constexpr int kTileBytes = kColumnBlocks * kKBlockBytes;        // one K tile
-constexpr int kSlotRing = 8;        // tiles whose slots are kept (masks up to 1 tile ahead, copies up to 4)
+constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
+[[maybe_unused]] constexpr int kHalfBlock = kBlockBytes / 2;  // a block's upper half: its codes before conversion
+constexpr int kTileBytes = kColumnBlocks * kBlockBytes;    // one K tile (or the queries)
+constexpr int kSlotRing = 3;        // tiles whose slots are kept: this one's (masks), the next two's (copies)
 // The slot of a token whose V values or scales held a non-finite value that convert_tile zeroed
 // (a token some row does not see): the rows that see it score it NaN.
 [[maybe_unused]] constexpr std::int32_t kPoisonedSlot = INT32_MIN;
 
 struct WgmmaSmem {
-  static constexpr int kQ = 0;                                        // f16/bf16 [9 blocks][64 rows][64], swizzled
-  static constexpr int kK = kQ + kQBytes;                             // f16/bf16 [4 buffers][9 blocks][32 tokens][64]
-  static constexpr int kScale = kK + kBuffers * kTileBytes;           // f32 [4 buffers][4 blocks][32 tokens]
-  static constexpr int kScaleIn = kScale + kBuffers * 4 * 4 * kTile;  // f32x4 [4 buffers][2 warpgroups][32 tokens], as copied
-  static constexpr int kQScale = kScaleIn + kBuffers * 2 * 16 * kTile;  // f32 [64 rows], 2^-e of the f16 queries
-  static constexpr int kSlots = kQScale + 4 * kRows;                  // i32 [kSlotRing][32 tokens]
-  static constexpr int kAllRead = kSlots + 4 * kSlotRing * kTile;     // i32 [kSlotRing]: every slot >= 0
-  static constexpr int kHiddenFrom = kAllRead + 4 * kSlotRing;        // i32: first_hidden_token (decode_common.cuh)
+  static constexpr int kQ = 0;                                   // f16/bf16 [9 blocks][64 rows][64], swizzled
+  static constexpr int kK = kQ + kTileBytes;                     // f16/bf16 [2 buffers][9 blocks][64 tokens][64]
+  static constexpr int kScale = kK + 2 * kTileBytes;             // f32 [2 buffers][4 blocks][64 tokens]
+  static constexpr int kScaleIn = kScale + 2 * 4 * 4 * kTile;    // f32 [64 tokens][4]: the next tile's, as copied
+  static constexpr int kQScale = kScaleIn + 4 * 4 * kTile;       // f32 [64 rows], 2^-e of the f16 queries
+  static constexpr int kSlots = kQScale + 4 * kRows;             // i32 [kSlotRing][64 tokens]
+  static constexpr int kAllRead = kSlots + 4 * kSlotRing * kTile;  // i32 [kSlotRing][2 warps]: every slot >= 0
+  static constexpr int kHiddenFrom = kAllRead + 4 * kSlotRing * 2;  // i32: first_hidden_token (decode_common.cuh)
   static constexpr int kBytes = kHiddenFrom + 4;
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
-  static_assert(kQ % 1024 == 0 && kK % 1024 == 0 && kTileBytes % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
+  static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
 };
 
@@ -116,9 +117,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_base[];
   unsigned char* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
   unsigned char* q_s = smem + Smem::kQ;
-  unsigned char* k_base = smem + Smem::kK;                              // [4 buffers][kTileBytes]
-  auto* scale_base = reinterpret_cast<float*>(smem + Smem::kScale);      // [4 buffers][4 blocks][32 tokens]
-  auto* scale_in_s = reinterpret_cast<float4*>(smem + Smem::kScaleIn);  // [4 buffers][2 warpgroups][32 tokens]
+  unsigned char* k_base = smem + Smem::kK;                              // [2 buffers][kTileBytes]
+  auto* scale_base = reinterpret_cast<float*>(smem + Smem::kScale);      // [2 buffers][4 blocks][64 tokens]
+  auto* scale_in_s = reinterpret_cast<float4*>(smem + Smem::kScaleIn);  // [64 tokens]
   auto* q_scale_s = reinterpret_cast<float*>(smem + Smem::kQScale);
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
@@ -133,7 +134,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // each, in the SASS).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int wg_warp = (tid / 32) % 4;  // warp in the warpgroup: rows [16 wg_warp, +16)
-  const int warp = tid / 32;           // also the column block it copies and converts (its warpgroup's)
   const int b = blockIdx.z;
   const int split = blockIdx.y;
   const int row_base = blockIdx.x * kRows;
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Queries into the swizzled layout (rows past the last are zero): warp w takes rows 8w .. 8w + 7,
   // lane l the latent pieces 2l, 2l + 1 (16 dims) of each, lanes 0-7 the rope pieces.
   for (int i = 0; i < kRows / 8; ++i) {
-    const int r = 8 * warp + i;
+    const int r = 8 * (tid / 32) + i;
     const int row = row_base + r;
     uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, rope = w0;
     if (row < rows.count) {
@@ -162,33 +162,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int piece = 2 * lane + half;
-      *reinterpret_cast<uint4*>(q_s + (piece / 8) * kQBlockBytes + wgmma::swizzled_chunk_offset(r, piece % 8)) =
+      *reinterpret_cast<uint4*>(q_s + (piece / 8) * kBlockBytes + wgmma::swizzled_chunk_offset(r, piece % 8)) =
           make_uint4(h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3]);
     }
-    if (lane < 8) *reinterpret_cast<uint4*>(q_s + 8 * kQBlockBytes + wgmma::swizzled_chunk_offset(r, lane)) = rope;
+    if (lane < 8) *reinterpret_cast<uint4*>(q_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(r, lane)) = rope;
     if (lane == 0) q_scale_s[r] = undo;
   }
-  // Slots of tiles 0-3 now (their entries loaded before any is used); warp 0 makes those of tile
-  // t + 4 during tile t, from the entry it loaded during tile t - 1.
+  // Slots of tiles 0 and 1 now (both entries loaded before either is used); the block-table (or
+  // index) entries of tile t + 2 are loaded during tile t - 1 and made slots during tile t.
   std::int32_t ahead_entry = -1;
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
-  const auto publish_slot = [&](int tile, std::int32_t slot) {  // warp 0, lane = the tile's token
-    slot_s[(tile % kSlotRing) * kTile + lane] = slot;
-    const bool all_read = __all_sync(0xffffffffu, slot >= 0);
-    if (lane == 0) all_read_s[tile % kSlotRing] = all_read;
-  };
-  if (warp == 0) {
-    std::int32_t entries[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = begin + k * kTile + lane;
-      entries[k] = k < num_tiles && t < end ? load_token_entry(a, b, t) : -1;
-    }
-    if (num_tiles > 4 && begin + 4 * kTile + lane < end) ahead_entry = load_token_entry(a, b, begin + 4 * kTile + lane);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = begin + k * kTile + lane;
-      publish_slot(k, k < num_tiles && t < end ? entry_to_slot(a, t, entries[k], bad_token) : -1);
+  if (tid < kTile) {
+    const int t0 = begin + tid, t1 = begin + kTile + tid;
+    const std::int32_t e0 = num_tiles > 0 && t0 < end ? load_token_entry(a, b, t0) : -1;
+    const std::int32_t e1 = num_tiles > 1 && t1 < end ? load_token_entry(a, b, t1) : -1;
+    if (num_tiles > 2 && t1 + kTile < end) ahead_entry = load_token_entry(a, b, t1 + kTile);
+    const std::int32_t s0 = num_tiles > 0 && t0 < end ? entry_to_slot(a, t0, e0, bad_token) : -1;
+    const std::int32_t s1 = num_tiles > 1 && t1 < end ? entry_to_slot(a, t1, e1, bad_token) : -1;
+    slot_s[tid] = s0;
+    slot_s[kTile + tid] = s1;
+    const bool all_read0 = __all_sync(0xffffffffu, s0 >= 0), all_read1 = __all_sync(0xffffffffu, s1 >= 0);
+    if (lane == 0) {
+      all_read_s[tid / 32] = all_read0;
+      all_read_s[2 + tid / 32] = all_read1;
     }
   }
   if (kHidden && tid == 0) {
@@ -197,57 +193,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   wgmma::fence_shared_for_async();
   __syncthreads();  // the queries, the first slots and hidden_from
 
-  // cp.async of tile `tile`'s entries into K buffer tile % 4, by each warpgroup for the blocks it
-  // reads (always one commit group, empty past the last tile); a slot of -1 (outside the pool, no
-  // index) reads nothing (zeros: an unread token's V meets P = 0, never NaN). Warp w: the codes of
-  // column block w, lane l taking piece l % 4 (16 codes) of tokens l / 4 + 8i, into the block's upper
-  // half (64 bytes a token); thread t of warpgroup g rope piece 4g + t % 4 of token t / 4 straight
-  // into its swizzled place; lanes 0-7 of the warpgroup's warp v the scales of tokens 8v .. 8v + 7,
-  // which the same threads put in place after the conversion.
+  const int warp = tid / 32;
+  // cp.async of a tile's entries into K buffer tile % 2; a slot of -1 (outside the pool, no index)
+  // reads nothing (zeros: an unread token's V meets P = 0, never NaN). Warp w: the codes of column
+  // block w, lane l taking piece l % 4 (16 codes) of tokens l / 4 + 8i, into the block's upper half
+  // (64 bytes a token); warpgroup g's rope half (pieces 4g .. 4g + 3), 2 pieces a lane; lanes 0-7
+  // the scales of tokens 8w .. 8w + 7, which the same threads put in place after the conversion.
   auto issue_tile = [&](int tile) {
-    if (tile < num_tiles) {
-      const std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
-      unsigned char* k_s = k_base + (tile % kBuffers) * kTileBytes;
-      const auto entry = [&](std::int32_t slot) {
-        return a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
-      };
-      unsigned char* codes = k_s + warp * kKBlockBytes + kHalfBlock;
+    const std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
+    unsigned char* k_s = k_base + (tile & 1) * kTileBytes;
+    const auto entry = [&](std::int32_t slot) {
+      return a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
+    };
+    unsigned char* codes = k_s + warp * kBlockBytes + kHalfBlock;
 #pragma unroll
-      for (int i = 0; i < kTile / 8; ++i) {
-        const int token = 8 * i + lane / 4, piece = lane % 4;
-        const std::int32_t slot = slots[token];
-        cp_async_16(codes + token * 64 + piece * 16, entry(slot) + warp * 64 + piece * 16, slot >= 0 ? 16 : 0);
-      }
-      {
-        const int c = tid % 128;
-        const int token = c / 4, piece = 4 * wg + c % 4;
-        const std::int32_t slot = slots[token];
-        cp_async_16(k_s + 8 * kKBlockBytes + wgmma::swizzled_chunk_offset(token, piece), entry(slot) + 528 + piece * 16,
-                    slot >= 0 ? 16 : 0);
-      }
-      if (lane < 8) {
-        const int token = 8 * wg_warp + lane;
-        const std::int32_t slot = slots[token];
-        cp_async_16(scale_in_s + ((tile % kBuffers) * 2 + wg) * kTile + token, entry(slot) + 512, slot >= 0 ? 16 : 0);
-      }
+    for (int i = 0; i < 8; ++i) {
+      const int token = 8 * i + lane / 4, piece = lane % 4;
+      const std::int32_t slot = slots[token];
+      cp_async_16(codes + token * 64 + piece * 16, entry(slot) + warp * 64 + piece * 16, slot >= 0 ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = lane + 32 * i;
+      const int token = 16 * wg_warp + c / 4, piece = 4 * wg + c % 4;
+      const std::int32_t slot = slots[token];
+      cp_async_16(k_s + 8 * kBlockBytes + wgmma::swizzled_chunk_offset(token, piece), entry(slot) + 528 + piece * 16,
+                  slot >= 0 ? 16 : 0);
+    }
+    if (lane < 8) {
+      const std::int32_t slot = slots[8 * warp + lane];
+      cp_async_16(scale_in_s + 8 * warp + lane, entry(slot) + 512, slot >= 0 ? 16 : 0);
     }
     cp_async_commit();
   };
-  // Warp w turns column block w of K buffer tile % 4 from the codes in its upper half into f16 rows,
+  // Warp w turns column block w of K buffer tile % 2 from the codes in its upper half into f16 rows,
   // in place, 8 tokens a step: lane l converts piece l % 4 of token 8i + l / 4 (the 16 bytes its own
   // copy brought) into its row's 16-byte chunks 2 (l % 4), + 1 (swizzled; the 8 lanes of a store
-  // phase then cover 8 different chunks). Step i reads bytes [2048 + 512i, +512) and writes rows
-  // 8i .. 8i + 7, bytes [1024i, +1024): the codes of steps 2i - 4 and 2i - 3, never a later step's.
-  // So the warp syncs in steps 2 and 3 between their reads and their writes. Then the scales copied
-  // by lanes 0-7 for the warpgroup's two blocks. The caller has waited for this thread's copies.
+  // phase then cover 8 different chunks). Step i reads bytes [4096 + 512i, +512) and writes rows
+  // 8i .. 8i + 7, bytes [1024i, +1024): the codes of steps 2i - 8 and 2i - 7, never a later step's.
+  // So the warp syncs before steps 4 and 6 write, and in step 7 between its reads and its writes.
+  // Then the scales copied by lanes 0-7, stored per block.
   auto convert_tile = [&](int tile) {
-    unsigned char* blk = k_base + (tile % kBuffers) * kTileBytes + warp * kKBlockBytes;
+    cp_async_wait<0>();  // this lane's copies
+    unsigned char* blk = k_base + (tile & 1) * kTileBytes + warp * kBlockBytes;
     const int sub = lane / 4, chunk = 2 * (lane % 4);
-#pragma unroll
-    for (int i = 0; i < kTile / 8; ++i) {
+    const auto step = [&](int i) {
       const int token = 8 * i + sub;
       const uint4 v = *reinterpret_cast<const uint4*>(blk + kHalfBlock + 512 * i + 16 * lane);
-      if (i >= 2) __syncwarp();
+      if (i == 4 || i == 6 || i == 7) __syncwarp();
       const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
       std::uint32_t out[8];
 #pragma unroll
@@ -258,19 +251,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       unsigned char* row = blk + token * wgmma::kSwizzleRowBytes;
       *reinterpret_cast<uint4*>(row + ((chunk ^ sub) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
       *reinterpret_cast<uint4*>(row + (((chunk + 1) ^ sub) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
-    }
-    float* sc = scale_base + (tile % kBuffers) * 4 * kTile + 2 * wg * kTile;  // [2 blocks][32 tokens]
+    };
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) step(i);
     if (lane < 8) {
-      const int token = 8 * wg_warp + lane;
-      const float4 v = scale_in_s[((tile % kBuffers) * 2 + wg) * kTile + token];
-      sc[token] = nan_if_infinite(wg == 0 ? v.x : v.z);  // an infinite scale NaN (decode_common.cuh)
-      sc[kTile + token] = nan_if_infinite(wg == 0 ? v.y : v.w);
+      const int token = 8 * warp + lane;
+      const float4 v = scale_in_s[token];
+      float* sc = scale_base + (tile & 1) * 4 * kTile + token;
+      sc[0 * kTile] = nan_if_infinite(v.x);  // an infinite scale NaN (decode_common.cuh)
+      sc[1 * kTile] = nan_if_infinite(v.y);
+      sc[2 * kTile] = nan_if_infinite(v.z);
+      sc[3 * kTile] = nan_if_infinite(v.w);
     }
     // Tokens that some row does not see (decode_common.cuh), from `first` on: their non-finite V
     // values zeroed (lane l takes 4-byte word l of each such row of the warp's block, which another
     // lane of the warp converted: hence the warp sync), their scales by the lanes that stored them,
     // and the token's slot poisoned so that the rows that do see it get a NaN score (the mask below).
-    // Each warpgroup does so for its own blocks; a token poisoned by either is poisoned for both.
     if constexpr (kHidden) {
       __syncwarp();
       const int tile_begin = begin + tile * kTile;
@@ -279,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
         const auto poison = [&](int token) {
           atomicMin(slots + token, kPoisonedSlot);
-          atomicAnd(all_read_s + tile % kSlotRing, 0);
+          atomicAnd(all_read_s + (tile % kSlotRing) * 2 + token / 32, 0);
         };
 #pragma unroll 1
         for (int t = first; t < last; ++t) {
@@ -290,13 +286,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             poison(t);
           }
         }
-        const int token = 8 * wg_warp + lane;
+        const int token = 8 * warp + lane;
         if (lane < 8 && token >= first && token < last) {
+          float* sc = scale_base + (tile & 1) * 4 * kTile + token;
           bool finite = true;
 #pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            finite = finite && isfinite(sc[k * kTile + token]);
-            sc[k * kTile + token] = finite_or_zero(sc[k * kTile + token]);
+          for (int k = 0; k < 4; ++k) {
+            finite = finite && isfinite(sc[k * kTile]);
+            sc[k * kTile] = finite_or_zero(sc[k * kTile]);
           }
           if (!finite) poison(token);
         }
@@ -325,93 +322,101 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const std::uint64_t q_desc = wgmma::desc_sw128(q_s, 16, wgmma::kSwizzleAtomBytes);
   const std::uint64_t k_desc0 = wgmma::desc_sw128(k_base, 16, wgmma::kSwizzleAtomBytes);
-  const std::uint64_t v_desc0 = wgmma::desc_sw128(k_base, kKBlockBytes, wgmma::kSwizzleAtomBytes);
+  const std::uint64_t v_desc0 = wgmma::desc_sw128(k_base, kBlockBytes, wgmma::kSwizzleAtomBytes);
 
-  // ---- S of a tile: this warpgroup's part for all 32 tokens, rope dims [32 wg, +32) straight into
-  // s, fp8 blocks 2 wg and 2 wg + 1 into acc[0] and acc[1] (the latent ones issued first, so that the
-  // rope's group can follow P V's fragments) ----
-  float s[16];
-  float acc[2][16];
-  // Descriptors: the parts that vary at run time (the warpgroup's blocks, the tile's buffer) are added
-  // once per tile, so that each instruction's offset is a constant (a uniform add, not a shift of a
-  // computed byte offset per instruction).
-  const std::uint64_t q_latent_desc = wgmma::desc_advance(q_desc, 4 * wg * kQBlockBytes);
-  const std::uint64_t q_rope_desc = wgmma::desc_advance(q_desc, 8 * kQBlockBytes + 64 * wg);
-  const auto issue_latent = [&](int tile) {
-    const std::uint64_t k_desc = wgmma::desc_advance(k_desc0, (tile % kBuffers) * kTileBytes + 4 * wg * kKBlockBytes);
+  if (num_tiles > 0) {  // tile 0 into buffer 0
+    issue_tile(0);
+    convert_tile(0);
+  }
+  __syncthreads();  // tile 0 converted
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int cur = tile & 1, next = cur ^ 1;
+    const float* scale_s = scale_base + cur * 4 * kTile;  // [4 blocks][64 tokens]
+    const std::uint64_t k_desc = wgmma::desc_advance(k_desc0, cur * kTileBytes);
+    const std::uint64_t v_desc = wgmma::desc_advance(v_desc0, cur * kTileBytes);
+
+    // ---- this warpgroup's part of S for all 64 tokens: rope dims [32 wg, +32), then fp8 blocks 2 wg
+    // and 2 wg + 1, each weighted by its token's block scale and the row's query scale ----
+    float s[32];
+    {
+      float acc[32];
+      auto issue_block = [&](int blk) {  // latent dims [128 blk, +128), f16, into acc
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        const int column = 2 * j + kk / 4;  // of the warpgroup's four
-        wgmma::mma_m64n32k16_ss<wgmma::Type::kF16>(acc[j], wgmma::desc_advance(q_latent_desc, column * kQBlockBytes + (kk % 4) * 32),
-                                                   wgmma::desc_advance(k_desc, column * kKBlockBytes + (kk % 4) * 32), kk > 0);
-      }
-    }
-    wgmma::commit();
-  };
-  const auto issue_rope = [&](int tile) {
-    const std::uint64_t k_desc = wgmma::desc_advance(k_desc0, (tile % kBuffers) * kTileBytes + 8 * kKBlockBytes + 64 * wg);
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      wgmma::mma_m64n32k16_ss<wgmma::Type::kBf16>(s, wgmma::desc_advance(q_rope_desc, 32 * kk),
-                                                  wgmma::desc_advance(k_desc, 32 * kk), kk > 0);
-    }
-    wgmma::commit();
-  };
-  // Once the tile's S is done: s += acc[j] x the token's scale of block 2 wg + j x the row's query
-  // scale; then the partials meet. Thread t of one warpgroup holds the same (row, token) elements as
-  // thread t of the other, and both add them in the same order (a + b = b + a), so both warpgroups
-  // hold the same scores and run the same softmax: P stays in registers. Warp w's partial goes to the
-  // lower half of its own column block w in K buffer (tile + 2) % 4 (the previous tile's, no longer
-  // read; its own copies go to the upper half), where the other warpgroup's warp w ^ 4 reads it after
-  // the CTA barrier; warp w converts that block again only after the next tile's barrier.
-  const auto fold_and_exchange = [&](int tile) {
-    const float* scale_s = scale_base + (tile % kBuffers) * 4 * kTile;
-    wgmma::fence_registers(s);
-    wgmma::fence_registers(acc[0]);
-    wgmma::fence_registers(acc[1]);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 sc = *reinterpret_cast<const float2*>(scale_s + (2 * wg + j) * kTile + 8 * i + 2 * quad);
-#pragma unroll
-        for (int e = 4 * i; e < 4 * i + 4; ++e) {
-          s[e] = fmaf(acc[j][e], (e % 2 == 0 ? sc.x : sc.y) * q_scale[(e / 2) % 2], s[e]);
+        for (int kk = 0; kk < 8; ++kk) {
+          const std::uint32_t off = (2 * blk + kk / 4) * kBlockBytes + (kk % 4) * 32;
+          wgmma::mma_m64n64k16_ss<wgmma::Type::kF16>(acc, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off),
+                                                     kk > 0);
         }
+        wgmma::commit();
+      };
+      // s += acc x the token's scale of block blk x the row's query scale.
+      auto fold = [&](int blk) {
+        wgmma::fence_registers(acc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + 8 * i + 2 * quad);
+#pragma unroll
+          for (int e = 4 * i; e < 4 * i + 4; ++e) {
+            s[e] = fmaf(acc[e], (e % 2 == 0 ? sc.x : sc.y) * q_scale[(e / 2) % 2], s[e]);
+          }
+        }
+      };
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {  // rope, bf16, into s
+        const std::uint32_t off = 8 * kBlockBytes + (2 * wg + kk) * 32;
+        wgmma::mma_m64n64k16_ss<wgmma::Type::kBf16>(s, wgmma::desc_advance(q_desc, off), wgmma::desc_advance(k_desc, off),
+                                                    kk > 0);
       }
+      wgmma::commit();
+      issue_block(2 * wg);
+      // The next tile's copies go out while the tensor cores score this one, into the other
+      // buffer, free since barrier (A) (at tile 0: since the prologue's barrier).
+      if (tile + 1 < num_tiles) issue_tile(tile + 1);
+      wgmma::wait<0>();
+      wgmma::fence_registers(s);
+      fold(2 * wg);
+      wgmma::fence();
+      issue_block(2 * wg + 1);
+      wgmma::wait<0>();
+      fold(2 * wg + 1);
     }
-    const auto partial = [&](int owner_warp, int i) {
-      return reinterpret_cast<float4*>(k_base + ((tile + 2) % kBuffers) * kTileBytes + owner_warp * kKBlockBytes) +
-             32 * i + lane;
+    // The partials meet: thread t of one warpgroup holds the same (row, token) elements as thread t
+    // of the other, and both add them in the same order (a + b = b + a), so both warpgroups hold the
+    // same scores and run the same softmax: P stays in registers.
+    // They go through the next K buffer, not yet converted: warpgroup g's partial (float4 i of thread
+    // t, i = 0 .. 7) to the lower half of column block 4 (1 - g) + i / 2 of the other warpgroup, at
+    // float4 128 (i % 2) + t, where the other warpgroup reads it before it converts those blocks.
+    const auto partial = [&](int owner, int i) {
+      return reinterpret_cast<float4*>(k_base + next * kTileBytes + (4 * owner + i / 2) * kBlockBytes) +
+             128 * (i % 2) + tid % 128;
     };
 #pragma unroll
-    for (int i = 0; i < 4; ++i) *partial(warp, i) = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+    for (int i = 0; i < 8; ++i) *partial(1 - wg, i) = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
     __syncthreads();  // (B) both partials
+    {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 v = *partial(warp ^ 4, i);
-      s[4 * i] += v.x;
-      s[4 * i + 1] += v.y;
-      s[4 * i + 2] += v.z;
-      s[4 * i + 3] += v.w;
+      for (int i = 0; i < 8; ++i) {
+        const float4 v = *partial(wg, i);
+        s[4 * i] += v.x;
+        s[4 * i + 1] += v.y;
+        s[4 * i + 2] += v.z;
+        s[4 * i + 3] += v.w;
+      }
     }
-  };
-  // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row), scale
-  // into the log2 domain and take the tile's softmax, the same in both warpgroups; s becomes P.
-  // Returns the factor O takes (the rows' maxima moved), applied by the caller once O is not in flight.
-  const auto softmax = [&](int tile, float (&alpha)[2]) {
+    // Mask (unread: past the split, outside the pool, no index; or not yet visible to the row) and
+    // scale into the log2 domain. Whole tiles every row sees skip the per-token tests.
     const int tile_begin = begin + tile * kTile;
     const int ring = tile % kSlotRing;
-    const std::int32_t* tile_slots = slot_s + ring * kTile;  // [32]: this tile's slots, -1 unread
-    const bool whole = all_read_s[ring] && tile_begin + kTile <= min(visible[0], visible[1]);
+    const std::int32_t* tile_slots = slot_s + ring * kTile;  // [64]: this tile's slots, -1 unread
+    const bool whole = all_read_s[ring * 2] && all_read_s[ring * 2 + 1] &&
+                       tile_begin + kTile <= min(visible[0], visible[1]);
     if (whole) {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) s[e] *= a.scale_log2;
+      for (int e = 0; e < 32; ++e) s[e] *= a.scale_log2;
     } else if constexpr (kHidden) {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
+      for (int e = 0; e < 32; ++e) {
         const int token = 8 * (e / 4) + 2 * quad + e % 2;
         const std::int32_t slot = tile_slots[token];
         const bool visible_here = tile_begin + token < visible[(e / 2) % 2];
@@ -421,17 +426,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
+      for (int e = 0; e < 32; ++e) {
         const int token = 8 * (e / 4) + 2 * quad + e % 2;
         const bool seen = tile_slots[token] >= 0 && tile_begin + token < visible[(e / 2) % 2];
         s[e] = seen ? s[e] * a.scale_log2 : -INFINITY;
       }
     }
+    // Softmax over the tile, the same in both warpgroups; s becomes P.
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float m = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const float new_max = fmaxf(row_max[h], m);
@@ -440,16 +447,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_max[h] = new_max;
       float sum = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 8; ++i) {
         s[4 * i + 2 * h] = fast_exp2(s[4 * i + 2 * h] - base);
         s[4 * i + 2 * h + 1] = fast_exp2(s[4 * i + 2 * h + 1] - base);
         sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
       }
       row_sum[h] = row_sum[h] * alpha[h] + sum;
     }
-  };
-  // O x alpha, only when a row's maximum moved (after the first tiles it rarely does).
-  const auto rescale = [&](const float (&alpha)[2]) {
+    // Rescale O only when a row's maximum moved (after the first tiles it rarely does).
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -462,121 +467,76 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-  };
-  // P' of a tile for blocks 2 wg and 2 wg + 1 as the A fragments of P V, in two f16 parts. First each
-  // block's unit: the scales this thread's fragments take (k = 16 kk + 2 quad + 8 half, + 1) cover
-  // the tile's 32 between the quad's four lanes, so two shuffles give the tile's largest. When a unit
-  // grows, O is rescaled here (O is not in flight: the caller waited for the last P V).
-  std::uint32_t a_hi[2][2][4], a_lo[2][2][4];
-  const auto make_fragments = [&](int tile) {
-    const float* scale_s = scale_base + (tile % kBuffers) * 4 * kTile;
+
+    // ---- O += P' V for blocks 2 wg and 2 wg + 1 ----
+    // First each block's unit: the scales this thread's fragments take (k = 16 kk + 2 quad + 8 half,
+    // + 1) cover the tile's 64 between the quad's four lanes, so two shuffles give the tile's largest.
+    // When a unit grows, O is rescaled here, before any P V group is in flight (the same in the
+    // whole warpgroup).
+    float inv_unit[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float* sc = scale_s + (2 * wg + j) * kTile + 2 * quad;
       float mx = unit[j];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 8; ++i) {
         const float2 v = *reinterpret_cast<const float2*>(sc + 8 * i);
         mx = fmaxf(mx, fmaxf(v.x, v.y));
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float inv_unit = mx > 0.0f ? fast_rcp(mx) : 0.0f;
+      inv_unit[j] = mx > 0.0f ? fast_rcp(mx) : 0.0f;
       if (mx != unit[j]) {
-        const float gamma = mx > 0.0f ? unit[j] * inv_unit : 1.0f;
+        const float gamma = mx > 0.0f ? unit[j] * inv_unit[j] : 1.0f;
 #pragma unroll
         for (int i = 0; i < 64; ++i) o[j][i] *= gamma;
         unit[j] = mx;
       }
+    }
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
+    for (int j = 0; j < 2; ++j) {
+      const int blk = 2 * wg + j;
+      std::uint32_t a_hi[4][4], a_lo[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
         for (int part = 0; part < 4; ++part) {  // a0: (r, k), a1: (r + 8, k), a2: (r, k + 8), a3: (r + 8, k + 8)
           const int e = 4 * (2 * kk + part / 2) + 2 * (part % 2);  // P's accumulator elements (e, e + 1)
           const int k = 16 * kk + 2 * quad + 8 * (part / 2);
-          const float2 v = *reinterpret_cast<const float2*>(scale_s + (2 * wg + j) * kTile + k);
-          split_f16x2(s[e] * (v.x * inv_unit), s[e + 1] * (v.y * inv_unit), a_hi[j][kk][part], a_lo[j][kk][part]);
+          const float2 sc = *reinterpret_cast<const float2*>(scale_s + blk * kTile + k);
+          split_f16x2(s[e] * (sc.x * inv_unit[j]), s[e + 1] * (sc.y * inv_unit[j]), a_hi[kk][part], a_lo[kk][part]);
         }
       }
-    }
-  };
-  const auto issue_pv = [&](int tile) {
-    const std::uint64_t v_desc = wgmma::desc_advance(v_desc0, (tile % kBuffers) * kTileBytes + 4 * wg * kKBlockBytes);
+      wgmma::fence();
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const std::uint64_t desc = wgmma::desc_advance(v_desc, 2 * j * kKBlockBytes + 16 * kk * wgmma::kSwizzleRowBytes);
-        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_hi[j][kk], desc);
-        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_lo[j][kk], desc);
+      for (int kk = 0; kk < 4; ++kk) {
+        const std::uint64_t desc = wgmma::desc_advance(v_desc, 2 * blk * kBlockBytes + 16 * kk * wgmma::kSwizzleRowBytes);
+        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_hi[kk], desc);
+        wgmma::mma_m64n128k16_rs<wgmma::Type::kF16>(o[j], a_lo[kk], desc);
       }
+      wgmma::commit();
     }
-    wgmma::commit();
-  };
 
-  // ---- prologue: tiles 0-2 copied, 0 and 1 converted, tile 0's S and softmax ----
-  issue_tile(0);
-  issue_tile(1);
-  issue_tile(2);
-  if (num_tiles > 0) {
-    cp_async_wait<2>();
-    convert_tile(0);
-  }
-  if (num_tiles > 1) {
-    cp_async_wait<1>();
-    convert_tile(1);
-  }
-  warpgroup_barrier(wg);  // the warpgroup's blocks of tiles 0 and 1 converted
-  if (num_tiles > 0) {
-    wgmma::fence();
-    issue_latent(0);
-    issue_rope(0);
-    wgmma::wait<0>();
-    fold_and_exchange(0);
-    float alpha[2];
-    softmax(0, alpha);  // O is still zero
-  }
-  // ---- tile t: P V of tile t and S of tile t + 1 on the tensor cores, while tile t + 1's softmax and
-  // tile t + 2's conversion run beside them ----
-  for (int tile = 0; tile + 1 < num_tiles; ++tile) {
-    if (tile > 0) warpgroup_barrier(wg);  // tile + 1 converted; tile - 1's buffer no longer read by P V
-    wgmma::fence();
-    issue_latent(tile + 1);
-    make_fragments(tile);
-    wgmma::fence();
-    issue_rope(tile + 1);
-    issue_pv(tile);
-    // The copies of tile + 3 into tile - 1's buffer, and the slots of tile + 4.
-    issue_tile(tile + 3);
-    if (warp == 0 && tile + 4 < num_tiles) {
-      const int t = begin + (tile + 4) * kTile + lane;
-      publish_slot(tile + 4, t < end ? entry_to_slot(a, t, ahead_entry, bad_token) : -1);
+    // ---- while P V runs: the slots of tile + 2, and the next tile converted ----
+    if (tid < kTile && tile + 2 < num_tiles) {
+      const int t = begin + (tile + 2) * kTile + tid;
+      const std::int32_t slot = t < end ? entry_to_slot(a, t, ahead_entry, bad_token) : -1;
+      const int ahead = (tile + 2) % kSlotRing;  // tile - 1's, no longer read since barrier (A)
+      slot_s[ahead * kTile + tid] = slot;
+      const bool all_read = __all_sync(0xffffffffu, slot >= 0);
+      if (lane == 0) all_read_s[ahead * 2 + tid / 32] = all_read;
       ahead_entry = -1;
-      if (tile + 5 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
+      if (tile + 3 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
     }
-    wgmma::wait<1>();  // S of tile + 1
-    fold_and_exchange(tile + 1);
-    float alpha[2];
-    softmax(tile + 1, alpha);
-    if (tile + 2 < num_tiles) {
-      cp_async_wait<1>();  // this thread's copies of tile + 2 (tile + 3's may still run)
-      convert_tile(tile + 2);
+    if (tile + 1 < num_tiles) {
+      warpgroup_barrier(wg);  // the warpgroup has read its partial from the blocks it converts now
+      convert_tile(tile + 1);
     }
     wgmma::wait<0>();
     wgmma::fence_registers(o[0]);
     wgmma::fence_registers(o[1]);
-    rescale(alpha);
+    __syncthreads();  // (A) the next tile converted; this tile's K buffer no longer read by P V
   }
-  if (num_tiles > 0) {  // the last tile's P V
-    wgmma::fence();
-    make_fragments(num_tiles - 1);
-    wgmma::fence();
-    issue_pv(num_tiles - 1);
-    wgmma::wait<0>();
-    wgmma::fence_registers(o[0]);
-    wgmma::fence_registers(o[1]);
-  }
-  cp_async_wait<0>();
 
   // ---- epilogue: row sums over the quad (each warpgroup saw every token), then this warpgroup's 256 dims ----
   allow_next_kernel();
