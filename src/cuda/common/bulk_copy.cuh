@@ -92,6 +92,22 @@ __device__ __forceinline__ void copy(void* dst, const void* src, std::uint32_t b
 #endif
 }
 
+// The box of a 2D tensor map (cuTensorMapEncodeTiled) at element coordinates (x, y), from global
+// to shared `dst` (aligned as the map's swizzle asks: 128 bytes, 1024 for the 128-byte swizzle),
+// delivered to `bar`. `map` is the map's generic address: a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void copy_box_2d(void* dst, const void* map, int x, int y, std::uint64_t* bar) {
+#if LKV_BULK_COPY
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
+      : "memory");
+#else
+  (void)dst, (void)map, (void)x, (void)y, (void)bar;
+  __trap();
+#endif
+}
+
 // Orders this thread's generic shared-memory accesses (and those a CTA barrier made visible to it)
 // before the copies it issues next.
 __device__ __forceinline__ void fence_for_copy() {

@@ -29,7 +29,14 @@
 //     next tile's entries go out by cp.async into the other K buffer: warp w's lanes copy column
 //     block w's codes of all 64 tokens into the upper half of that block (64 bytes a token), each
 //     warpgroup's warps its half of the rope straight into its swizzled place, lanes 0-7 of warp w
-//     the scales of tokens 8w .. 8w + 7 aside;
+//     the scales of tokens 8w .. 8w + 7 aside. A tile of a dense call whose 64 tokens are 64
+//     consecutive slots (inside one page of 64 tokens or more: every whole tile at the usual page
+//     sizes) goes out instead as 10 bulk tensor copies (TMA) from thread 0 into the same places,
+//     completing on an mbarrier of its buffer. The cp.async path costs every warp about 200
+//     instructions a tile, each copy's slot load, address and predicate one after another at 255
+//     registers: 17% of the samples of an ncu source profile (H100, H 128 B 16 x 8K). The bulk path
+//     took H 128 B 64 decode from 598.2-602.3 to 566.7-567.2 us and dense prefill H 64 over 32K from
+//     76.7-76.8 to 71.5-71.9 ms (H100, the same call, fifty-eighth session);
 //   * after S(t) each warpgroup's score partials go to the lower halves of the other warpgroup's
 //     column blocks in that buffer (free until converted), and are read there by their owner;
 //   * once tile t's P V is issued, warp w converts column block w of the next tile in place, 8
@@ -45,13 +52,16 @@
 // t + 2 ran beside P V of t: H100, H 128 B 64 decode 598 -> 748-754 us, sparse prefill H 128 9.9 ->
 // 12.1 ms; its warps' own instruction chains hold it (6.4 cycles between a warp's instructions, 2
 // warps per scheduler, the tensor pipe 27% busy) - fifty-eighth session, commit 8d847a0.) Shared
-// memory: 226,332 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu
+// memory: 226,372 bytes (with the alignment slack), so sm_90 only; the 99 KB kernels of decode.cu
 // serve sm_89, sm_100 and sm_120, and bf16 caches.
+#include <cuda.h>  // CUtensorMap: the type only; the encoder comes through the runtime's driver entry point
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
@@ -69,7 +79,7 @@ namespace {
 constexpr int kThreads = 256;       // two warpgroups
 constexpr int kRows = kWgmmaRows;   // query rows per CTA
 constexpr int kTile = kWgmmaTile;   // tokens per tile
-[[maybe_unused]] constexpr int kTokenBytes = 656;  // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
+constexpr int kTokenBytes = 656;  // fp8 main-cache entry: 512 codes, 4 scales, 64 bf16 rope dims
 constexpr int kColumnBlocks = 9;    // 576 dims in blocks of 64 (128-byte rows)
 constexpr int kBlockBytes = 64 * wgmma::kSwizzleRowBytes;  // one column block of 64 rows or tokens
 [[maybe_unused]] constexpr int kHalfBlock = kBlockBytes / 2;  // a block's upper half: its codes before conversion
@@ -87,11 +97,26 @@ struct WgmmaSmem {
   static constexpr int kQScale = kScaleIn + 4 * 4 * kTile;       // f32 [64 rows], 2^-e of the f16 queries
   static constexpr int kSlots = kQScale + 4 * kRows;             // i32 [kSlotRing][64 tokens]
   static constexpr int kAllRead = kSlots + 4 * kSlotRing * kTile;  // i32 [kSlotRing][2 warps]: every slot >= 0
-  static constexpr int kHiddenFrom = kAllRead + 4 * kSlotRing * 2;  // i32: first_hidden_token (decode_common.cuh)
+  static constexpr int kRuns = kAllRead + 4 * kSlotRing * 2;     // i32 [kSlotRing][2 warps]: first slot of a run, or -1
+  static constexpr int kBars = kRuns + 4 * kSlotRing * 2;        // u64 [2 buffers]: a bulk-copied tile's barrier
+  static constexpr int kHiddenFrom = kBars + 8 * 2;              // i32: first_hidden_token (decode_common.cuh)
   static constexpr int kBytes = kHiddenFrom + 4;
+  static_assert(kBars % 8 == 0, "mbarriers are 8-byte aligned");
   static constexpr int kAlloc = kBytes + 1024;  // room to align the swizzled blocks to 1024 bytes
   static_assert(kQ % 1024 == 0 && kK % 1024 == 0, "swizzled blocks start on 1024-byte boundaries");
   static_assert(kAlloc <= 227 * 1024, "must fit the 227 KB per block of sm_90");
+};
+
+// Tensor maps of the fp8 pool, viewed as [pool tokens][656 bytes], for tiles whose 64 tokens are 64
+// consecutive slots (a dense request's tile inside one page of 64 tokens or more): one thread then
+// copies the whole tile with 10 bulk tensor copies into the layout the cp.async path builds, instead
+// of 256 threads issuing 2-3 cp.async each. Disabled (enabled = 0) where the driver offers no
+// encoder or the pool does not fit a map; every tile then takes cp.async.
+struct TileMaps {
+  CUtensorMap codes;   // box 64 tokens x 64 bytes at byte 64w: column block w's codes
+  CUtensorMap rope;    // box 64 tokens x 128 bytes at byte 528, 128-byte swizzle: the rope block as wgmma reads it
+  CUtensorMap scales;  // box 64 tokens x 16 bytes at byte 512
+  int enabled;
 };
 
 // Barrier of one warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads'), `wg` warp-uniform.
@@ -107,9 +132,13 @@ struct WgmmaSmem {
 // there: in the tile loop of calls that need none of it (q_len 1: every decode and sparse row, a
 // prefill per token) the same code cost 1.5-2.5% (H200, H 128 B 64 x 8K: 614.5 against 604.7 us,
 // sparse H 128 173.2 against 169.3, prefill H 64 over 32K 79.6 against 78.5 ms).
-template <bool kChecks, bool kGrouped, bool kHidden>
+// kBulk: the call has tile maps (a dense decode or prefill, whose tiles are mostly runs of
+// consecutive slots); sparse calls, whose selected slots rarely are, run without the run bookkeeping
+// (it cost them 4% on an H100: H 128 B 64 sparse decode 167.0-167.6 -> 173.7-173.8 us).
+template <bool kChecks, bool kGrouped, bool kHidden, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
+    decode_wgmma_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans,
+                        const __grid_constant__ TileMaps maps) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
   static_assert(kHidden || !kGrouped, "a group's tokens are causal among themselves");
 #if LKV_WGMMA
@@ -124,6 +153,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* slot_s = reinterpret_cast<std::int32_t*>(smem + Smem::kSlots);
   auto* all_read_s = reinterpret_cast<std::int32_t*>(smem + Smem::kAllRead);
   auto* hidden_from_s = reinterpret_cast<std::int32_t*>(smem + Smem::kHiddenFrom);
+  auto* run_s = reinterpret_cast<std::int32_t*>(smem + Smem::kRuns);
+  auto* bars = reinterpret_cast<std::uint64_t*>(smem + Smem::kBars);
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -172,6 +203,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // index) entries of tile t + 2 are loaded during tile t - 1 and made slots during tile t.
   std::int32_t ahead_entry = -1;
   int bad_token = -1;  // the last of this thread's tokens with an entry outside the pool (note_bad_entry)
+  // Warps 0 and 1 (tokens 0-31 and 32-63 of the tile): the warp's first slot if its 32 slots are
+  // consecutive and all in the pool, else -1. The tile is one run (bulk_tile) when both are and
+  // the second continues the first.
+  const auto note_run = [&](int tile, std::int32_t slot) {
+    if constexpr (!kBulk) return;
+    const std::int32_t first = __shfl_sync(0xffffffffu, slot, 0);
+    const bool run = __all_sync(0xffffffffu, slot >= 0 && slot == first + lane);
+    if (lane == 0) run_s[(tile % kSlotRing) * 2 + tid / 32] = run ? first : -1;
+  };
+  const auto bulk_tile = [&](int tile) {
+    const std::int32_t* run = run_s + (tile % kSlotRing) * 2;
+    return kBulk && run[0] >= 0 && run[1] == run[0] + 32;
+  };
   if (tid < kTile) {
     const int t0 = begin + tid, t1 = begin + kTile + tid;
     const std::int32_t e0 = num_tiles > 0 && t0 < end ? load_token_entry(a, b, t0) : -1;
@@ -186,6 +230,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       all_read_s[tid / 32] = all_read0;
       all_read_s[2 + tid / 32] = all_read1;
     }
+    note_run(0, s0);
+    note_run(1, s1);
+  }
+  if (kBulk && tid == 0) {
+    bulk::init(bars, 1);
+    bulk::init(bars + 1, 1);
+    bulk::fence_init();
   }
   if (kHidden && tid == 0) {
     *hidden_from_s = first_hidden_token(visible_tokens(a, rows, len, row_base), rows.count - row_base, len);
@@ -199,9 +250,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   // block w, lane l taking piece l % 4 (16 codes) of tokens l / 4 + 8i, into the block's upper half
   // (64 bytes a token); warpgroup g's rope half (pieces 4g .. 4g + 3), 2 pieces a lane; lanes 0-7
   // the scales of tokens 8w .. 8w + 7, which the same threads put in place after the conversion.
+  // A tile of 64 consecutive slots instead goes out as 10 bulk tensor copies from thread 0 (the same
+  // bytes to the same places, the rope already swizzled), completing on the buffer's barrier; the
+  // fence orders the buffer's earlier reads, which barrier (A) made visible to thread 0, before them.
   auto issue_tile = [&](int tile) {
-    const std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
     unsigned char* k_s = k_base + (tile & 1) * kTileBytes;
+    if (bulk_tile(tile)) {
+      if (tid == 0) {
+        const std::int32_t first = run_s[(tile % kSlotRing) * 2];
+        std::uint64_t* bar = bars + (tile & 1);
+        bulk::fence_for_copy();
+        bulk::arrive_expect(bar, kTile * kTokenBytes);
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          bulk::copy_box_2d(k_s + w * kBlockBytes + kHalfBlock, &maps.codes, 64 * w, first, bar);
+        }
+        bulk::copy_box_2d(k_s + 8 * kBlockBytes, &maps.rope, 528, first, bar);
+        bulk::copy_box_2d(scale_in_s, &maps.scales, 512, first, bar);
+      }
+      return;
+    }
+    const std::int32_t* slots = slot_s + (tile % kSlotRing) * kTile;
     const auto entry = [&](std::int32_t slot) {
       return a.cache + (slot >= 0 ? static_cast<std::int64_t>(slot) * kTokenBytes : 0);
     };
@@ -228,13 +297,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // Warp w turns column block w of K buffer tile % 2 from the codes in its upper half into f16 rows,
   // in place, 8 tokens a step: lane l converts piece l % 4 of token 8i + l / 4 (the 16 bytes its own
-  // copy brought) into its row's 16-byte chunks 2 (l % 4), + 1 (swizzled; the 8 lanes of a store
-  // phase then cover 8 different chunks). Step i reads bytes [4096 + 512i, +512) and writes rows
-  // 8i .. 8i + 7, bytes [1024i, +1024): the codes of steps 2i - 8 and 2i - 7, never a later step's.
-  // So the warp syncs before steps 4 and 6 write, and in step 7 between its reads and its writes.
-  // Then the scales copied by lanes 0-7, stored per block.
+  // copy brought, or the tile's bulk copies once its barrier completes) into its row's 16-byte chunks
+  // 2 (l % 4), + 1 (swizzled; the 8 lanes of a store phase then cover 8 different chunks). Step i
+  // reads bytes [4096 + 512i, +512) and writes rows 8i .. 8i + 7, bytes [1024i, +1024): the codes of
+  // steps 2i - 8 and 2i - 7, never a later step's. So the warp syncs before steps 4 and 6 write, and
+  // in step 7 between its reads and its writes. Then the scales copied by lanes 0-7 (or the bulk
+  // copies), stored per block.
+  std::uint32_t phases = 0;  // bit k: the phase of bars[k] that the next bulk tile of buffer k completes
   auto convert_tile = [&](int tile) {
-    cp_async_wait<0>();  // this lane's copies
+    if (bulk_tile(tile)) {
+      bulk::wait(bars + (tile & 1), (phases >> (tile & 1)) & 1u);
+      phases ^= 1u << (tile & 1);
+    } else {
+      cp_async_wait<0>();  // this lane's copies
+    }
     unsigned char* blk = k_base + (tile & 1) * kTileBytes + warp * kBlockBytes;
     const int sub = lane / 4, chunk = 2 * (lane % 4);
     const auto step = [&](int i) {
@@ -525,6 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       slot_s[ahead * kTile + tid] = slot;
       const bool all_read = __all_sync(0xffffffffu, slot >= 0);
       if (lane == 0) all_read_s[ahead * 2 + tid / 32] = all_read;
+      note_run(tile + 2, slot);
       ahead_entry = -1;
       if (tile + 3 < num_tiles && t + kTile < end) ahead_entry = load_token_entry(a, b, t + kTile);
     }
@@ -582,20 +659,77 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <bool kChecks = false, bool kGrouped = false, bool kHidden = kGrouped>
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), or null.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const auto encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                        cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  return encoder;
+}
+
+// The three maps of a call's pool (TileMaps), encoded on the host: a few microseconds, so each
+// thread keeps those of the last pool it launched on.
+TileMaps tile_maps(const DecodeArgs& a) {
+  struct Last {
+    const void* cache = nullptr;
+    std::int64_t tokens = -1;
+    TileMaps maps{};
+  };
+  thread_local Last last;
+  const std::int64_t tokens = a.num_pages * a.page_size;
+  if (last.cache == a.cache && last.tokens == tokens) return last.maps;
+  TileMaps maps{};
+  const auto encode = tensor_map_encoder();
+  const bool fits = tokens > 0 && tokens <= std::int64_t{INT32_MAX} - kTile &&  // a run's slot + lane stays an int
+                    reinterpret_cast<std::uintptr_t>(a.cache) % 16 == 0;
+  if (encode != nullptr && fits) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kTokenBytes), static_cast<cuuint64_t>(tokens)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kTokenBytes)};
+    const cuuint32_t unit[2] = {1, 1};
+    const auto make = [&](CUtensorMap& map, cuuint32_t box_bytes, CUtensorMapSwizzle swizzle) {
+      const cuuint32_t box[2] = {box_bytes, static_cast<cuuint32_t>(kTile)};
+      return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<std::uint8_t*>(a.cache), dims, strides, box,
+                    unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    };
+    maps.enabled = make(maps.codes, 64, CU_TENSOR_MAP_SWIZZLE_NONE) &&
+                   make(maps.rope, 128, CU_TENSOR_MAP_SWIZZLE_128B) && make(maps.scales, 16, CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
+  last = Last{a.cache, tokens, maps};
+  return maps;
+}
+
+template <bool kChecks = false, bool kGrouped = false, bool kHidden = kGrouped, bool kBulk = false>
 int configure() {
-  return allow_dynamic_smem(decode_wgmma_kernel<kChecks, kGrouped, kHidden>, WgmmaSmem::kAlloc, "mla_decode");
+  return allow_dynamic_smem(decode_wgmma_kernel<kChecks, kGrouped, kHidden, kBulk>, WgmmaSmem::kAlloc, "mla_decode");
+}
+
+// One instance for a call, with the tile maps where it reads a dense cache and they could be made.
+template <bool kChecks, bool kGrouped, bool kHidden>
+void launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans, const dim3 grid,
+                     cudaStream_t stream) {
+  const TileMaps maps = a.indices == nullptr ? tile_maps(a) : TileMaps{};
+  if (maps.enabled) {
+    launch_chained(op, decode_wgmma_kernel<kChecks, kGrouped, kHidden, true>, grid, kThreads,
+                   configure<kChecks, kGrouped, kHidden, true>(), stream, false, a, fault, spans, maps);
+  } else {
+    launch_chained(op, decode_wgmma_kernel<kChecks, kGrouped, kHidden, false>, grid, kThreads,
+                   configure<kChecks, kGrouped, kHidden, false>(), stream, false, a, fault, spans, maps);
+  }
 }
 
 // The decode instance for a call: with checks (a fault record) or not, and tokens hidden (q_len > 1) or not.
 template <bool kHidden>
 void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid, cudaStream_t stream) {
   if (fault.record != nullptr) {
-    launch_chained("mla_decode", decode_wgmma_kernel<true, false, kHidden>, grid, kThreads,
-                   configure<true, false, kHidden>(), stream, false, a, fault, nullptr);
+    launch_instance<true, false, kHidden>("mla_decode", a, fault, nullptr, grid, stream);
   } else {
-    launch_chained("mla_decode", decode_wgmma_kernel<false, false, kHidden>, grid, kThreads,
-                   configure<false, false, kHidden>(), stream, false, a, fault, nullptr);
+    launch_instance<false, false, kHidden>("mla_decode", a, fault, nullptr, grid, stream);
   }
 }
 
@@ -604,7 +738,7 @@ void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid,
 bool wgmma_decode_available(int sm) { return wgmma_kernels_enabled("mla_decode", kMlaKernelVariable, sm); }
 
 int wgmma_blocks_per_sm() {
-  return resident_ctas_per_sm(decode_wgmma_kernel<false, false, false>, kThreads, configure(), "mla_decode");
+  return resident_ctas_per_sm(decode_wgmma_kernel<false, false, false, false>, kThreads, configure(), "mla_decode");
 }
 
 void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
@@ -612,9 +746,7 @@ void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2
                   static_cast<unsigned>(a.batch));
   if (spans != nullptr) {
     if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
-    const int smem_bytes = configure<false, true>();
-    launch_chained("mla_prefill", decode_wgmma_kernel<false, true, true>, grid, kThreads, smem_bytes, stream, false, a,
-                   fault, spans);
+    launch_instance<false, true, true>("mla_prefill", a, fault, spans, grid, stream);
   } else if (a.q_len > 1) {
     launch_decode<true>(a, fault, grid, stream);
   } else {
