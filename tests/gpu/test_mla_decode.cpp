@@ -225,6 +225,12 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 16, 1, 96, {5, 95, 97, 2000}});
   v.push_back({"cuda", fp8, 8, 1, 32, {0, 31, 33, 1000}});
   v.push_back({"cuda", fp8, 8, 2, 128, {2, 127, 129, 3000}});
+  // The same for the wgmma kernel's 64-token tiles: whole tiles inside pages of 128 go out as bulk
+  // tensor copies; with pages of 96 and 32 some or all tiles cross a page end and take cp.async
+  // (unless the two pages are neighbours in the pool), the last partial tile always.
+  v.push_back({"cuda", fp8, 64, 1, 128, {2, 127, 129, 3000}});
+  v.push_back({"cuda", fp8, 64, 1, 96, {5, 95, 97, 2000}});
+  v.push_back({"cuda", fp8, 128, 1, 32, {0, 31, 33, 1000}});
   // Calls given no fault record run the kernels' instances without checks (and, in the narrow
   // kernel, with their own residency): each kernel family once, the combine kernel too.
   v.push_back({"cuda", fp8, 8, 1, 64, mixed, 0, false});
