@@ -60,6 +60,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/chained_launch.cuh"
@@ -659,30 +660,41 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), or null.
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), or null (the
+// calls then take cp.async); a failed lookup's error is cleared, so that no later check reports it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const auto encoder = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
-                        cudaSuccess &&
-                    found == cudaDriverEntryPointSuccess;
-    return ok ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+    const cudaError_t status =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (status != cudaSuccess) (void)cudaGetLastError();
+    return status == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
   }();
   return encoder;
 }
 
-// The three maps of a call's pool (TileMaps), encoded on the host: a few microseconds, so each
-// thread keeps those of the last pool it launched on.
+// The three maps of a call's pool (TileMaps), encoded on the host (three driver calls), kept per
+// thread for the pools it launches on: a direct-mapped table of kMapSlots, so that a model's layers,
+// each with its own pool, find theirs again, and a pool freed and reallocated elsewhere only takes
+// a slot over.
+constexpr std::size_t kMapSlots = 128;  // the hash's top 7 bits
 TileMaps tile_maps(const DecodeArgs& a) {
-  struct Last {
+  struct Entry {
     const void* cache = nullptr;
     std::int64_t tokens = -1;
     TileMaps maps{};
   };
-  thread_local Last last;
+  thread_local std::vector<Entry> table(kMapSlots);
   const std::int64_t tokens = a.num_pages * a.page_size;
-  if (last.cache == a.cache && last.tokens == tokens) return last.maps;
+  // Pools start on large alignments (2 MB and up), so the slot comes from a multiplicative hash of
+  // the whole address rather than from its low bits.
+  const std::uint64_t address = reinterpret_cast<std::uintptr_t>(a.cache);
+  const std::uint64_t hash = address * 0x9E3779B97F4A7C15ull;
+  Entry& entry = table[static_cast<std::size_t>(hash >> 57) % kMapSlots];
+  if (entry.cache == a.cache && entry.tokens == tokens) return entry.maps;
   TileMaps maps{};
   const auto encode = tensor_map_encoder();
   const bool fits = tokens > 0 && tokens <= std::int64_t{INT32_MAX} - kTile &&  // a run's slot + lane stays an int
@@ -700,7 +712,7 @@ TileMaps tile_maps(const DecodeArgs& a) {
     maps.enabled = make(maps.codes, 64, CU_TENSOR_MAP_SWIZZLE_NONE) &&
                    make(maps.rope, 128, CU_TENSOR_MAP_SWIZZLE_128B) && make(maps.scales, 16, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  last = Last{a.cache, tokens, maps};
+  entry = Entry{a.cache, tokens, maps};
   return maps;
 }
 
