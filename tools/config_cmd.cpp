@@ -1,7 +1,8 @@
 // `latentkv config`: the effective attention configuration, where each value came from, the device,
 // and the backend and kernel chosen for every slot and why. --explain adds the capability matrix of
 // every registered backend (probed through select(), so it cannot disagree with dispatch); --json
-// prints the same as JSON. An impossible configuration prints one error and exits with code 2.
+// prints the same as JSON (--json FILE: into that file). An impossible configuration prints one error
+// and exits with code 2.
 #include <algorithm>
 #include <functional>
 #include <iostream>
@@ -35,8 +36,12 @@ struct ConfigCommandState {
   std::map<std::string, std::string> values;     // key -> value as typed
   std::map<std::string, CLI::Option*> options;   // key -> its option
   bool explain = false;
-  bool json = false;
-  std::string device = "detected";  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
+  CLI::Option* json = nullptr;  // --json: given (count() > 0), with json_file empty or "-" for standard output
+  std::string json_file;
+  std::string device = "detected";
+
+  bool as_json() const { return json != nullptr && json->count() > 0; }
+  bool json_to_file() const { return as_json() && !json_file.empty() && json_file != "-"; }  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
 };
 
 std::string pad(std::string text, std::size_t width) {
@@ -288,6 +293,15 @@ std::string dump(const nlohmann::ordered_json& j) { return j.dump(2, ' ', false,
 void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& io) {
   std::ostream& out = *io.out;
   std::ostream& err = *io.err;
+  if (state.json_to_file()) {  // before anything resolves, as bench and step check theirs
+    try {
+      check_output_path("config", "--json", state.json_file);
+    } catch (const Error& e) {
+      err << "error: " << e.what() << "\n";
+      err.flush();
+      throw CLI::RuntimeError(kExitUsage);
+    }
+  }
   ConfigSources sources;
   for (const auto& [key, option] : state.options) {
     if (option->count() > 0) sources.flags.push_back(FlagValue{key, state.values.at(key)});
@@ -304,7 +318,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
   bool matrix_ok = false;
   try {
     if (state.explain) {
-      if (state.json) capabilities = matrix_json(backends);
+      if (state.as_json()) capabilities = matrix_json(backends);
       else print_matrix(matrix_text, backends);
     }
     matrix_ok = true;
@@ -319,7 +333,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
     error = e.what();
   }
 
-  if (state.explain && !state.json && matrix_ok) out << matrix_text.str() << "\n";
+  if (state.explain && !state.as_json() && matrix_ok) out << matrix_text.str() << "\n";
   if (!resolved) {
     err << "error: " << error << "\n"
         << "(configuration rejected before any kernel ran; `latentkv config --explain` prints what every backend "
@@ -327,10 +341,11 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
     err.flush();
     throw CLI::RuntimeError(kExitUsage);
   }
-  if (state.json) {
+  if (state.as_json()) {
     nlohmann::ordered_json j = config_json(*resolved);
     if (state.explain) j["capabilities"] = std::move(capabilities);
-    out << dump(j) << "\n";
+    if (state.json_to_file()) write_output_file("config", "--json", state.json_file, dump(j) + "\n");
+    else out << dump(j) << "\n";
   } else {
     print_config(out, *resolved);
   }
@@ -367,7 +382,11 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
                                           std::string(o.help) + " [env " + environment_variable(key) + "]");
   }
   cmd->add_flag("--explain", state->explain, "also print the capability matrix of every registered backend");
-  cmd->add_flag("--json", state->json, "print the resolved configuration as JSON");
+  state->json = cmd->add_option("--json", state->json_file,
+                                 "print the resolved configuration as JSON; with FILE, write it there instead (as "
+                                 "bench and step do)")
+                    ->expected(0, 1)
+                    ->type_name("[FILE]");
   cmd->add_option("--device", state->device,
                   "resolve for the detected device (auto), for the cpu, or for the detected GPU (cuda: an error "
                   "where there is none)")

@@ -32,7 +32,9 @@ struct TensorView {
 
   bool present() const { return data != nullptr; }
   std::int64_t numel() const;  // INT64_MAX where the count does not fit int64 (0 with any zero extent)
-  std::int64_t size(int dim) const { return shape[static_cast<std::size_t>(dim)]; }
+  // Extent of dim 0 .. kMaxRank - 1 (a dim at or past rank reads 0, as in an absent view, so that
+  // selection may read a wrongly ranked view before validation names it); any other dim: Error.
+  std::int64_t size(int dim) const;
   bool is_contiguous() const;
   std::string shape_string() const;  // "[2, 1, 8, 576]"
 

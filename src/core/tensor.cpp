@@ -75,6 +75,13 @@ int held_rank(int rank) { return std::clamp(rank, 0, TensorView::kMaxRank); }
 
 }  // namespace
 
+std::int64_t TensorView::size(int dim) const {
+  if (dim < 0 || dim >= kMaxRank) {
+    throw Error("TensorView", "dim", std::to_string(dim), "0 .. " + std::to_string(kMaxRank - 1));
+  }
+  return shape[static_cast<std::size_t>(dim)];
+}
+
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
   for (int d = 0; d < held_rank(rank); ++d) n = saturating_mul(n, shape[static_cast<std::size_t>(d)]);

@@ -107,6 +107,17 @@ TEST(ProblemOf, ExtentsUpToInt32) {
   EXPECT_TRUE(throws_error([&] { problem(sparse); }, "sparse_mla_prefill", "indices", std::to_string(past)));
 }
 
+// A view's extents: dims past its rank read 0 (selection reads a wrongly ranked q before validation
+// names it); a dim outside the four a view can hold is an error, not a read past the shape.
+TEST(TensorViewSize, DimsPastTheRankReadZeroOthersAreRefused) {
+  const TensorView q = shaped(DType::kBF16, {2, 576});
+  EXPECT_EQ(q.size(0), 2);
+  EXPECT_EQ(q.size(1), 576);
+  EXPECT_EQ(q.size(3), 0);
+  EXPECT_TRUE(throws_error([&] { (void)q.size(4); }, "TensorView", "dim", "4"));
+  EXPECT_TRUE(throws_error([&] { (void)q.size(-1); }, "TensorView", "dim", "-1"));
+}
+
 // Where a call names no device, it runs where its tensors are: its cache's memory (the top-k's: its
 // logits'), the CPU for host memory and the current CUDA device for device memory. On a machine
 // without a GPU both are the CPU; where the CPU tests run on a GPU (scripts/gpu_run.sh) the two differ.

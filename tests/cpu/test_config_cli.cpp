@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -185,6 +186,28 @@ TEST(ConfigCommand, JsonIsTheResolvedConfiguration) {
   const nlohmann::json with_matrix = nlohmann::json::parse(run_cli({"config", "--json", "--explain"}).out);
   ASSERT_TRUE(with_matrix.contains("capabilities"));
   EXPECT_EQ(with_matrix["capabilities"][0]["backend"], "reference");
+}
+
+// --json FILE writes the same JSON into the file (as bench and step do) and prints nothing; "-" is
+// standard output; a path that cannot be written is refused before anything resolves.
+TEST(ConfigCommand, JsonIntoAFile) {
+  const std::string file = ::testing::TempDir() + "latentkv_config_out.json";
+  std::remove(file.c_str());
+  const CommandResult r = run_cli({"config", "--json", file, "--tp", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "");
+  std::ifstream in(file);
+  ASSERT_TRUE(in.good()) << file;
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["settings"]["tp"]["value"], 4);
+  EXPECT_EQ(j, nlohmann::json::parse(run_cli({"config", "--json", "-", "--tp", "4"}).out));
+  std::remove(file.c_str());
+
+  const std::string unwritable = ::testing::TempDir() + "no_such_directory_lkv/out.json";
+  const CommandResult bad = run_cli({"config", "--json", unwritable});
+  EXPECT_EQ(bad.exit_code, tools::kExitUsage);
+  EXPECT_THAT(bad.err, HasSubstr("config: argument '--json' = " + unwritable));
+  EXPECT_EQ(bad.out, "");
 }
 
 TEST(ConfigCommand, ExplainPrintsTheMatrixEvenWhenTheConfigurationFails) {

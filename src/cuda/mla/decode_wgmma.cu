@@ -680,7 +680,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // thread for the pools it launches on: a direct-mapped table of kMapSlots, so that a model's layers,
 // each with its own pool, find theirs again, and a pool freed and reallocated elsewhere only takes
 // a slot over.
-constexpr std::size_t kMapSlots = 128;  // the hash's top 7 bits
+constexpr int kMapSlotBits = 7;
+constexpr std::size_t kMapSlots = std::size_t{1} << kMapSlotBits;  // 128, indexed by the hash's top bits
 TileMaps tile_maps(const DecodeArgs& a) {
   struct Entry {
     const void* cache = nullptr;
@@ -693,12 +694,12 @@ TileMaps tile_maps(const DecodeArgs& a) {
   // the whole address rather than from its low bits.
   const std::uint64_t address = reinterpret_cast<std::uintptr_t>(a.cache);
   const std::uint64_t hash = address * 0x9E3779B97F4A7C15ull;
-  Entry& entry = table[static_cast<std::size_t>(hash >> 57) % kMapSlots];
+  Entry& entry = table[static_cast<std::size_t>(hash >> (64 - kMapSlotBits))];
   if (entry.cache == a.cache && entry.tokens == tokens) return entry.maps;
   TileMaps maps{};
   const auto encode = tensor_map_encoder();
   const bool fits = tokens > 0 && tokens <= std::int64_t{INT32_MAX} - kTile &&  // a run's slot + lane stays an int
-                    reinterpret_cast<std::uintptr_t>(a.cache) % 16 == 0;
+                    address % 16 == 0;
   if (encode != nullptr && fits) {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kTokenBytes), static_cast<cuuint64_t>(tokens)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kTokenBytes)};
