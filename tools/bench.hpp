@@ -39,6 +39,7 @@ struct BenchRow {
   double median_us = 0, p10_us = 0, p90_us = 0;
   double bytes = 0, flops = 0;
   double gbps = 0, pct_of_read = 0, pct_of_copy = 0, tflops = 0, speedup = 0;
+  double host_us = 0;  // the host's time to make one call (Timing::host_us)
   bool timed = false;
 };
 

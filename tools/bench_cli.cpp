@@ -287,9 +287,9 @@ std::string format_report(const BenchOptions& o, const BenchReport& r) {
     appendf(spread, "%.1f..%.1f", row.p10_us, row.p90_us);
     if (row.flops > 0) appendf(tflops = "", "%.1f", row.tflops);
     if (row.speedup > 0) appendf(speed = "", "%.1fx", row.speedup);
-    appendf(out, "%-12s %10.1f %17s %9.0f %6.1f%% %6.1f%% %9s %9s  %s; %s, %d splits\n", row.backend.c_str(),
-            row.median_us, spread.c_str(), row.gbps, row.pct_of_copy, row.pct_of_read, tflops.c_str(), speed.c_str(),
-            row.status.c_str(), row.kernel.c_str(), row.num_splits);
+    appendf(out, "%-12s %10.1f %17s %9.0f %6.1f%% %6.1f%% %9s %9s  %s; %s, %d splits; host %.1f us a call\n",
+            row.backend.c_str(), row.median_us, spread.c_str(), row.gbps, row.pct_of_copy, row.pct_of_read,
+            tflops.c_str(), speed.c_str(), row.status.c_str(), row.kernel.c_str(), row.num_splits, row.host_us);
   }
   for (const BenchRow& row : r.rows) {
     if (row.timed && r.matrix_tflops > 0 && row.flops > 0) {
@@ -340,6 +340,7 @@ std::string report_json(const BenchOptions& o, const BenchReport& r) {
       x["median_us"] = row.median_us;
       x["p10_us"] = row.p10_us;
       x["p90_us"] = row.p90_us;
+      x["host_us"] = row.host_us;
       x["gbps"] = row.gbps;
       x["pct_of_copy"] = row.pct_of_copy;
       x["pct_of_read"] = row.pct_of_read;

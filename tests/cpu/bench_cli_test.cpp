@@ -148,6 +148,7 @@ BenchReport sample_report(double flops) {
   cuda.flops = flops;
   latentkv::tools::set_timing(cuda, 100.0, 99.0, 101.5, r.read_gbps, r.copy_gbps);
   cuda.speedup = 14.7;
+  cuda.host_us = 6.25;
   BenchRow gather{.backend = "gather_cast", .kernel = "gather+cast", .status = "pass", .num_splits = 1};
   gather.bytes = 430e6;
   gather.flops = flops;
@@ -172,7 +173,7 @@ TEST(BenchCli, TableShowsFiguresOnlyWhereTheyWereMeasured) {
   EXPECT_THAT(cuda, HasSubstr(" 100.0% "));  // of the device copy
   EXPECT_THAT(cuda, HasSubstr(" 20.0 "));   // TFLOP/s
   EXPECT_THAT(cuda, HasSubstr(" 14.7x "));
-  EXPECT_THAT(cuda, HasSubstr("pass; mla_decode_narrow, 4 splits"));
+  EXPECT_THAT(cuda, HasSubstr("pass; mla_decode_narrow, 4 splits; host 6.2 us a call"));
   const std::string gather = line_of(table, "gather_cast ");
   EXPECT_THAT(gather, HasSubstr(" -  pass; gather+cast"));  // no cast_full timed to compare with
   const std::string failed = line_of(table, "cast_full ");
@@ -238,6 +239,7 @@ TEST(BenchCli, JsonFieldsCarryTheirOwnValues) {
   const nlohmann::json& cuda = j.at("rows")[0];
   EXPECT_EQ(cuda.at("p10_us"), 99.0);
   EXPECT_EQ(cuda.at("p90_us"), 101.5);
+  EXPECT_EQ(cuda.at("host_us"), 6.25);
   EXPECT_DOUBLE_EQ(cuda.at("gbps").get<double>(), 430e6 / 100e-6 / 1e9);
   EXPECT_DOUBLE_EQ(cuda.at("pct_of_read").get<double>(), 100.0 * 4300 / 4540);
 }
@@ -446,7 +448,7 @@ TEST(BenchCli, JsonHasTimingForTimedRowsOnlyAndNullWhereNothingWasMeasured) {
   EXPECT_TRUE(rows[1].at("speedup_vs_cast_full").is_null());
   EXPECT_EQ(rows[2].at("timed"), false);
   EXPECT_EQ(rows[2].at("status"), "FAIL: o[0,0,3] = 1.5, want 1.25");
-  for (const char* key : {"median_us", "gbps", "pct_of_copy", "tflops", "speedup_vs_cast_full"}) {
+  for (const char* key : {"median_us", "gbps", "pct_of_copy", "tflops", "speedup_vs_cast_full", "host_us"}) {
     EXPECT_FALSE(rows[2].contains(key)) << key;
   }
   const nlohmann::json flops = nlohmann::json::parse(latentkv::tools::report_json(o, sample_report(2.0e9)));

@@ -82,6 +82,7 @@ inline Launch launch_of(const BenchOptions& opt) { return opt.launch == "paced" 
 // batch were queued (the hold timed out: those calls were paced by the host).
 inline void take_timing(BenchRow& row, const Timing& t, const BenchReport& report, const BenchOptions& opt) {
   set_timing(row, t.median_us, t.p10_us, t.p90_us, report.read_gbps, report.copy_gbps);
+  row.host_us = t.host_us;
   row.status += pacing_note(t, launch_of(opt));
 }
 

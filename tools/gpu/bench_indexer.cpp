@@ -73,7 +73,6 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
   for (const std::string& name : opt.backends) {
     BackendRow started = start_row(report, name, params_for(0), device, bytes, flops);
     if (!started.selection) continue;
-    const Selection& sel = started.selection;
     BenchRow& row = started.row;
     const Plan plan = started.backend->plan(params_for(0), device);
     // The backend's scratch (the GPU's claim counters).
@@ -83,7 +82,7 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
       p.workspace_cleared = plan.cleared_bytes > 0;
       OpArgs args = p;
       attach_plan(args, plan, workspace);
-      sel.kernel->launch(args, {stream});
+      run(*started.backend, args, {stream});
     };
     cuda_ok(cudaMemsetAsync(logits.get(), 0xFF, out_elems * 4, stream), "sentinel");  // NaN: unwritten logits fail
     call(0);
@@ -172,7 +171,6 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
   for (const std::string& name : opt.backends) {
     BackendRow started = start_row(report, name, p, ctx.device, bytes, flops);
     if (!started.selection) continue;
-    const Selection& sel = started.selection;
     BenchRow& row = started.row;
     OpArgs planned = p;
     const Plan plan = started.backend->plan(planned, ctx.device);
@@ -180,7 +178,7 @@ BenchReport run_indexer_prefill_bench(const BenchOptions& opt) {
     attach_plan(planned, plan, workspace);
     row.kernel += ", chunks of " + std::to_string(plan.chunk_tokens) + " new tokens in " +
                   std::to_string(plan.workspace_bytes >> 20) + " MiB of workspace";
-    const auto call = [&](int) { sel.kernel->launch(planned, {stream}); };
+    const auto call = [&](int) { run(*started.backend, planned, {stream}); };
     cuda_ok(cudaMemsetAsync(slots.get(), 0x80, slots.bytes(), stream), "sentinel");
     call(0);
     cuda_ok(cudaStreamSynchronize(stream), ("run " + name).c_str());

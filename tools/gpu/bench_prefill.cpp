@@ -173,14 +173,13 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
   for (const std::string& name : opt.backends) {
     BackendRow started = start_row(report, name, args, ctx.device, bytes, flops);
     if (!started.selection) continue;
-    const Selection& sel = started.selection;
     BenchRow& row = started.row;
     const Plan plan = started.backend->plan(args, ctx.device);
     row.num_splits = plan.num_splits;
     DeviceMemory workspace(plan.workspace_bytes);
     OpArgs planned = args;
     attach_plan(planned, plan, workspace);
-    const auto call = [&](int) { sel.kernel->launch(planned, {stream}); };
+    const auto call = [&](int) { run(*started.backend, planned, {stream}); };
     cuda_ok(cudaMemsetAsync(o.get(), 0xFF, o.bytes(), stream), "sentinel");
     cuda_ok(cudaMemsetAsync(lse.get(), 0xFF, lse.bytes(), stream), "sentinel");
     call(0);

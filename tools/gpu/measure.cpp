@@ -1,5 +1,6 @@
 #include "gpu/measure.hpp"
 
+#include <chrono>
 #include <memory>
 
 #include "gpu/kernels.hpp"
@@ -84,11 +85,15 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   std::unique_ptr<Hold> hold;
   if (launch == Launch::kQueued) hold = std::make_unique<Hold>();
   bool queued = launch == Launch::kQueued;
+  std::vector<double> host_us(static_cast<std::size_t>(iters));
   for (int first = 0; first < iters; first += kQueuedBatch) {
     if (hold) hold->hold(stream);
     for (int i = first; i < std::min(iters, first + kQueuedBatch); ++i) {
       cuda_ok(cudaEventRecord(events[2 * i], stream), "cudaEventRecord");
+      const auto start = std::chrono::steady_clock::now();
       call(warmup + i);
+      host_us[static_cast<std::size_t>(i)] =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
       cuda_ok(cudaEventRecord(events[2 * i + 1], stream), "cudaEventRecord");
     }
     if (hold) hold->release();
@@ -109,6 +114,7 @@ Timing time_calls(const std::function<void(int)>& call, int warmup, int iters, c
   t.p10_us = spread.p10;
   t.p90_us = spread.p90;
   t.min_us = spread.min;
+  t.host_us = spread_of(host_us).median;
   return t;
 }
 

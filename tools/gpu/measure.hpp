@@ -21,6 +21,10 @@ struct Timing {
   double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0;
   int samples = 0;
   bool queued = false;  // every timed call was queued before the GPU ran it (Launch::kQueued held)
+  // The host's time to make one call (from the call to its return: for an op through run(), its
+  // selection, validation and launches), median over the timed calls. Queued, the GPU is held
+  // meanwhile, so that this is the caller's cost alone, as in an engine that launches eagerly.
+  double host_us = 0;
 };
 
 // How the timed calls reach the GPU.
