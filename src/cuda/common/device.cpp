@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "cuda/common/arch_list.hpp"
@@ -14,23 +16,56 @@
 
 namespace latentkv::detail {
 
-bool cuda_detect_device(DeviceInfo& info) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();  // clear the sticky "no device" error
-    return false;
-  }
-  int device = 0;
+namespace {
+
+// What detect_device reports of a device that cannot change while the process runs, read once per
+// device: cudaGetDeviceProperties reads every property there is (milliseconds on some drivers), and
+// run() asks for the device on every call that names none. A failed read is not kept.
+struct DeviceFacts {
+  int sm = 0;
+  std::string name;
+  int multiprocessors = 0;
+};
+
+const DeviceFacts* device_facts(int device) {
+  static std::mutex mutex;
+  static std::map<int, DeviceFacts> known;  // nodes stay put: a pointer to one stays valid
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(device); it != known.end()) return &it->second;
   cudaDeviceProp prop{};
-  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
     cudaGetLastError();  // not left behind for the next launch's check to report as its own
+    return nullptr;
+  }
+  return &known.emplace(device, DeviceFacts{prop.major * 10 + prop.minor, prop.name, prop.multiProcessorCount})
+              .first->second;
+}
+
+}  // namespace
+
+bool cuda_detect_device(DeviceInfo& info) {
+  // The count is fixed for the process (CUDA_VISIBLE_DEVICES is read once, at the runtime's start).
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky "no device" error
+      n = 0;
+    }
+    return n;
+  }();
+  if (count == 0) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
     return false;
   }
+  const DeviceFacts* facts = device_facts(device);
+  if (facts == nullptr) return false;
   info.kind = DeviceKind::kCuda;
   info.index = device;
-  info.sm = prop.major * 10 + prop.minor;
-  info.name = prop.name;
-  info.multiprocessors = prop.multiProcessorCount;
+  info.sm = facts->sm;
+  info.name = facts->name;
+  info.multiprocessors = facts->multiprocessors;
   return true;
 }
 
