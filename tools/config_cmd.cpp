@@ -38,10 +38,10 @@ struct ConfigCommandState {
   bool explain = false;
   CLI::Option* json = nullptr;  // --json: given (count() > 0), with json_file empty or "-" for standard output
   std::string json_file;
-  std::string device = "detected";
+  std::string device = "detected";  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
 
   bool as_json() const { return json != nullptr && json->count() > 0; }
-  bool json_to_file() const { return as_json() && !json_file.empty() && json_file != "-"; }  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
+  bool json_to_file() const { return as_json() && !json_file.empty() && json_file != "-"; }
 };
 
 std::string pad(std::string text, std::size_t width) {
