@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -80,14 +81,20 @@ std::string why_no_gpu();
 // memory, and the address-space limit (ulimit -v) when one is set. `lower` names the options.
 void check_host_memory(const std::string& command, double needed, const std::string& what, const std::string& lower);
 
-// Runs `f`; a latentkv::Error from it is a usage error: printed, then exit code 2 (kExitUsage) through
-// CLI::RuntimeError. For what is wrong with the command line, checked before anything runs.
+// Runs `f`; a latentkv::Error from it is a usage error: printed (to `err` where one is given, else to
+// standard error), then exit code 2 (kExitUsage) through CLI::RuntimeError. For what is wrong with
+// the command line, checked before anything runs.
 template <typename F>
-auto or_usage_error(F&& f) -> decltype(f()) {
+auto or_usage_error(F&& f, std::ostream* err = nullptr) -> decltype(f()) {
   try {
     return f();
   } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    if (err != nullptr) {
+      *err << "error: " << e.what() << "\n";
+      err->flush();
+    } else {
+      std::fprintf(stderr, "error: %s\n", e.what());
+    }
     throw CLI::RuntimeError(kExitUsage);
   }
 }

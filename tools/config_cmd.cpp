@@ -294,13 +294,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
   std::ostream& out = *io.out;
   std::ostream& err = *io.err;
   if (state.json_to_file()) {  // before anything resolves, as bench and step check theirs
-    try {
-      check_output_path("config", "--json", state.json_file);
-    } catch (const Error& e) {
-      err << "error: " << e.what() << "\n";
-      err.flush();
-      throw CLI::RuntimeError(kExitUsage);
-    }
+    or_usage_error([&] { check_output_path("config", "--json", state.json_file); }, &err);
   }
   ConfigSources sources;
   for (const auto& [key, option] : state.options) {
