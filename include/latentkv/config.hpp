@@ -53,6 +53,9 @@ inline constexpr Slot kAllSlots[] = {Slot::kDensePrefill, Slot::kDenseDecode, Sl
                                      Slot::kSparseDecode};
 std::string_view slot_name(Slot slot);  // "dense_prefill", "dense_decode", "sparse_prefill", "sparse_decode"
 Op slot_op(Slot slot);                   // kMlaPrefill, kMlaDecode, kSparseMlaPrefill, kSparseMlaDecode
+// The slot's place in kAllSlots (and in the per-slot arrays below); a value that is not a Slot
+// throws ConfigError.
+std::size_t slot_index(Slot slot);
 bool slot_is_sparse(Slot slot);
 bool slot_is_decode(Slot slot);
 // Which half of serving a query row belongs to: the new tokens of a prompt, or a decode step's.
@@ -76,8 +79,8 @@ struct AttentionConfig {
   // The configuration file that was read, and which source named it; empty when none was.
   std::optional<Sourced<std::string>> config_file;
 
-  Sourced<std::string>& backend(Slot slot) { return backends[static_cast<int>(slot)]; }
-  const Sourced<std::string>& backend(Slot slot) const { return backends[static_cast<int>(slot)]; }
+  Sourced<std::string>& backend(Slot slot) { return backends[slot_index(slot)]; }
+  const Sourced<std::string>& backend(Slot slot) const { return backends[slot_index(slot)]; }
 };
 
 // The keys of a configuration file, in printing order: model, tp, kv_dtype, page_size, q_len,
@@ -172,7 +175,7 @@ struct ResolvedConfig {
   // (index_topk), where the top-k keeps every visible token and sparse attention equals dense.
   int dense_max_visible_tokens = 0;
 
-  const OpResolution& slot(Slot s) const { return slots[static_cast<int>(s)]; }
+  const OpResolution& slot(Slot s) const { return slots[slot_index(s)]; }
   // The resolution of a supporting op (Op::kAppend, kIndexerLogits, kTopk, kIndexerPrefill); throws
   // Error naming the op for any other (the attention ops are slots: slot()).
   const OpResolution& supporting_op(Op op) const;

@@ -11,7 +11,8 @@
 //  * Limits every backend checks before it runs (src/core/validate.cpp): H 1 .. kMaxHeads (128),
 //    indexer heads 1 .. kMaxIndexerHeads (64), q_len 1 .. kMaxDecodeQLen (4), k and index columns
 //    1 .. kMaxTopk (2048), softmax_scale finite and > 0 (the default 0 is refused: set it), views
-//    contiguous and on the call's device, fewer than 2^31 slots in a pool, at most kMaxTableTokens
+//    contiguous, on the call's device and at addresses aligned to their element size (a DSA call's
+//    workspace, on the CPU, 16-byte aligned), fewer than 2^31 slots in a pool, at most kMaxTableTokens
 //    (2^30) tokens in a block table and kMaxLogitsColumns (2^30) logits columns. On a GPU a dense
 //    decode or an indexer call takes at most kMaxGpuRequests (65,535) requests and a sparse decode
 //    65,535 query tokens (B x q_len)

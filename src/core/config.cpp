@@ -672,13 +672,17 @@ std::string_view slot_name(Slot slot) {
 }
 
 Op slot_op(Slot slot) {
-  switch (slot) {
-    case Slot::kDensePrefill: return Op::kMlaPrefill;
-    case Slot::kDenseDecode: return Op::kMlaDecode;
-    case Slot::kSparsePrefill: return Op::kSparseMlaPrefill;
-    case Slot::kSparseDecode: return Op::kSparseMlaDecode;
+  constexpr Op kOps[] = {Op::kMlaPrefill, Op::kMlaDecode, Op::kSparseMlaPrefill, Op::kSparseMlaDecode};
+  return kOps[slot_index(slot)];
+}
+
+std::size_t slot_index(Slot slot) {
+  const auto i = static_cast<std::size_t>(slot);
+  if (i >= std::size(kAllSlots)) {
+    throw ConfigError("slot", "slot " + std::to_string(i) +
+                                  " is not a Slot (expected dense_prefill, dense_decode, sparse_prefill or sparse_decode)");
   }
-  return Op::kMlaDecode;
+  return i;
 }
 
 bool slot_is_sparse(Slot slot) { return slot == Slot::kSparsePrefill || slot == Slot::kSparseDecode; }
@@ -761,14 +765,22 @@ void apply_config_file(AttentionConfig& config, const Sourced<std::string>& path
   if (!std::filesystem::is_regular_file(status)) {
     throw ConfigError("config", shown, path.source, "a regular file, not a directory or device");
   }
+  const auto too_large = [&] {
+    return ConfigError("config", shown, path.source,
+                       "a configuration file of at most " + std::to_string(kMaxConfigFileBytes) + " bytes");
+  };
   const std::uintmax_t size = std::filesystem::file_size(file, ec);
-  if (ec || size > kMaxConfigFileBytes) {
-    throw ConfigError("config", shown, path.source,
-                      "a configuration file of at most " + std::to_string(kMaxConfigFileBytes) + " bytes");
-  }
+  if (ec || size > kMaxConfigFileBytes) throw too_large();
+  // Read at most one byte past the limit: a file whose size the file system does not report (procfs
+  // gives 0) is held to the limit as it is read. A failed read (an I/O error, which the stream buffer
+  // throws and read() turns into badbit) is named here, not passed on as a stream's exception.
+  std::string text(kMaxConfigFileBytes + 1, '\0');
   std::ifstream in(file, std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) throw ConfigError("config", shown, path.source, "a readable file");
+  if (!in) throw ConfigError("config", shown, path.source, "a readable file (it could not be opened)");
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw ConfigError("config", shown, path.source, "a readable file (the read failed)");
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxConfigFileBytes) throw too_large();
   apply_config_text(config, text, path.value, config_format_for(path.value));
   config.config_file = path;
 }
@@ -930,7 +942,7 @@ ResolvedConfig resolve_config(const AttentionConfig& config, const DeviceInfo& d
   r.shard = shard_model(model_preset(config.model.value), config.tp.value);
   r.dense_max_visible_tokens = r.shard.model.index_topk;
   for (Slot slot : kAllSlots) {
-    r.slots[static_cast<int>(slot)] = resolve_op(std::string(slot_name(slot)), slot_problem(config, slot, device),
+    r.slots[slot_index(slot)] = resolve_op(std::string(slot_name(slot)), slot_problem(config, slot, device),
                                                  config.backend(slot), backends, r.shard);
   }
   // What the sparse path needs besides attention, chosen by the same rule as an `auto` slot.

@@ -75,10 +75,11 @@ detail::Outputs outputs_on(Device device) {
   return device.kind == DeviceKind::kCuda ? detail::Outputs::kDeviceTypes : detail::Outputs::kReferenceTypes;
 }
 
-// The caller's workspace against the `need` bytes the planner (named in messages) asked for, and on
-// a GPU against the alignment its steps' kernels want of the pieces carved from it at 256-byte
-// offsets (`align`: 16 for dsa_decode's, 256 for dsa_prefill's indexer prefill), refused here under
-// the call's own name rather than by the step that would meet it.
+// The caller's workspace against the `need` bytes the planner (named in messages) asked for, and
+// against the alignment its steps want of the pieces carved from it at 256-byte offsets, refused
+// here under the call's own name rather than by the step that would meet it: on a GPU what the
+// kernels want (`align`: 16 for dsa_decode's, 256 for dsa_prefill's indexer prefill); on the CPU 16
+// bytes, what operator new and malloc give, enough for the steps' float, int32 and double views.
 void check_workspace(std::string_view op, std::string_view planner, const void* workspace, std::size_t bytes,
                      std::size_t need, Device device, std::size_t align) {
   if (workspace == nullptr && need > 0) {
@@ -89,9 +90,12 @@ void check_workspace(std::string_view op, std::string_view planner, const void* 
     throw Error(std::string(op), "workspace_bytes", std::to_string(bytes),
                 ">= " + std::to_string(need) + " (" + std::string(planner) + "'s workspace_bytes for these shapes)");
   }
-  if (device.kind == DeviceKind::kCuda && reinterpret_cast<std::uintptr_t>(workspace) % align != 0) {
-    throw Error(std::string(op), "workspace", "an address not " + std::to_string(align) + "-byte aligned",
-                std::to_string(align) + "-byte aligned device memory (cudaMalloc gives 256)");
+  const bool gpu = device.kind == DeviceKind::kCuda;
+  const std::size_t want = gpu ? align : std::min<std::size_t>(align, 16);
+  if (reinterpret_cast<std::uintptr_t>(workspace) % want != 0) {
+    throw Error(std::string(op), "workspace", "an address not " + std::to_string(want) + "-byte aligned",
+                std::to_string(want) + "-byte aligned " +
+                    (gpu ? "device memory (cudaMalloc gives 256)" : "memory (operator new and malloc give 16)"));
   }
 }
 

@@ -79,7 +79,7 @@ std::int64_t TensorView::size(int dim) const {
   if (dim < 0 || dim >= kMaxRank) {
     throw Error("TensorView", "dim", std::to_string(dim), "0 .. " + std::to_string(kMaxRank - 1));
   }
-  return shape[static_cast<std::size_t>(dim)];
+  return dim < held_rank(rank) ? shape[static_cast<std::size_t>(dim)] : 0;
 }
 
 std::int64_t TensorView::numel() const {

@@ -254,6 +254,15 @@ void expect_view(std::string_view op, std::string_view arg, const TensorView& v,
   }
   if (!same_device(v.device, device)) fail(op, arg, describe(v), expected);
   if (!v.is_contiguous()) fail(op, arg, describe(v) + " (strided)", "a contiguous tensor");
+  // Every backend reads and writes the elements in place, as their type: an address that is not a
+  // multiple of the element's size is undefined behaviour on the CPU and a fault on the GPU.
+  const std::size_t element = dtype_size(v.dtype);
+  if (v.present() && reinterpret_cast<std::uintptr_t>(v.data) % element != 0) {
+    char address[32];
+    std::snprintf(address, sizeof address, "%p", v.data);
+    fail(op, arg, describe(v) + " at " + address,
+         "an address aligned to " + std::to_string(element) + " bytes (the size of its elements)");
+  }
 }
 
 }  // namespace

@@ -377,6 +377,43 @@ TEST(BadInput, DecodeOutputsOfTheWrongShape) {
   EXPECT_TRUE(c.outputs_untouched() && is_sentinel(o2));
 }
 
+// A typed view whose address is not a multiple of its element size is refused before anything
+// reads or writes through it (the reference would otherwise access misaligned bf16, f32 and int32
+// elements: undefined behaviour), naming the view; fp8 bytes need no alignment.
+TEST(BadInput, ViewsAtAddressesTheirElementsDoNotAlign) {
+  DecodeCase c;
+  MlaDecodeParams p = c.params();
+  const auto shifted = [](std::vector<std::uint8_t>& bytes, const HostTensor& t) {
+    const std::vector<std::uint8_t> held = t.byte_vector();
+    bytes.assign(held.size() + 16, 0);
+    std::copy(held.begin(), held.end(), bytes.begin() + 1);
+    return TensorView::contiguous(bytes.data() + 1, t.dtype(), t.shape());
+  };
+  // The error names the view and its address, and asks for the element size's alignment.
+  const auto refused = [&](auto call, const char* arg, int element) {
+    return throws_error(call, "mla_decode", arg, " at 0x") &&
+           error_of(call).find("an address aligned to " + std::to_string(element) + " bytes") != std::string::npos;
+  };
+  std::vector<std::uint8_t> q_bytes, o_bytes, lse_bytes;
+  p.q = shifted(q_bytes, c.q);
+  EXPECT_TRUE(refused([&] { cpu::mla_decode(p); }, "q", 2));
+  p = c.params();
+  p.o = shifted(o_bytes, c.o);
+  EXPECT_TRUE(refused([&] { run(*find_backend("reference"), p); }, "o", 2));
+  p = c.params();
+  p.lse = shifted(lse_bytes, c.lse);
+  EXPECT_TRUE(refused([&] { cpu::mla_decode(p); }, "lse", 4));
+  p = c.params();
+  std::vector<std::int32_t> lens(c.lens.size() + 1);
+  auto* at = reinterpret_cast<std::uint8_t*>(lens.data()) + 2;
+  std::memcpy(at, c.lens.data(), c.lens.size() * sizeof(std::int32_t));
+  p.seq_lens = TensorView::contiguous(at, DType::kI32, {2});
+  EXPECT_TRUE(refused([&] { cpu::mla_decode(p); }, "seq_lens", 4));
+  EXPECT_TRUE(c.outputs_untouched());
+  EXPECT_TRUE(std::equal(c.o.byte_vector().begin(), c.o.byte_vector().end(), o_bytes.begin() + 1));  // still sentinels
+  EXPECT_TRUE(std::equal(c.lse.byte_vector().begin(), c.lse.byte_vector().end(), lse_bytes.begin() + 1));
+}
+
 TEST(BadInput, PrefillRaggedOffsets) {
   DecodeCase c;
   HostTensor q = random_bf16(c.rng, {4, 4, kQkDim});

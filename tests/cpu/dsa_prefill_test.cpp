@@ -376,7 +376,8 @@ TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
 // The 256-byte alignment a GPU's indexer prefill wants of the workspace is asked only of a call on
 // a GPU, under dsa_prefill's own name (the views here are host memory marked as a GPU's, which the
 // shape checks after it would refuse; tests/gpu/test_dsa_prefill.cpp makes the real call). The
-// reference takes a workspace 16 bytes past a 256-byte boundary and gives the same outputs.
+// reference takes a workspace 16 bytes past a 256-byte boundary and gives the same outputs; one 20
+// bytes past it is refused on the CPU too.
 TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
   HostDsaPrefill d = small_case();
   d.run();
@@ -390,6 +391,11 @@ TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
   EXPECT_EQ(d.o.byte_vector(), o.byte_vector());
   EXPECT_EQ(d.lse.byte_vector(), lse.byte_vector());
 
+  // On the CPU 16 bytes are asked for: the steps' float and int32 views are carved from it.
+  d.params.workspace = at + 4;
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace", "not 16-byte aligned"));
+
+  d.params.workspace = at;
   d.params.q.device = Device::cuda();
   EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "workspace",
                            "not 256-byte aligned"));

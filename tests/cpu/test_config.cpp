@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -480,6 +481,17 @@ TEST(Config, ConfigFileOfAtMostOneMebibyteIsRead) {
   const TempFile larger("larger.toml", text + "\n");
   EXPECT_THAT(config_error([&] { with_flags({{"config", larger.path()}}); }).what(),
               HasSubstr("(flag --config): expected a configuration file of at most 1048576 bytes"));
+  // A file whose size the file system reports as 0 (procfs) is held to the limit as it is read.
+  const std::filesystem::path symbols = "/proc/kallsyms";
+  std::error_code ec;
+  if (std::filesystem::file_size(symbols, ec) == 0 && !ec) {
+    std::ifstream in(symbols, std::ios::binary);
+    in.ignore(std::numeric_limits<std::streamsize>::max());
+    if (static_cast<std::size_t>(in.gcount()) > kLimit) {
+      EXPECT_THAT(config_error([&] { with_flags({{"config", symbols.string()}}); }).what(),
+                  HasSubstr("(flag --config): expected a configuration file of at most 1048576 bytes"));
+    }
+  }
 }
 
 TEST(Config, RejectedSourceChangesNothing) {
@@ -623,6 +635,24 @@ TEST(ConfigReject, UnreadableFilesNameTheirSource) {
   m = config_error([&] { with_flags({{"config", bad.path()}}); }).what();
   EXPECT_THAT(m, HasSubstr("file " + bad.path() + ":2:"));
   EXPECT_THAT(m, HasSubstr("malformed TOML"));
+  // A regular file whose read fails (a process's memory at address 0) is named as unreadable, not
+  // passed on as the stream's own exception.
+  if (std::filesystem::exists("/proc/self/mem")) {
+    m = config_error([] { with_flags({{"config", "/proc/self/mem"}}); }).what();
+    EXPECT_THAT(m, HasSubstr("config = '/proc/self/mem' (flag --config): expected a readable file"));
+  }
+}
+
+// A value that is not one of the four slots is refused wherever a slot indexes a table.
+TEST(ConfigReject, ValuesThatAreNotSlots) {
+  const auto not_a_slot = static_cast<Slot>(4);
+  AttentionConfig c;
+  EXPECT_THAT(config_error([&] { (void)c.backend(not_a_slot); }).what(), HasSubstr("slot 4 is not a Slot"));
+  EXPECT_THAT(config_error([&] { (void)slot_op(not_a_slot); }).what(), HasSubstr("slot 4 is not a Slot"));
+  const ResolvedConfig r = resolve_config(c, cpu());
+  EXPECT_THAT(config_error([&] { (void)r.slot(not_a_slot); }).what(), HasSubstr("slot 4 is not a Slot"));
+  EXPECT_THAT(config_error([&] { (void)slot_problem(c, not_a_slot, cpu()); }).what(), HasSubstr("slot 4 is not a Slot"));
+  EXPECT_EQ(slot_index(Slot::kSparseDecode), 3u);
 }
 
 // ---- rejections: backends -----------------------------------------------------------------------
