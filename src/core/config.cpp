@@ -943,7 +943,7 @@ ResolvedConfig resolve_config(const AttentionConfig& config, const DeviceInfo& d
   r.dense_max_visible_tokens = r.shard.model.index_topk;
   for (Slot slot : kAllSlots) {
     r.slots[slot_index(slot)] = resolve_op(std::string(slot_name(slot)), slot_problem(config, slot, device),
-                                                 config.backend(slot), backends, r.shard);
+                                           config.backend(slot), backends, r.shard);
   }
   // What the sparse path needs besides attention, chosen by the same rule as an `auto` slot.
   const Sourced<std::string> automatic{std::string(kAutoBackend), {}};
