@@ -23,6 +23,7 @@ void add_bench_command(CLI::App& app) {
     // to run on: exit code 2 when either is wrong.
     or_usage_error([&] {
       check_bench_options(*opt, given_options(*cmd));
+      if (cmd->count("--json") > 0 && opt->json.empty()) throw Error("bench", "--json", "''", "a file name");
       if (!opt->json.empty()) check_output_path("bench", "--json", opt->json);
       if (detect_device().kind != DeviceKind::kCuda) {
         throw Error("bench", why_no_gpu() + ": bench times GPU kernels; `latentkv step --device cpu` and "

@@ -133,37 +133,37 @@ void add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--model", o.model, "Model preset (glm5, deepseek-v3.2)")->capture_default_str();
   cmd.add_option("--tp", o.tp, "Tensor parallelism (divides the heads)")
       ->capture_default_str()
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   cmd.add_option("--heads", o.heads,
                  "Query heads per GPU (default: the model's over --tp; indexer_logits, indexer_prefill: indexer "
                  "heads, default the model's; not topk)")
-      ->check(integer_in(1, 128));
-  cmd.add_option("--batch", o.batch, "Requests")->capture_default_str()->check(integer_in(1, 4096));
-  cmd.add_option("--context", o.context, "Tokens per request")->capture_default_str()->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, 128));
+  cmd.add_option("--batch", o.batch, "Requests")->capture_default_str()->transform(integer_in(1, 4096));
+  cmd.add_option("--context", o.context, "Tokens per request")->capture_default_str()->transform(integer_in(1, kIntMax));
   cmd.add_option("--context-min", o.context_min,
                  "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   cmd.add_option("--pool", o.pool,
                  "Tokens in the cache pool; the timed calls rotate over as many sets of requests as it holds, "
                  "and the bench warns when that is too few to keep their inputs out of the L2")
       ->capture_default_str()
-      ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
+      ->transform(integer_in(1, kMaxSlots, " (slots are int32)"));
   cmd.add_option("--q-len", o.q_len, "New tokens per request (1-4; decode ops)")
       ->capture_default_str()
-      ->check(integer_in(1, 4));
+      ->transform(integer_in(1, 4));
   cmd.add_option("--new-tokens", o.new_tokens, "New tokens per request (prefill ops)")
       ->capture_default_str()
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   cmd.add_option("--page-size", o.page_size, "Tokens per page")
       ->capture_default_str()
-      ->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
+      ->transform(integer_in(1, kMaxTableTokens, kPageSizeWhy));
   cmd.add_option("--topk", o.topk,
                  "Selected tokens per query (sparse ops, topk, indexer_prefill, dsa_decode, dsa_prefill)")
       ->capture_default_str()
-      ->check(integer_in(1, 2048));
+      ->transform(integer_in(1, 2048));
   cmd.add_option("--splits", o.splits,
                  "Split-KV count asked of each backend's plan (mla_decode, sparse_mla_decode; default: its own)")
-      ->check(integer_in(1, 1024));
+      ->transform(integer_in(1, 1024));
   cmd.add_option("--kv-dtype", o.kv_dtype,
                  "Main cache dtype (mla_decode, sparse_mla_decode, mla_prefill, sparse_mla_prefill, dsa_prefill; "
                  "the other ops read fp8 caches only)")
@@ -171,8 +171,8 @@ void add_bench_options(CLI::App& cmd, BenchOptions& o) {
       ->transform(CLI::Transformer({{"fp8", "fp8_e4m3"}}))
       ->check(CLI::IsMember({"fp8_e4m3", "bf16"}));
   add_name_list(cmd, "--backends", o.backends, "Backends to time, comma separated");
-  cmd.add_option("--warmup", o.warmup, "Untimed calls first")->capture_default_str()->check(integer_in(0, 100000));
-  cmd.add_option("--iters", o.iters, "Timed calls")->capture_default_str()->check(integer_in(1, 100000));
+  cmd.add_option("--warmup", o.warmup, "Untimed calls first")->capture_default_str()->transform(integer_in(0, 100000));
+  cmd.add_option("--iters", o.iters, "Timed calls")->capture_default_str()->transform(integer_in(1, 100000));
   cmd.add_option("--launch", o.launch,
                  "queued: the timed calls are queued behind a held GPU, then run back to back (each call's "
                  "GPU time); paced: the host launches each as it goes (its launch latency included)")
@@ -181,8 +181,8 @@ void add_bench_options(CLI::App& cmd, BenchOptions& o) {
   cmd.add_option("--check-requests", o.check_requests,
                  "Requests checked against the reference, 0 .. the batch (default 2, or the batch when smaller; "
                  "0: none)")
-      ->check(integer_in(0, kIntMax));
-  cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->capture_default_str()->check(seed_in_range());
+      ->transform(integer_in(0, kIntMax));
+  cmd.add_option("--seed", o.seed, "Seed of the synthetic inputs")->capture_default_str()->transform(seed_in_range());
   cmd.add_option("--json", o.json, "Also write the rows as JSON to this file");
 }
 

@@ -1,5 +1,6 @@
 #include "cli_checks.hpp"
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -50,9 +51,11 @@ namespace {
 
 // Why `text` is not a decimal integer of T within [lo, hi] ("" when it is), `bounds` and `why` said
 // after a value out of them. A minus sign before an unsigned T is parsed past, so that "-1" is
-// called out of bounds rather than wrapped around as CLI11 alone would.
+// called out of bounds rather than wrapped around as CLI11 alone would. A value that passes is
+// rewritten in plain decimal ("010" -> "10", "+8" -> "8"): CLI11 converts the text itself, and would
+// read a leading zero as octal.
 template <typename T>
-std::string integer_problem(const std::string& text, T lo, T hi, const std::string& bounds, const std::string& why) {
+std::string integer_problem(std::string& text, T lo, T hi, const std::string& bounds, const std::string& why) {
   const char* first = text.data();
   const char* last = first + text.size();
   const bool negative = first != last && *first == '-';
@@ -64,6 +67,7 @@ std::string integer_problem(const std::string& text, T lo, T hi, const std::stri
   if (out_of_range || (std::is_unsigned_v<T> && negative) || value < lo || value > hi) {
     return text + " is not in " + bounds + why;
   }
+  text = std::to_string(value);
   return "";
 }
 
@@ -123,8 +127,16 @@ CLI::Validator seed_in_range() {
 void check_output_path(const std::string& command, const std::string& option, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (fs::exists(fs::status(path, ec))) {
-    if (fs::is_directory(fs::status(path, ec))) throw Error(command, option, path, "a file name (this is a directory)");
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::exists(status)) {
+    if (fs::is_directory(status)) throw Error(command, option, path, "a file name (this is a directory)");
+    // A FIFO or a character device (/dev/stdout, /dev/null) takes the text as a file does; a disk
+    // would be overwritten, and a socket cannot be opened.
+    if (fs::is_block_file(status) || fs::is_socket(status)) {
+      throw Error(command, option, path,
+                  std::string("a file, FIFO or character device (this is a ") +
+                      (fs::is_socket(status) ? "socket)" : "block device)"));
+    }
     if (access(path.c_str(), W_OK) != 0) {
       throw Error(command, option, path, std::string("a writable file (") + std::strerror(errno) + ")");
     }
@@ -141,6 +153,15 @@ void check_output_path(const std::string& command, const std::string& option, co
     throw Error(command, option, path,
                 "a file in a writable directory (" + dir.string() + ": " + std::strerror(errno) + ")");
   }
+  // access() answers yes to root in directories that take no new files (/proc, /sys): the name is
+  // created, then removed again.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0) {
+    throw Error(command, option, path,
+                "a file in a directory that takes new files (" + dir.string() + ": " + std::strerror(errno) + ")");
+  }
+  close(fd);
+  unlink(path.c_str());
 }
 
 void write_output_file(const std::string& command, const std::string& option, const std::string& path,

@@ -23,7 +23,9 @@ inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max
 inline constexpr const char* kPageSizeWhy = " (a block-table row holds at most 2^30 tokens)";  // for --page-size
 
 // A CLI11 check that the value is a decimal integer in [lo, hi]; its failures read
-// "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`).
+// "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`). It
+// rewrites a value that passes in plain decimal, so it is registered with ->transform(), not
+// ->check() (which hands it a copy): CLI11 alone would read "010" as octal 8.
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why = "");
 
 // A list option of comma-separated names (--backends, --strategies), read into `names` (which holds
@@ -38,11 +40,13 @@ CLI::Option* add_name_list(CLI::App& app, const std::string& flag, std::vector<s
 std::string join(const std::vector<std::string>& items, const std::string& separator = ",");
 
 // The same check for a seed, a decimal integer in 0 .. 2^64 - 1: "--seed: -1 is not in 0 ..
-// 18446744073709551615" (CLI11 alone would wrap -1 around to 2^64 - 1).
+// 18446744073709551615" (CLI11 alone would wrap -1 around to 2^64 - 1); also a ->transform().
 CLI::Validator seed_in_range();
 
-// Throws latentkv::Error unless `path` can be written as `option`'s output file: an existing
-// regular file that is writable, or a new name in a writable directory. Creates and changes nothing.
+// Throws latentkv::Error unless `path` can be written as `option`'s output file: an existing file,
+// FIFO or character device that is writable (not a directory, block device or socket), or a new name
+// in a directory that takes it (tried by creating the file and removing it again). Leaves nothing
+// behind.
 void check_output_path(const std::string& command, const std::string& option, const std::string& path);
 
 // Writes `text` to `path`; throws latentkv::Error naming `option` when that fails.

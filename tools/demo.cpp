@@ -199,13 +199,13 @@ void add_demo_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("demo", "One layer's DSA decode on the CPU reference, step by step");
   cmd->option_defaults()->always_capture_default();  // the help shows each option's default
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)");
-  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->check(integer_in(1, kIntMax));
-  cmd->add_option("--batch", opt->batch, "Requests")->check(integer_in(1, 64));
+  cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")->transform(integer_in(1, kIntMax));
+  cmd->add_option("--batch", opt->batch, "Requests")->transform(integer_in(1, 64));
   cmd->add_option("--context", opt->context, "Tokens per request (at most the model's max positions)")
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")
-      ->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
-  cmd->add_option("--seed", opt->seed, "Random seed")->check(seed_in_range());
+      ->transform(integer_in(1, kMaxTableTokens, kPageSizeWhy));
+  cmd->add_option("--seed", opt->seed, "Random seed")->transform(seed_in_range());
   cmd->callback([opt] { run_demo(*opt); });
 }
 

@@ -340,16 +340,27 @@ bool any_failed(const StepReport& r) {
   return false;
 }
 
-// Reads a saved report; what is not one is a usage error.
+// A saved report is a few kilobytes; a file past this is not one (and /dev/zero never ends).
+constexpr std::size_t kMaxReportBytes = 16 << 20;
+
+// Reads a saved report; what is not one is a usage error. At most one byte past kMaxReportBytes is
+// read, so that a file without an end (/dev/zero) is refused rather than read until memory runs out;
+// a pipe (/dev/stdin) is read as a file is.
 StepReport load_report(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw Error("step", "--from-json", path, "a file (this is a directory)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("step", "--from-json", path, "a readable file");
-  std::ostringstream text;
-  text << in.rdbuf();
+  std::string text(kMaxReportBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw Error("step", "--from-json", path, "a readable file (the read failed)");
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxReportBytes) {
+    throw Error("step", "--from-json", path,
+                "a saved report of at most " + std::to_string(kMaxReportBytes) + " bytes (`latentkv step --json`)");
+  }
   try {
-    return parse_report_json(text.str());
+    return parse_report_json(text);
   } catch (const std::invalid_argument& e) {
     throw Error("step", "--from-json", path, std::string("a report of `latentkv step --json` (") + e.what() + ")");
   }
@@ -505,31 +516,31 @@ void add_step_command(CLI::App& app) {
       "step", "One decode step of a whole model's attention, strategies side by side, with the gap to the floors");
   cmd->add_option("--model", opt->model, "Model preset (glm5, deepseek-v3.2)")->capture_default_str();
   cmd->add_option("--tp", opt->tp, "Tensor parallelism (divides the heads)")
-      ->capture_default_str()->check(integer_in(1, kIntMax));
-  cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->check(integer_in(1, 4096));
+      ->capture_default_str()->transform(integer_in(1, kIntMax));
+  cmd->add_option("--batch", opt->batch, "Requests (default 1; 2 on the CPU)")->transform(integer_in(1, kMaxStepBatch));
   cmd->add_option("--context", opt->context, "Tokens per request, new ones included (default 32768; 3000 on the CPU)")
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   cmd->add_option("--pool", opt->pool,
                   "Cache slots per layer, at least the batch's pages, rounded up to whole pages (default 495000, or "
                   "what the batch needs with 1/8 to spare; on the CPU twice the batch's pages)")
-      ->check(integer_in(1, kMaxSlots, " (slots are int32)"));
+      ->transform(integer_in(1, kMaxSlots, " (slots are int32)"));
   cmd->add_option("--q-len", opt->q_len, "New tokens per request (1-4)")
-      ->capture_default_str()->check(integer_in(1, kMaxDecodeQLen));
+      ->capture_default_str()->transform(integer_in(1, kMaxDecodeQLen));
   cmd->add_option("--page-size", opt->page_size, "Tokens per page")
-      ->capture_default_str()->check(integer_in(1, kMaxTableTokens, kPageSizeWhy));
+      ->capture_default_str()->transform(integer_in(1, kMaxTableTokens, kPageSizeWhy));
   cmd->add_option("--layers", opt->layers, "Layers in the step (default: all of the model; 4 on the CPU)")
-      ->check(integer_in(1, kIntMax));
+      ->transform(integer_in(1, kIntMax));
   add_name_list(*cmd, "--strategies", opt->strategies,
                 "Comma separated: fp8, gather_cast, cast_full (path by the model's rule), dense, sparse (the "
                 "fp8 backend on that path), or dense_/sparse_ followed by fp8, gather_cast or cast_full "
                 "(default fp8,gather_cast,cast_full,dense,sparse; fp8,dense,sparse on the CPU)");
   cmd->add_option("--warmup", opt->warmup, "Untimed replays first (default 3; 1 on the CPU)")
-      ->check(integer_in(0, 100000));
-  cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->check(integer_in(1, 100000));
+      ->transform(integer_in(0, 100000));
+  cmd->add_option("--iters", opt->iters, "Timed replays (default 20; 3 on the CPU)")->transform(integer_in(1, 100000));
   cmd->add_option("--check-requests", opt->check_requests,
                   "Requests checked against the float64 reference, 0 .. the batch (default 2, or the batch when "
                   "smaller; 0: none)")
-      ->check(integer_in(0, kIntMax));
+      ->transform(integer_in(0, kIntMax));
   cmd->add_flag("--fault-checks", opt->fault_checks,
                 "Give every op, not only the appends, the step's fault record: the kernels then check the lengths, "
                 "pages, slots and values (q, weights) they read (latentkv/device_fault.hpp), and the step fails "
@@ -538,7 +549,7 @@ void add_step_command(CLI::App& app) {
       ->transform(CLI::Transformer({{"detected", "auto"}}))
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->add_option("--seed", opt->seed, "Seed of the synthetic inputs and page tables (default 1)")
-      ->check(seed_in_range());
+      ->transform(seed_in_range());
   cmd->add_option("--json", opt->json, "Also write the report as JSON to this file");
   cmd->add_option("--plot", opt->plot,
                   "Draw the step per strategy and each op against its floor (.png or .svg; python3 with "

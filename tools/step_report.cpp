@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "latentkv/ops.hpp"
 #include "text.hpp"
 
 namespace latentkv::tools {
@@ -457,12 +458,13 @@ double non_negative(const nlohmann::json& parent, const char* key, const std::st
   return x;
 }
 
-// An integer field from `least` to what T holds, `where` + key in messages: a fraction, or a value
-// past T, is refused rather than truncated or wrapped.
+// An integer field from `least` to `most` (at most what T holds), `where` + key in messages: a
+// fraction, or a value past the bounds, is refused rather than truncated or wrapped.
 template <typename T>
-T at_least(const nlohmann::json& parent, const char* key, std::int64_t least, const std::string& where = "shape.") {
+T in_range(const nlohmann::json& parent, const char* key, std::int64_t least,
+           std::int64_t most = std::numeric_limits<T>::max(), const std::string& where = "shape.") {
   const nlohmann::json& v = parent.at(key);
-  constexpr auto most = static_cast<std::int64_t>(std::numeric_limits<T>::max());
+  most = std::min<std::int64_t>(most, std::numeric_limits<T>::max());
   std::int64_t x = 0;
   bool below_most = false;
   if (v.is_number_unsigned()) {  // JSON's non-negative integers, up to 2^64 - 1
@@ -501,25 +503,26 @@ StepReport parse_report_json(std::string_view text) {
     r.notes = j.at("notes").get<std::vector<std::string>>();
     const json& s = j.at("shape");
     r.shape.model = s.at("model").get<std::string>();
-    r.shape.tp = at_least<int>(s, "tp", 1);
-    r.shape.layers = at_least<int>(s, "layers", 1);
-    r.shape.model_layers = at_least<int>(s, "model_layers", r.shape.layers);
-    r.shape.heads = at_least<int>(s, "heads", 1);
-    r.shape.indexer_heads = at_least<int>(s, "indexer_heads", 1);
-    r.shape.topk = at_least<int>(s, "topk", 1);
-    r.shape.batch = at_least<int>(s, "batch", 1);
-    r.shape.q_len = at_least<int>(s, "q_len", 1);
-    r.shape.context = at_least<std::int64_t>(s, "context", r.shape.q_len);
-    r.shape.page_size = at_least<int>(s, "page_size", 1);
-    r.shape.pool_tokens = at_least<std::int64_t>(s, "pool_tokens", 1);
+    // The bounds a run's own options and the ops hold it to (`latentkv step --help`).
+    r.shape.tp = in_range<int>(s, "tp", 1);
+    r.shape.layers = in_range<int>(s, "layers", 1);
+    r.shape.model_layers = in_range<int>(s, "model_layers", r.shape.layers);
+    r.shape.heads = in_range<int>(s, "heads", 1, kMaxHeads);
+    r.shape.indexer_heads = in_range<int>(s, "indexer_heads", 1, kMaxIndexerHeads);
+    r.shape.topk = in_range<int>(s, "topk", 1, kMaxTopk);
+    r.shape.batch = in_range<int>(s, "batch", 1, kMaxStepBatch);
+    r.shape.q_len = in_range<int>(s, "q_len", 1, kMaxDecodeQLen);
+    r.shape.context = in_range<std::int64_t>(s, "context", r.shape.q_len, std::numeric_limits<std::int32_t>::max());
+    r.shape.page_size = in_range<int>(s, "page_size", 1, kMaxTableTokens);
+    r.shape.pool_tokens = in_range<std::int64_t>(s, "pool_tokens", 1, std::numeric_limits<std::int32_t>::max());
     r.read_gbps = non_negative(j, "read_gbps", "");
     r.copy_gbps = non_negative(j, "copy_gbps", "");
     r.matrix_tflops = non_negative(j, "matrix_tflops", "");
     r.matrix_how = j.at("matrix_how").is_null() ? "" : j.at("matrix_how").get<std::string>();
     // Absent from reports written before it was measured.
     r.launch_us = j.contains("launch_us") ? non_negative(j, "launch_us", "") : 0.0;
-    r.warmup = at_least<int>(j, "warmup", 0, "");
-    r.iters = at_least<int>(j, "iters", 1, "");
+    r.warmup = in_range<int>(j, "warmup", 0, std::numeric_limits<int>::max(), "");
+    r.iters = in_range<int>(j, "iters", 1, std::numeric_limits<int>::max(), "");
     if (!j.at("seed").is_number_unsigned()) bad_field("seed", j.at("seed"), "an integer >= 0");
     r.seed = j.at("seed").get<std::uint64_t>();
     const json& strategies = j.at("strategies");

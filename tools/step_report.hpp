@@ -12,6 +12,9 @@
 
 namespace latentkv::tools {
 
+// The most requests a step runs (`latentkv step --batch`, and a saved report's shape.batch).
+inline constexpr int kMaxStepBatch = 4096;
+
 // One decode step of a model's attention on one GPU: every layer, `batch` requests of `context`
 // cached tokens each (their q_len new tokens included).
 struct StepShape {

@@ -285,6 +285,24 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   EXPECT_THAT(negative.err, HasSubstr("--check-requests: -5 is not in 0 .. "));
 }
 
+// A leading zero is decimal, as in `config` (CLI11 alone would read "010" as octal 8), and a sign
+// or zeros never reach the numbers a run prints.
+TEST_F(Cli, LeadingZerosAreDecimal) {
+  const Result tp = run({"step", "--device", "cpu", "--tp", "010"});  // octal 8 would divide 64 heads
+  EXPECT_EQ(tp.exit_code, 2);
+  EXPECT_THAT(tp.err, HasSubstr("argument '--tp' = 10"));
+  const Result bench = run({"bench", "--batch", "9", "--check-requests", "010"});  // octal 8 <= 9
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_THAT(bench.err, HasSubstr("argument '--check-requests' = 10: expected at most the batch, 9"));
+  const Result pool = run({"bench", "--context", "65", "--pool", "0100"});  // octal 64 < 128
+  EXPECT_EQ(pool.exit_code, 2);
+  EXPECT_THAT(pool.err, HasSubstr("argument '--pool' = 100: expected >= 128"));
+  const Result step = run({"step", "--device", "cpu", "--context", "+0100", "--batch", "01", "--layers", "1",
+                           "--iters", "1", "--warmup", "0", "--strategies", "fp8"});
+  ASSERT_EQ(step.exit_code, 0) << step.err;
+  EXPECT_THAT(step.out, HasSubstr("--context 100 "));
+}
+
 TEST_F(Cli, UsageErrorsExitTwoInDemoAndBench) {
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"demo", "--tp", "3"},
@@ -361,6 +379,21 @@ TEST_F(Cli, UnwritableOutputPathsAreRefusedBeforeTheRun) {
   const Result bench = run({"bench", "--json", "/nonexistent/x.json"});
   EXPECT_EQ(bench.exit_code, 2);
   EXPECT_THAT(bench.err, HasSubstr("argument '--json' = /nonexistent/x.json"));
+  const Result bench_empty = run({"bench", "--json", ""});
+  EXPECT_EQ(bench_empty.exit_code, 2);
+  EXPECT_THAT(bench_empty.err, HasSubstr("bench: argument '--json' = '': expected a file name"));
+
+  // A directory that takes no new files (procfs) says yes to root's access(): the name is tried.
+  if (fs::is_directory("/proc/self")) {
+    const Result proc = run(kSmallStep, {"--json", "/proc/self/new.json"});
+    EXPECT_EQ(proc.exit_code, 2);
+    EXPECT_THAT(proc.err, HasSubstr("argument '--json' = /proc/self/new.json"));
+    EXPECT_EQ(proc.out, "");
+  }
+  // The trial file of a new name is not left behind.
+  const Result fresh = run(kSmallStep, {"--json", path("fresh.json"), "--check-requests", "5"});
+  EXPECT_EQ(fresh.exit_code, 2);
+  EXPECT_FALSE(fs::exists(path("fresh.json")));
 }
 
 TEST_F(Cli, FromJsonRefusesTheOptionsOfARunAndHonoursJson) {
@@ -610,7 +643,7 @@ TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {
     EXPECT_EQ(r.out, "") << name;
   };
   refused("batch.json", [](nlohmann::json& j) { j["shape"]["batch"] = 0; },
-          "shape.batch = 0: expected an integer in 1 .. 2147483647");
+          "shape.batch = 0: expected an integer in 1 .. 4096");
   refused("layers.json", [](nlohmann::json& j) { j["shape"]["layers"] = -2; }, "shape.layers = -2: expected");
   refused("time.json", [](nlohmann::json& j) { j["strategies"][0]["ops"][1]["us"] = -5.0; },
           "strategies[0].ops[1].us = -5.0: expected >= 0");
@@ -619,6 +652,12 @@ TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {
   refused("none.json", [](nlohmann::json& j) { j["strategies"] = nlohmann::json::array(); },
           "strategies = []: expected a list of one or more strategies");
   refused("ops.json", [](nlohmann::json& j) { j["strategies"][0]["ops"].erase(1); }, "strategies[0].ops = append:");
+  // A file without an end is read no further than a report could be long.
+  if (fs::exists("/dev/zero")) {
+    const Result endless = run({"step", "--from-json", "/dev/zero"});
+    EXPECT_EQ(endless.exit_code, 2);
+    EXPECT_THAT(endless.err, HasSubstr("argument '--from-json' = /dev/zero: expected a saved report of at most 16777216 bytes"));
+  }
 }
 
 TEST_F(Cli, DemoSaysWhatTheTopkPaddedAndOneReadPerDecode) {

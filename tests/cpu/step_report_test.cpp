@@ -586,7 +586,7 @@ TEST(StepReportJson, AWrongFieldIsNamedByItsPath) {
   };
   nlohmann::json j = nlohmann::json::parse(report_json(measured_report()));
   j["shape"]["batch"] = "2";
-  EXPECT_EQ(error_of(j.dump()), "shape.batch = \"2\": expected an integer in 1 .. 2147483647");
+  EXPECT_EQ(error_of(j.dump()), "shape.batch = \"2\": expected an integer in 1 .. 4096");
   j = nlohmann::json::parse(report_json(measured_report()));
   j["shape"].erase("tp");
   EXPECT_EQ(error_of(j.dump()), "/shape: key 'tp' not found");
@@ -658,13 +658,13 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
     return "accepted";
   };
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["batch"] = 0; }),
-            "shape.batch = 0: expected an integer in 1 .. 2147483647");
+            "shape.batch = 0: expected an integer in 1 .. 4096");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["layers"] = 0; }),
             "shape.layers = 0: expected an integer in 1 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["model_layers"] = 3; }),
             "shape.model_layers = 3: expected an integer in 78 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["context"] = 0; }),
-            "shape.context = 0: expected an integer in 1 .. 9223372036854775807");
+            "shape.context = 0: expected an integer in 1 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][1]["ops"][3]["us"] = -2.5; }),
             "strategies[1].ops[3].us = -2.5: expected >= 0 (or null: not measured)");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][0]["step_p90_us"] = -1.0; }),
@@ -679,11 +679,11 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
   EXPECT_EQ(problem([](nlohmann::json& j) { j["iters"] = 0; }), "iters = 0: expected an integer in 1 .. 2147483647");
   // Integers past their field's type, or fractions, are refused, not wrapped or truncated.
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["batch"] = 4294967297u; }),
-            "shape.batch = 4294967297: expected an integer in 1 .. 2147483647");
+            "shape.batch = 4294967297: expected an integer in 1 .. 4096");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["batch"] = 2147483648u; }),
-            "shape.batch = 2147483648: expected an integer in 1 .. 2147483647");
+            "shape.batch = 2147483648: expected an integer in 1 .. 4096");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["pool_tokens"] = 18446744073709551615u; }),
-            "shape.pool_tokens = 18446744073709551615: expected an integer in 1 .. 9223372036854775807");
+            "shape.pool_tokens = 18446744073709551615: expected an integer in 1 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["warmup"] = 4294967296u; }),
             "warmup = 4294967296: expected an integer in 0 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["iters"] = 2.7; }),
@@ -694,7 +694,21 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
               j["shape"]["q_len"] = 2;
               j["shape"]["context"] = 1;
             }),
-            "shape.context = 1: expected an integer in 2 .. 9223372036854775807");  // L counts the new tokens
+            "shape.context = 1: expected an integer in 2 .. 2147483647");  // L counts the new tokens
+  // A shape no run could have, held to the bounds of step's options and of the ops (a q_len of 2^31
+  // would have the work model loop that often).
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["q_len"] = 2147483647; }),
+            "shape.q_len = 2147483647: expected an integer in 1 .. 4");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["heads"] = 129; }),
+            "shape.heads = 129: expected an integer in 1 .. 128");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["indexer_heads"] = 65; }),
+            "shape.indexer_heads = 65: expected an integer in 1 .. 64");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["topk"] = 2049; }),
+            "shape.topk = 2049: expected an integer in 1 .. 2048");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["page_size"] = 2147483647; }),
+            "shape.page_size = 2147483647: expected an integer in 1 .. 1073741824");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["context"] = 9223372036854775807; }),
+            "shape.context = 9223372036854775807: expected an integer in 1 .. 2147483647");
   EXPECT_EQ(problem([](nlohmann::json&) {}), "accepted");
 }
 
