@@ -572,6 +572,10 @@ TEST_F(Cli, ArgumentsNotExpectedAreSaidInTheOrderTyped) {
   const Result words = run({"info", "one", "two"});
   EXPECT_EQ(words.exit_code, 2);
   EXPECT_EQ(words.err.rfind("error: info: arguments not expected: one two\n", 0), 0u) << words.err;
+  const Result separated = run({"step", "--", "--batch", "2"});
+  EXPECT_EQ(separated.exit_code, 2);
+  EXPECT_EQ(separated.err.rfind("error: step: '--batch 2' came after `--`, which ends the options: leave the `--` "
+                                "out\n", 0), 0u) << separated.err;
 }
 
 TEST_F(Cli, ParserErrorsReadAsEveryOtherUsageError) {
