@@ -116,6 +116,7 @@ void check_rows_fit(std::string_view op, const TensorView& q, std::int64_t rows,
 void check_shapes(const DsaDecodeParams& p) {
   if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
   detail::expect_descriptor(kOp, "q", p.q);
+  detail::expect_range(kOp, "q.shape[2] (heads)", p.q.size(2), 1, kMaxHeads);  // the plans count rows of H
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
   const std::string rows = " with B = " + std::to_string(b) + ", q_len = " + std::to_string(q_len) + " (q's)";
   if (p.q_idx.rank != 4 || p.q_idx.size(0) != b || p.q_idx.size(1) != q_len) {
@@ -355,6 +356,7 @@ void check_prefill_backends(const DsaBackends& b) {
 void check_prefill_shapes(const DsaPrefillParams& p) {
   if (p.q.rank != 3) throw Error(std::string(kPrefillOp), "q", p.q.shape_string(), "[T, H, 576] bf16");
   detail::expect_descriptor(kPrefillOp, "q", p.q);  // its rows size the workspace
+  detail::expect_range(kPrefillOp, "q.shape[1] (heads)", p.q.size(1), 1, kMaxHeads);  // the plans count rows of H
   if (p.q_idx.rank != 3 || p.q_idx.size(0) != p.q.size(0)) {
     throw Error(std::string(kPrefillOp), "q_idx", p.q_idx.shape_string(),
                 "[T, Hi, 128] fp8 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");

@@ -318,6 +318,28 @@ TEST(DsaDecodeBadInput, IndexerQueriesNamedAsTheCallerGaveThem) {
   }
 }
 
+// q without heads (or with more than 128) is refused by the plan as by the call: a GPU plan counts
+// the rows of H it schedules (and divided by them).
+TEST(DsaDecodeBadInput, QueriesWithoutHeads) {
+  HostDsa d = small_case();
+  const TensorView given = d.q.view();
+  for (const std::int64_t heads : {std::int64_t{0}, std::int64_t{kMaxHeads + 1}}) {
+    d.params.q = TensorView::contiguous(given.data, DType::kBF16, {given.size(0), given.size(1), heads, kQkDim});
+    EXPECT_TRUE(throws_error([&] { plan_dsa_decode(same_backend(reference()), d.params, kCpu); }, "dsa_decode",
+                             "q.shape[2] (heads)", std::to_string(heads)));
+    EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_decode", "q.shape[2] (heads)", std::to_string(heads)));
+    EXPECT_TRUE(d.untouched());
+  }
+  DsaPrefillParams p;
+  p.q = TensorView::contiguous(given.data, DType::kBF16, {1, 0, kQkDim});
+  p.q_idx = TensorView::contiguous(d.params.q_idx.data, DType::kFP8E4M3, {1, 1, kIndexerDim});
+  p.weights = TensorView::contiguous(d.params.weights.data, DType::kF32, {1, 1});
+  p.cache = d.params.cache;
+  p.indexer = d.params.indexer;
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), p, kCpu); }, "dsa_prefill",
+                           "q.shape[1] (heads)", "0"));
+}
+
 // Arguments whose batch or q_len disagree with q are named as the caller passed them, not as the
 // workspace views of a later step.
 TEST(DsaDecodeBadInput, BatchUnlikeTheQueries) {

@@ -570,6 +570,39 @@ TEST(GpuMlaDecodeExact, TinyQueriesAttendAsInTheReference) {
   }
 }
 
+// plan() runs before a call's checks: q without heads, a page size below one token or a block table
+// of negative extent is refused there, naming it, rather than divided or counted with.
+TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  PagedFixtureOptions opt;
+  opt.lengths = {70, 150};
+  opt.with_indexer = false;
+  PagedFixture f = make_paged_fixture(opt, rng);
+  HostTensor q = random_bf16(rng, {f.batch(), 1, 8, 576});
+  DeviceDecode d(f, q, 0.0625f);
+  const Backend& backend = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  MlaDecodeParams p = d.params;
+  p.q = TensorView::contiguous(p.q.data, DType::kBF16, {f.batch(), 1, 0, 576}, p.q.device);
+  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "q.shape[2] (heads)", "0"));
+  SparseMlaDecodeParams sparse;
+  sparse.q = p.q;
+  sparse.cache = p.cache;
+  EXPECT_TRUE(throws_error([&] { backend.plan(sparse, device); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
+  MlaPrefillParams prefill;
+  prefill.q = TensorView::contiguous(p.q.data, DType::kBF16, {4, 0, 576}, p.q.device);
+  prefill.cache = p.cache;
+  EXPECT_TRUE(throws_error([&] { backend.plan(prefill, device); }, "mla_prefill", "q.shape[1] (heads)", "0"));
+  p = d.params;
+  p.cache.page_size = 0;
+  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "cache.page_size", "0"));
+  p = d.params;
+  p.block_table.shape[1] = -3;
+  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "block_table", "-3"));
+  EXPECT_NO_THROW(backend.plan(d.params, device));
+}
+
 // A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024
 // are refused, by plan() and by the call; so is a workspace that is not 16-byte aligned (a caller's
 // sub-allocation: the split partials are read and written in 16-byte pieces), before anything is

@@ -684,7 +684,7 @@ GroupShape group_shape(KvDtype dtype, int heads, int sm) {
 int mla_prefill_group_tokens(const MlaPrefillParams& p) {
   using namespace mla;
   const std::int64_t t = p.q.size(0), h = p.q.size(1), batch = p.seq_lens.size(0);
-  if (t == 0 || batch == 0 || h > kWgmmaRows) return 1;
+  if (t == 0 || batch == 0 || h < 1 || h > kWgmmaRows) return 1;
   const GroupShape shape = group_shape(p.cache.dtype, static_cast<int>(h), current_device_sm("mla_prefill"));
   if (shape.tokens == 1) return 1;
   const std::int64_t slots = group_slots(t, shape.tokens, batch);
