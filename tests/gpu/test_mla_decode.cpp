@@ -570,21 +570,35 @@ TEST(GpuMlaDecodeExact, TinyQueriesAttendAsInTheReference) {
   }
 }
 
+// Two requests of `lengths` tokens, 8 heads, on the GPU: the plan tests' call.
+struct PlanCase {
+  Rng rng = test_rng();
+  PagedFixture f;
+  HostTensor q;
+  DeviceDecode d;
+  const Backend& backend = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+
+  explicit PlanCase(std::vector<std::int64_t> lengths)
+      : f(fixture(rng, std::move(lengths))), q(random_bf16(rng, {f.batch(), 1, 8, 576})), d(f, q, 0.0625f) {}
+  static PagedFixture fixture(Rng& rng, std::vector<std::int64_t> lengths) {
+    PagedFixtureOptions opt;
+    opt.lengths = std::move(lengths);
+    opt.with_indexer = false;
+    return make_paged_fixture(opt, rng);
+  }
+};
+
 // plan() runs before a call's checks: q without heads, a page size below one token or a block table
 // of negative extent is refused there, naming it, rather than divided or counted with.
 TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
   LKV_REQUIRE_GPU();
-  Rng rng = test_rng();
-  PagedFixtureOptions opt;
-  opt.lengths = {70, 150};
-  opt.with_indexer = false;
-  PagedFixture f = make_paged_fixture(opt, rng);
-  HostTensor q = random_bf16(rng, {f.batch(), 1, 8, 576});
-  DeviceDecode d(f, q, 0.0625f);
-  const Backend& backend = *find_backend("cuda");
-  const DeviceInfo device = detect_device();
+  PlanCase c({70, 150});
+  const Backend& backend = c.backend;
+  const DeviceInfo& device = c.device;
+  DeviceDecode& d = c.d;
   MlaDecodeParams p = d.params;
-  p.q = TensorView::contiguous(p.q.data, DType::kBF16, {f.batch(), 1, 0, 576}, p.q.device);
+  p.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 1, 0, 576}, p.q.device);
   EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "q.shape[2] (heads)", "0"));
   SparseMlaDecodeParams sparse;
   sparse.q = p.q;
@@ -609,15 +623,11 @@ TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
 // queued, naming it, the outputs left sentinels.
 TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
   LKV_REQUIRE_GPU();
-  Rng rng = test_rng();
-  PagedFixtureOptions opt;
-  opt.lengths = {700, 1500};
-  opt.with_indexer = false;
-  PagedFixture f = make_paged_fixture(opt, rng);
-  HostTensor q = random_bf16(rng, {f.batch(), 1, 8, 576});
-  DeviceDecode d(f, q, 0.0625f);
-  const Backend& backend = *find_backend("cuda");
-  const DeviceInfo device = detect_device();
+  PlanCase c({700, 1500});
+  const Backend& backend = c.backend;
+  const DeviceInfo& device = c.device;
+  DeviceDecode& d = c.d;
+  const PagedFixture& f = c.f;
   const Plan plan = d.plan(backend, device, 3);
   EXPECT_EQ(plan.num_splits, 3);
   EXPECT_EQ(plan.workspace_bytes, sizeof(float) * 3 * static_cast<std::size_t>(f.batch()) * 8 * 513);
