@@ -421,6 +421,48 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
   }
 }
 
+// A split count asked of a prefill's plan sizes the partials of one launch's slice of new tokens
+// (at most 65,535, a grid dimension), not of every new token: past that many, more new tokens ask
+// for no more partials (the dense per-token prefill only for its per-token tables). Planned from
+// shapes alone: nothing is allocated or run.
+TEST(GpuPrefillPlan, SplitsAskedForSizeOneSlice) {
+  LKV_REQUIRE_GPU();
+  const Backend& cuda = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  int placeholder = 0;  // the views are never read: a plan reads shapes
+  const auto shaped = [&](DType dtype, std::initializer_list<std::int64_t> dims) {
+    return TensorView::contiguous(&placeholder, dtype, dims, Device::cuda());
+  };
+  LatentCache cache;
+  cache.data = reinterpret_cast<std::uint8_t*>(&placeholder);
+  cache.num_pages = 4096;
+  cache.device = Device::cuda();
+  const auto sparse_plan = [&](std::int64_t t) {
+    SparseMlaPrefillParams p;
+    p.q = shaped(DType::kBF16, {t, 128, kQkDim});
+    p.indices = shaped(DType::kI32, {t, kMaxTopk});
+    p.cache = cache;
+    p.num_splits = 2;
+    return cuda.plan(p, device);
+  };
+  EXPECT_EQ(sparse_plan(2 * kMaxGpuRequests).workspace_bytes, sparse_plan(kMaxGpuRequests).workspace_bytes);
+  EXPECT_LT(sparse_plan(kMaxGpuRequests - 1).workspace_bytes, sparse_plan(kMaxGpuRequests).workspace_bytes);
+  const auto dense_plan = [&](std::int64_t t) {
+    MlaPrefillParams p;
+    p.q = shaped(DType::kBF16, {t, 128, kQkDim});
+    p.cu_new_tokens = shaped(DType::kI32, {2});
+    p.seq_lens = shaped(DType::kI32, {1});
+    p.block_table = shaped(DType::kI32, {1, 4096});
+    p.cache = cache;
+    p.num_splits = 2;
+    return cuda.plan(p, device);
+  };
+  // Per new token past the slice: its block table (4096 pages) and length, 4 bytes each.
+  const std::size_t per_token_tables = 4097 * 4;
+  const std::size_t growth = dense_plan(2 * kMaxGpuRequests).workspace_bytes - dense_plan(kMaxGpuRequests).workspace_bytes;
+  EXPECT_LE(growth, kMaxGpuRequests * per_token_tables + 4096);
+}
+
 // 1100 prompts of 60 new tokens: 66,000 query rows, more than one decode launch takes (65,535, a
 // grid dimension), so both prefills run in two slices; every row against the reference.
 // A workspace that is not 16-byte aligned (a caller's sub-allocation) is refused before anything is

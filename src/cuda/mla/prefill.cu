@@ -165,6 +165,12 @@ Plan plan_mla_prefill(const MlaPrefillParams& p, int multiprocessors) {
   }
   PerToken r = per_token(p, nullptr);
   r.decode.num_splits = p.num_splits;  // a count asked for is kept, as in decode
+  // For the first slice of new tokens, the largest a launch decodes at once (launch_mla_prefill): a
+  // split count asked for then sizes partials for that slice, not for every new token.
+  const std::int64_t n = std::min<std::int64_t>(p.q.size(0), kMaxDecodeBatch);
+  r.decode.q = leading_rows(r.decode.q, 0, n);
+  r.decode.block_table = leading_rows(r.decode.block_table, 0, n);
+  r.decode.seq_lens = leading_rows(r.decode.seq_lens, 0, n);
   Plan plan = plan_mla_decode(r.decode, multiprocessors, "mla_prefill");
   plan.workspace_bytes += r.table_bytes;
   return plan;
@@ -223,7 +229,10 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
 }
 
 Plan plan_sparse_mla_prefill(const SparseMlaPrefillParams& p, int multiprocessors) {
-  return plan_sparse_mla_decode(as_sparse_decode(p), multiprocessors, "sparse_mla_prefill");
+  // For the first slice of new tokens, the largest a launch decodes at once (as plan_mla_prefill).
+  SparseMlaDecodeParams first = as_sparse_decode(p);
+  first.q = leading_rows(first.q, 0, std::min<std::int64_t>(p.q.size(0), kMaxDecodeBatch));
+  return plan_sparse_mla_decode(first, multiprocessors, "sparse_mla_prefill");
 }
 
 void check_sparse_mla_prefill_call(const SparseMlaPrefillParams& p) {
