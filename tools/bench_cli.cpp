@@ -139,7 +139,9 @@ void add_bench_options(CLI::App& cmd, BenchOptions& o) {
                  "heads, default the model's; not topk)")
       ->transform(integer_in(1, 128));
   cmd.add_option("--batch", o.batch, "Requests")->capture_default_str()->transform(integer_in(1, 4096));
-  cmd.add_option("--context", o.context, "Tokens per request")->capture_default_str()->transform(integer_in(1, kIntMax));
+  cmd.add_option("--context", o.context, "Tokens per request")
+      ->capture_default_str()
+      ->transform(integer_in(1, kIntMax));
   cmd.add_option("--context-min", o.context_min,
                  "mla_decode: a batch of mixed lengths, each request's drawn uniformly from [this, --context]")
       ->transform(integer_in(1, kIntMax));

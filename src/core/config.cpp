@@ -679,8 +679,8 @@ Op slot_op(Slot slot) {
 std::size_t slot_index(Slot slot) {
   const auto i = static_cast<std::size_t>(slot);
   if (i >= std::size(kAllSlots)) {
-    throw ConfigError("slot", "slot " + std::to_string(i) +
-                                  " is not a Slot (expected dense_prefill, dense_decode, sparse_prefill or sparse_decode)");
+    throw ConfigError("slot", "slot " + std::to_string(i) + " is not a Slot (expected dense_prefill, dense_decode, "
+                                                            "sparse_prefill or sparse_decode)");
   }
   return i;
 }

@@ -35,8 +35,9 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
   if (p.op != Op::kAppend && p.op != Op::kTopk) {
     const bool prefill = p.op == Op::kMlaPrefill || p.op == Op::kSparseMlaPrefill || p.op == Op::kIndexerPrefill;
     const bool indexer = p.op == Op::kIndexerLogits || p.op == Op::kIndexerPrefill;
-    detail::expect_range(op, std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)"),
-                         p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
+    const std::string heads =
+        std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)");
+    detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
   }
   if (p.op != Op::kAppend) {
     detail::expect_range(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", p.page_size, 1, kMaxTableTokens);

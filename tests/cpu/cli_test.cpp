@@ -660,7 +660,8 @@ TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {
   if (fs::exists("/dev/zero")) {
     const Result endless = run({"step", "--from-json", "/dev/zero"});
     EXPECT_EQ(endless.exit_code, 2);
-    EXPECT_THAT(endless.err, HasSubstr("argument '--from-json' = /dev/zero: expected a saved report of at most 16777216 bytes"));
+    EXPECT_THAT(endless.err,
+                HasSubstr("argument '--from-json' = /dev/zero: expected a saved report of at most 16777216 bytes"));
   }
 }
 

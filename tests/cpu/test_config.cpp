@@ -651,7 +651,8 @@ TEST(ConfigReject, ValuesThatAreNotSlots) {
   EXPECT_THAT(config_error([&] { (void)slot_op(not_a_slot); }).what(), HasSubstr("slot 4 is not a Slot"));
   const ResolvedConfig r = resolve_config(c, cpu());
   EXPECT_THAT(config_error([&] { (void)r.slot(not_a_slot); }).what(), HasSubstr("slot 4 is not a Slot"));
-  EXPECT_THAT(config_error([&] { (void)slot_problem(c, not_a_slot, cpu()); }).what(), HasSubstr("slot 4 is not a Slot"));
+  EXPECT_THAT(config_error([&] { (void)slot_problem(c, not_a_slot, cpu()); }).what(),
+              HasSubstr("slot 4 is not a Slot"));
   EXPECT_EQ(slot_index(Slot::kSparseDecode), 3u);
 }
 

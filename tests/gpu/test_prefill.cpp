@@ -459,7 +459,8 @@ TEST(GpuPrefillPlan, SplitsAskedForSizeOneSlice) {
   };
   // Per new token past the slice: its block table (4096 pages) and length, 4 bytes each.
   const std::size_t per_token_tables = 4097 * 4;
-  const std::size_t growth = dense_plan(2 * kMaxGpuRequests).workspace_bytes - dense_plan(kMaxGpuRequests).workspace_bytes;
+  const std::size_t growth =
+      dense_plan(2 * kMaxGpuRequests).workspace_bytes - dense_plan(kMaxGpuRequests).workspace_bytes;
   EXPECT_LE(growth, kMaxGpuRequests * per_token_tables + 4096);
 }
 
