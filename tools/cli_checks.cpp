@@ -142,7 +142,14 @@ void check_output_path(const std::string& command, const std::string& option, co
     }
     return;
   }
-  fs::path dir = fs::path(path).parent_path();
+  // A new name, or a link to one (the file is then created where the link points).
+  fs::path file = path;
+  for (int hops = 0; hops < 40 && fs::is_symlink(fs::symlink_status(file, ec)); ++hops) {
+    const fs::path target = fs::read_symlink(file, ec);
+    if (ec) break;
+    file = target.is_relative() ? file.parent_path() / target : target;
+  }
+  fs::path dir = file.parent_path();
   if (dir.empty()) dir = ".";
   if (!fs::is_directory(fs::status(dir, ec))) {
     throw Error(command, option, path,
@@ -155,13 +162,14 @@ void check_output_path(const std::string& command, const std::string& option, co
   }
   // access() answers yes to root in directories that take no new files (/proc, /sys): the name is
   // created, then removed again.
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  const int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
   if (fd < 0) {
     throw Error(command, option, path,
-                "a file in a directory that takes new files (" + dir.string() + ": " + std::strerror(errno) + ")");
+                "a file in a directory that takes new files (creating " + file.string() + ": " + std::strerror(errno) +
+                    ")");
   }
   close(fd);
-  unlink(path.c_str());
+  unlink(file.c_str());
 }
 
 void write_output_file(const std::string& command, const std::string& option, const std::string& path,

@@ -8,7 +8,6 @@
 #include <new>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "commands.hpp"
@@ -63,7 +62,7 @@ std::string plain_message(std::string message) {
 // order given, and plainly where the first is an option: one of the command's own that came after a
 // `--` (`latentkv step -- --batch 2`: the `--` ends the options) or before the subcommand's name
 // (`latentkv --batch 2 step`), or one the command does not have.
-std::string extras_message(const CLI::App& command, const std::string& what, bool after_separator) {
+std::string extras_message(const CLI::App& command, const std::string& what, const std::vector<std::string>& args) {
   std::string lead = "were not expected: ";
   std::size_t at = what.find(lead);
   if (at == std::string::npos) at = what.find(lead = "was not expected: ");  // one word
@@ -78,7 +77,11 @@ std::string extras_message(const CLI::App& command, const std::string& what, boo
   if (first.rfind("-", 0) == 0) {
     const std::string option = first.substr(0, first.find('='));
     if (command.get_option_no_throw(option) != nullptr) {
-      if (after_separator) return "'" + given + "' came after `--`, which ends the options: leave the `--` out";
+      // Typed only after a `--`, which ends the options.
+      const auto separator = std::find(args.begin(), args.end(), "--");
+      if (std::find(args.begin(), separator, first) == separator) {
+        return "'" + given + "' came after `--`, which ends the options: leave the `--` out";
+      }
       return "'" + given + "' came before the subcommand; options go after it: latentkv " + name + " " + given + " ...";
     }
     return "unknown option '" + option + "'" + (given == option ? "" : " (in '" + given + "')");
@@ -89,15 +92,15 @@ std::string extras_message(const CLI::App& command, const std::string& what, boo
 // A command line CLI11 could not read, said as every other usage error is (docs/configuration.md,
 // "Exit codes"): "error: <subcommand>: <what>" on stderr, then where the options are listed; for
 // `latentkv config` the line in between says that the configuration was rejected, as its own errors
-// do. `after_separator`: the command line held a `--`. Returns the exit code.
-int parse_error(CLI::App& app, const CLI::ParseError& e, bool after_separator) {
+// do. `args`: the command line's words after the program's name. Returns the exit code.
+int parse_error(CLI::App& app, const CLI::ParseError& e, const std::vector<std::string>& args) {
   if (e.get_exit_code() == 0) return app.exit(e);  // --help: printed, success
   // The subcommand whose options were being read, when CLI11 had got that far.
   const std::vector<CLI::App*> parsed = app.get_subcommands();
   const std::string sub = parsed.empty() ? "" : parsed.back()->get_name();
   std::string message = sub.empty() ? missing_subcommand(app) : sub + ": " + plain_message(e.what());
   if (!sub.empty() && dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
-    message = sub + ": " + extras_message(*parsed.back(), e.what(), after_separator);
+    message = sub + ": " + extras_message(*parsed.back(), e.what(), args);
   }
   const std::string help = "latentkv" + (sub.empty() ? std::string() : " " + sub) + " --help";
   std::fprintf(stderr, "error: %s\n", message.c_str());
@@ -167,7 +170,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::RuntimeError& e) {
     return e.get_exit_code();  // a subcommand chose its exit code (and printed why)
   } catch (const CLI::ParseError& e) {
-    return parse_error(app, e, std::find(argv + 1, argv + argc, std::string_view("--")) != argv + argc);
+    return parse_error(app, e, std::vector<std::string>(argv + 1, argv + argc));
   } catch (const latentkv::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return latentkv::tools::kExitFailure;

@@ -371,6 +371,10 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
                 "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
   check_caches_and_topk(kPrefillOp, p.indexer, p.cache, p.topk);
+  if (p.cache.page_size < 1) {  // as check_shapes: named here, not by the step whose plan meets it
+    throw Error(std::string(kPrefillOp), "cache.page_size", std::to_string(p.cache.page_size), ">= 1");
+  }
+  detail::expect_descriptor(kPrefillOp, "block_table", p.block_table);
   check_rows_fit(kPrefillOp, p.q, p.q.size(0), std::int64_t{p.topk} * 4, "i32 top-k slots");
   // Here, before a plan's chunk (which a backend may fill in for any value it takes as its default)
   // stands in for it: refused on every backend alike, as indexer_prefill refuses it.

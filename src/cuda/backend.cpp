@@ -39,8 +39,8 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
         std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)");
     detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
   }
-  if (p.op != Op::kAppend) {
-    detail::expect_range(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", p.page_size, 1, kMaxTableTokens);
+  if (p.op != Op::kAppend && p.page_size < 1) {
+    detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");
   }
   const auto no_negative_extent = [&](const char* name, const TensorView& v) {
     for (int d = 0; d < TensorView::kMaxRank; ++d) {

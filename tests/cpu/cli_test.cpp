@@ -390,6 +390,11 @@ TEST_F(Cli, UnwritableOutputPathsAreRefusedBeforeTheRun) {
     EXPECT_THAT(proc.err, HasSubstr("argument '--json' = /proc/self/new.json"));
     EXPECT_EQ(proc.out, "");
   }
+  // A link to a file yet to be written is a new name where the link points (the write follows it).
+  fs::create_symlink("written-later.json", path("link.json"));
+  const Result link = run(kSmallStep, {"--json", path("link.json")});
+  EXPECT_EQ(link.exit_code, 0) << link.err;
+  EXPECT_TRUE(fs::is_regular_file(path("written-later.json")));
   // The trial file of a new name is not left behind.
   const Result fresh = run(kSmallStep, {"--json", path("fresh.json"), "--check-requests", "5"});
   EXPECT_EQ(fresh.exit_code, 2);
@@ -576,6 +581,10 @@ TEST_F(Cli, ArgumentsNotExpectedAreSaidInTheOrderTyped) {
   EXPECT_EQ(separated.exit_code, 2);
   EXPECT_EQ(separated.err.rfind("error: step: '--batch 2' came after `--`, which ends the options: leave the `--` "
                                 "out\n", 0), 0u) << separated.err;
+  // A `--` later on the line does not move what came before the subcommand.
+  const Result before_and_separated = run({"--batch", "2", "step", "--", "x"});
+  EXPECT_EQ(before_and_separated.err.rfind("error: step: '--batch 2 x' came before the subcommand", 0), 0u)
+      << before_and_separated.err;
 }
 
 TEST_F(Cli, ParserErrorsReadAsEveryOtherUsageError) {

@@ -338,6 +338,12 @@ TEST(DsaDecodeBadInput, QueriesWithoutHeads) {
   p.indexer = d.params.indexer;
   EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), p, kCpu); }, "dsa_prefill",
                            "q.shape[1] (heads)", "0"));
+  // So is a page size below one token, under dsa_prefill's name rather than a step's.
+  p.q = TensorView::contiguous(given.data, DType::kBF16, {1, given.size(2), kQkDim});
+  p.cache.page_size = 0;
+  p.indexer.page_size = 0;
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference()), p, kCpu); }, "dsa_prefill",
+                           "cache.page_size", "0"));
 }
 
 // Arguments whose batch or q_len disagree with q are named as the caller passed them, not as the
