@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -25,6 +24,7 @@
 
 #include "cli_checks.hpp"
 #include "commands.hpp"
+#include "core/read_file.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/environment.hpp"
 #include "latentkv/error.hpp"
@@ -343,24 +343,21 @@ bool any_failed(const StepReport& r) {
 // A saved report is a few kilobytes; a file past this is not one (and /dev/zero never ends).
 constexpr std::size_t kMaxReportBytes = 16 << 20;
 
-// Reads a saved report; what is not one is a usage error. At most one byte past kMaxReportBytes is
-// read, so that a file without an end (/dev/zero) is refused rather than read until memory runs out;
-// a pipe (/dev/stdin) is read as a file is.
+// Reads a saved report; what is not one is a usage error. A file without an end (/dev/zero) is
+// refused rather than read until memory runs out; a pipe (/dev/stdin) is read as a file is.
 StepReport load_report(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw Error("step", "--from-json", path, "a file (this is a directory)");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("step", "--from-json", path, "a readable file");
-  std::string text(kMaxReportBytes + 1, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  if (in.bad()) throw Error("step", "--from-json", path, "a readable file (the read failed)");
-  text.resize(static_cast<std::size_t>(in.gcount()));
-  if (text.size() > kMaxReportBytes) {
+  using Read = detail::BoundedRead::Status;
+  const detail::BoundedRead read = detail::read_at_most(path, kMaxReportBytes);
+  if (read.status == Read::kCannotOpen) throw Error("step", "--from-json", path, "a readable file");
+  if (read.status == Read::kReadFailed) throw Error("step", "--from-json", path, "a readable file (the read failed)");
+  if (read.status == Read::kTooLarge) {
     throw Error("step", "--from-json", path,
                 "a saved report of at most " + std::to_string(kMaxReportBytes) + " bytes (`latentkv step --json`)");
   }
   try {
-    return parse_report_json(text);
+    return parse_report_json(read.text);
   } catch (const std::invalid_argument& e) {
     throw Error("step", "--from-json", path, std::string("a report of `latentkv step --json` (") + e.what() + ")");
   }

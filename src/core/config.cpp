@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <set>
 #include <sstream>
@@ -39,6 +38,7 @@ struct TomlCheckFailed {
 #pragma GCC diagnostic pop
 #pragma pop_macro("NDEBUG")
 
+#include "core/read_file.hpp"
 #include "latentkv/environment.hpp"
 #include "latentkv/ops.hpp"
 
@@ -771,17 +771,17 @@ void apply_config_file(AttentionConfig& config, const Sourced<std::string>& path
   };
   const std::uintmax_t size = std::filesystem::file_size(file, ec);
   if (ec || size > kMaxConfigFileBytes) throw too_large();
-  // Read at most one byte past the limit: a file whose size the file system does not report (procfs
-  // gives 0) is held to the limit as it is read. A failed read (an I/O error, which the stream buffer
-  // throws and read() turns into badbit) is named here, not passed on as a stream's exception.
-  std::string text(kMaxConfigFileBytes + 1, '\0');
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw ConfigError("config", shown, path.source, "a readable file (it could not be opened)");
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  if (in.bad()) throw ConfigError("config", shown, path.source, "a readable file (the read failed)");
-  text.resize(static_cast<std::size_t>(in.gcount()));
-  if (text.size() > kMaxConfigFileBytes) throw too_large();
-  apply_config_text(config, text, path.value, config_format_for(path.value));
+  // Held to the limit as it is read too: a file whose size the file system does not report (procfs).
+  using Read = detail::BoundedRead::Status;
+  const detail::BoundedRead read = detail::read_at_most(file, kMaxConfigFileBytes);
+  if (read.status == Read::kCannotOpen) {
+    throw ConfigError("config", shown, path.source, "a readable file (it could not be opened)");
+  }
+  if (read.status == Read::kReadFailed) {
+    throw ConfigError("config", shown, path.source, "a readable file (the read failed)");
+  }
+  if (read.status == Read::kTooLarge) throw too_large();
+  apply_config_text(config, read.text, path.value, config_format_for(path.value));
   config.config_file = path;
 }
 

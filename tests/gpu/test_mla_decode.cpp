@@ -594,27 +594,25 @@ struct PlanCase {
 TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
   LKV_REQUIRE_GPU();
   PlanCase c({70, 150});
-  const Backend& backend = c.backend;
-  const DeviceInfo& device = c.device;
-  DeviceDecode& d = c.d;
-  MlaDecodeParams p = d.params;
+  const auto plan = [&c](const OpArgs& args) { (void)c.backend.plan(args, c.device); };
+  MlaDecodeParams p = c.d.params;
   p.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 1, 0, 576}, p.q.device);
-  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "q.shape[2] (heads)", "0"));
+  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "q.shape[2] (heads)", "0"));
   SparseMlaDecodeParams sparse;
   sparse.q = p.q;
   sparse.cache = p.cache;
-  EXPECT_TRUE(throws_error([&] { backend.plan(sparse, device); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
+  EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
   MlaPrefillParams prefill;
   prefill.q = TensorView::contiguous(p.q.data, DType::kBF16, {4, 0, 576}, p.q.device);
   prefill.cache = p.cache;
-  EXPECT_TRUE(throws_error([&] { backend.plan(prefill, device); }, "mla_prefill", "q.shape[1] (heads)", "0"));
-  p = d.params;
+  EXPECT_TRUE(throws_error([&] { plan(prefill); }, "mla_prefill", "q.shape[1] (heads)", "0"));
+  p = c.d.params;
   p.cache.page_size = 0;
-  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "cache.page_size", "0"));
-  p = d.params;
+  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "cache.page_size", "0"));
+  p = c.d.params;
   p.block_table.shape[1] = -3;
-  EXPECT_TRUE(throws_error([&] { backend.plan(p, device); }, "mla_decode", "block_table", "-3"));
-  EXPECT_NO_THROW(backend.plan(d.params, device));
+  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "block_table", "-3"));
+  EXPECT_NO_THROW(plan(c.d.params));
 }
 
 // A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024
