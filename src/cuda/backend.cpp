@@ -25,37 +25,6 @@ using cuda::stream_of;
 
 const MlaDecodeParams& decode_args(const OpArgs& args) { return std::get<MlaDecodeParams>(args); }
 
-// plan() runs before a call's own checks (a DSA call plans its steps before their workspace views
-// exist), so what the planners count and divide with is refused here as the call would refuse it:
-// q's extents within 0 .. 2^31-1 (problem_of), at least one head, a page size of at least one token,
-// and block tables, lengths and offsets of no negative extent.
-void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
-  const Problem p = problem_of(args, device);
-  const std::string op(op_name(p.op));
-  if (p.op != Op::kAppend && p.op != Op::kTopk) {
-    const bool prefill = p.op == Op::kMlaPrefill || p.op == Op::kSparseMlaPrefill || p.op == Op::kIndexerPrefill;
-    const bool indexer = p.op == Op::kIndexerLogits || p.op == Op::kIndexerPrefill;
-    const std::string heads =
-        std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)");
-    detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
-  }
-  if (p.op != Op::kAppend && p.page_size < 1) {
-    detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");
-  }
-  const auto no_negative_extent = [&](const char* name, const TensorView& v) {
-    for (int d = 0; d < TensorView::kMaxRank; ++d) {
-      if (v.size(d) < 0) detail::fail(op, name, v.shape_string(), "extents >= 0");
-    }
-  };
-  std::visit(
-      [&](const auto& a) {
-        if constexpr (requires { a.block_table; }) no_negative_extent("block_table", a.block_table);
-        if constexpr (requires { a.seq_lens; }) no_negative_extent("seq_lens", a.seq_lens);
-        if constexpr (requires { a.cu_new_tokens; }) no_negative_extent("cu_new_tokens", a.cu_new_tokens);
-      },
-      args);
-}
-
 // An op's kernel, which refuses other ops' parameters (make_kernel). Both its check (Kernel::check)
 // and its launch run the shape checks every backend makes (validate.hpp); then the check runs
 // `check_call`, what the launcher refuses before it queues anything, and the launch runs `launch`,
@@ -100,7 +69,8 @@ class CudaBackend final : public Backend {
       case Op::kMlaDecode:
         return Selection::yes(
             op_kernel<MlaDecodeParams>(cuda::mla_decode_kernel_name(p.kv_dtype, rows_of(p), p.device.sm),
-                                       cuda::check_mla_decode_call, cuda::launch_mla_decode),
+                                       [](const MlaDecodeParams& q) { cuda::check_mla_decode_call(q); },
+                                       [](const MlaDecodeParams& q, cudaStream_t s) { cuda::launch_mla_decode(q, s); }),
             "split-KV decode, any head count and page size");
       case Op::kIndexerLogits:
         if (p.heads > kMaxIndexerHeads) {
@@ -154,7 +124,7 @@ class CudaBackend final : public Backend {
   }
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
-    check_plan_extents(args, device);
+    cuda::check_plan_extents(args, device);
     // The planners read the current device's limits and occupancy: those of `device`, for a plan made
     // while another GPU of the process is current.
     const cuda::ScopedCurrentDevice on(device, std::string(op_name(op_of(args))).c_str());

@@ -1,6 +1,7 @@
 # CUDA sources of the library, one folder per op family. Included from the top-level CMakeLists
 # when CUDA is enabled.
 list(APPEND LKV_SOURCES
+  src/cuda/common/backend_support.cpp
   src/cuda/common/device.cpp
   src/cuda/backend.cpp
   src/cuda/baselines/cast_baselines.cpp

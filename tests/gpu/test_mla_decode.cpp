@@ -589,30 +589,43 @@ struct PlanCase {
   }
 };
 
-// plan() runs before a call's checks: q without heads, a page size below one token or a block table
-// of negative extent is refused there, naming it, rather than divided or counted with.
+// plan() runs before a call's checks: q without heads or of a negative extent, a page size below one
+// token, a block table or index rows of negative extent are refused there, naming them, rather than
+// divided or counted with: by the cuda backend and by both cast baselines (whose scratch is sized
+// from the same shapes).
 TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
   LKV_REQUIRE_GPU();
   PlanCase c({70, 150});
-  const auto plan = [&c](const OpArgs& args) { (void)c.backend.plan(args, c.device); };
-  MlaDecodeParams p = c.d.params;
-  p.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 1, 0, 576}, p.q.device);
-  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "q.shape[2] (heads)", "0"));
-  SparseMlaDecodeParams sparse;
-  sparse.q = p.q;
-  sparse.cache = p.cache;
-  EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
+  for (const char* name : {"cuda", "cast_full", "gather_cast"}) {
+    SCOPED_TRACE(name);
+    const Backend& backend = *find_backend(name);
+    const auto plan = [&](const OpArgs& args) { (void)backend.plan(args, c.device); };
+    MlaDecodeParams p = c.d.params;
+    p.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 1, 0, 576}, p.q.device);
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "q.shape[2] (heads)", "0"));
+    SparseMlaDecodeParams sparse;
+    sparse.q = p.q;
+    sparse.cache = p.cache;
+    sparse.indices = TensorView::contiguous(nullptr, DType::kI32, {c.f.batch(), 1, 64}, p.q.device);
+    EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
+    sparse.q = c.d.params.q;
+    sparse.indices.shape[0] = -2;
+    EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "indices", "-2"));
+    p = c.d.params;
+    p.q.shape[0] = -1;
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "q", "-1"));
+    p = c.d.params;
+    p.cache.page_size = 0;
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "cache.page_size", "0"));
+    p = c.d.params;
+    p.block_table.shape[1] = -3;
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "block_table", "-3"));
+    EXPECT_NO_THROW(plan(c.d.params));
+  }
   MlaPrefillParams prefill;
-  prefill.q = TensorView::contiguous(p.q.data, DType::kBF16, {4, 0, 576}, p.q.device);
-  prefill.cache = p.cache;
-  EXPECT_TRUE(throws_error([&] { plan(prefill); }, "mla_prefill", "q.shape[1] (heads)", "0"));
-  p = c.d.params;
-  p.cache.page_size = 0;
-  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "cache.page_size", "0"));
-  p = c.d.params;
-  p.block_table.shape[1] = -3;
-  EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "block_table", "-3"));
-  EXPECT_NO_THROW(plan(c.d.params));
+  prefill.q = TensorView::contiguous(c.d.params.q.data, DType::kBF16, {4, 0, 576}, c.d.params.q.device);
+  prefill.cache = c.d.params.cache;
+  EXPECT_TRUE(throws_error([&] { (void)c.backend.plan(prefill, c.device); }, "mla_prefill", "q.shape[1] (heads)", "0"));
 }
 
 // A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024

@@ -59,7 +59,9 @@ class CastBaseline : public Backend {
   }
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
-    // As the cuda backend's plan(): the planners read the current device, made `device` here.
+    // As the cuda backend's plan(): the shapes counted with checked first, and the planners read the
+    // current device, made `device` here.
+    cuda::check_plan_extents(args, device);
     const cuda::ScopedCurrentDevice on(device, std::string(op_name(op_of(args))).c_str());
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
       Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);

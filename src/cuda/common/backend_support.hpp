@@ -36,6 +36,10 @@ inline std::string device_problem(const Problem& p) {
   return {};
 }
 
+// Refuses, naming the argument, what a plan() would otherwise count or divide with (backend_support.cpp):
+// every CUDA backend's plan() (the cuda backend's and the cast baselines') calls it first.
+void check_plan_extents(const OpArgs& args, const DeviceInfo& device);
+
 // Query rows of one request's decode: q_len x heads (each at least 1 when not fixed yet).
 inline int rows_of(const Problem& p) { return (p.q_len > 0 ? p.q_len : 1) * (p.heads > 0 ? p.heads : 1); }
 

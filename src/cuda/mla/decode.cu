@@ -448,23 +448,23 @@ int configure() {
 }
 
 template <bool kFp8, int kGroups, bool kChecks, bool kHidden>
-void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+void launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
   const int smem_bytes = configure<kFp8, kGroups, kChecks, kHidden>();
   const int row_blocks = (a.rows + kGroups * kRowsPerGroup - 1) / (kGroups * kRowsPerGroup);
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
-  launch_chained("mla_decode", decode_kernel<kFp8, kGroups, kChecks, kHidden>, grid, kGroups * kWarpsPerGroup * 32,
+  launch_chained(op, decode_kernel<kFp8, kGroups, kChecks, kHidden>, grid, kGroups * kWarpsPerGroup * 32,
                  smem_bytes, stream, false, a, fault);
 }
 template <bool kFp8, int kGroups, bool kHidden>
-void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  if (fault.record != nullptr) launch_instance<kFp8, kGroups, true, kHidden>(a, fault, stream);
-  else launch_instance<kFp8, kGroups, false, kHidden>(a, fault, stream);
+void launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  if (fault.record != nullptr) launch_instance<kFp8, kGroups, true, kHidden>(op, a, fault, stream);
+  else launch_instance<kFp8, kGroups, false, kHidden>(op, a, fault, stream);
 }
 template <bool kFp8, int kGroups>
-void launch_instance(const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
-  if (a.q_len > 1) launch_instance<kFp8, kGroups, true>(a, fault, stream);
-  else launch_instance<kFp8, kGroups, false>(a, fault, stream);
+void launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, cudaStream_t stream) {
+  if (a.q_len > 1) launch_instance<kFp8, kGroups, true>(op, a, fault, stream);
+  else launch_instance<kFp8, kGroups, false>(op, a, fault, stream);
 }
 
 template <bool kFp8, int kGroups>
@@ -564,12 +564,12 @@ void run_decode(DecodeArgs a, const FaultSink& fault, bool fp8, int num_splits, 
                 "a group the wgmma or narrow kernel takes (mla_prefill_group_tokens)");
   }
   bool merged = false;  // the splits merged by the kernel itself
-  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(a, fault, spans, stream);
-  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(a, fault, spans, stream);
-  else if (fp8 && groups == 1) launch_instance<true, 1>(a, fault, stream);
-  else if (fp8) launch_instance<true, 2>(a, fault, stream);
-  else if (groups == 1) launch_instance<false, 1>(a, fault, stream);
-  else launch_instance<false, 2>(a, fault, stream);
+  if (kernel == DecodeKernel::kNarrow) merged = launch_decode_narrow(op, a, fault, spans, stream);
+  else if (kernel == DecodeKernel::kWgmma) launch_decode_wgmma(op, a, fault, spans, stream);
+  else if (fp8 && groups == 1) launch_instance<true, 1>(op, a, fault, stream);
+  else if (fp8) launch_instance<true, 2>(op, a, fault, stream);
+  else if (groups == 1) launch_instance<false, 1>(op, a, fault, stream);
+  else launch_instance<false, 2>(op, a, fault, stream);
   if (a.num_splits > 1 && !merged) {
     if (a.num_splits <= 32) {
       launch_combine<128>(a, spans, op, stream);
@@ -641,19 +641,19 @@ void check_decode_call(const DecodeCall& c) {
   }
 }
 
-void check_mla_decode_call(const MlaDecodeParams& p) {
-  check_fault_record(p.fault, "mla_decode");
-  check_decode_call({"mla_decode", p.q.size(0), p.q.size(1) * p.q.size(2), p.num_splits, p.q.data, p.o.data,
+void check_mla_decode_call(const MlaDecodeParams& p, const char* op) {
+  check_fault_record(p.fault, op);
+  check_decode_call({op, p.q.size(0), p.q.size(1) * p.q.size(2), p.num_splits, p.q.data, p.o.data,
                      p.cache.data, p.workspace, p.workspace_bytes});
 }
 
-void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream) {
+void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream, const char* op) {
   using namespace mla;
-  check_mla_decode_call(p);
+  check_mla_decode_call(p, op);
   const DecodeArgs a = dense_args(p, static_cast<int>(p.q.size(0)), static_cast<int>(p.q.size(1)),
                                   static_cast<int>(p.q.size(2)));
   const FaultSink fault{p.fault, DeviceFaultOp::kMlaDecode};
-  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, "mla_decode", stream);
+  run_decode(a, fault, p.cache.dtype == KvDtype::kFp8E4M3, p.num_splits, p.workspace, p.workspace_bytes, op, stream);
 }
 
 namespace mla {

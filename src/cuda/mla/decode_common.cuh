@@ -278,9 +278,10 @@ __device__ __forceinline__ void note_nonfinite_q(const DecodeArgs& a, const Faul
 // decode_narrow.cu. Writes o/lse or, with splits, the partials, which it merges itself when its grid
 // is resident at once (returns true), else decode.cu's combine merges them (returns false).
 // `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record, never merged
-// in the kernel.
+// in the kernel. `op` names the call in a launch's errors (mla_decode, sparse_mla_decode, ...).
 inline constexpr int kNarrowMaxRows = 16;
-bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream);
+bool launch_decode_narrow(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans,
+                          cudaStream_t stream);
 // CTAs of the narrow kernel for `rows` and `batch` (which picks the pipeline depth) that one SM
 // holds at once (the occupancy API's answer).
 int narrow_blocks_per_sm(int rows, int batch);
@@ -294,8 +295,9 @@ inline constexpr int kWgmmaRows = 64;
 inline constexpr int kWgmmaTile = 64;
 inline constexpr int kWgmmaMinRows = 33;
 bool wgmma_decode_available(int sm);
-// `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record.
-void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream);
+// `spans` non-null: a grouped prefill's decode (DecodeGroups), without a fault record. `op` as above.
+void launch_decode_wgmma(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans,
+                         cudaStream_t stream);
 int wgmma_blocks_per_sm();
 
 }  // namespace latentkv::cuda::mla

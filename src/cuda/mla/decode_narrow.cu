@@ -832,7 +832,7 @@ int blocks_per_sm() {
 // kernel on bulk copies, of at most kBalancedMostBatch requests, runs the balanced grid (its own
 // instance; the same shared memory and launch bounds, so the same CTAs per SM).
 template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk>
-bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+bool launch_instance(const char* op, DecodeArgs a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   const int smem_bytes = configure<kNt, kStages, kChecks, kGrouped, kBulk>();
   const DeviceLimits& device = current_device_limits("mla_decode");
   const std::int64_t ctas = static_cast<std::int64_t>(a.num_splits) * a.batch;
@@ -845,38 +845,40 @@ bool launch_instance(DecodeArgs a, const FaultSink& fault, const int2* spans, cu
     const bool balanced = a.merge_splits && a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch &&
                           most_merge_bytes(a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
     if (balanced) {
-      launch_chained("mla_decode", narrow_kernel<kNt, kStages, kChecks, false, true, true>, grid, kThreads,
+      launch_chained(op, narrow_kernel<kNt, kStages, kChecks, false, true, true>, grid, kThreads,
                      configure<kNt, kStages, kChecks, false, true, true>(), stream, true, a, fault, spans);
       return true;
     }
   }
-  launch_chained(kGrouped ? "mla_prefill" : "mla_decode", narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, false>,
-                 grid, kThreads, smem_bytes, stream, a.merge_splits, a, fault, spans);
+  launch_chained(op, narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, false>, grid, kThreads, smem_bytes, stream,
+                 a.merge_splits, a, fault, spans);
   return a.merge_splits;
 }
 template <int kNt, int kStages, bool kBulk>
-bool launch_instance(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+bool launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
   if (spans != nullptr) {
-    if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
-    return launch_instance<kNt, kStages, false, true, kBulk>(a, fault, spans, stream);
+    if (fault.record != nullptr) throw Error(op, "fault", "a record", "none for the grouped decode");
+    return launch_instance<kNt, kStages, false, true, kBulk>(op, a, fault, spans, stream);
   }
-  return fault.record != nullptr ? launch_instance<kNt, kStages, true, false, kBulk>(a, fault, spans, stream)
-                                 : launch_instance<kNt, kStages, false, false, kBulk>(a, fault, spans, stream);
+  return fault.record != nullptr ? launch_instance<kNt, kStages, true, false, kBulk>(op, a, fault, spans, stream)
+                                 : launch_instance<kNt, kStages, false, false, kBulk>(op, a, fault, spans, stream);
 }
 template <int kNt, int kStages>
-bool launch_instance(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
-  return bulk_copies(a) ? launch_instance<kNt, kStages, true>(a, fault, spans, stream)
-                        : launch_instance<kNt, kStages, false>(a, fault, spans, stream);
+bool launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+  return bulk_copies(a) ? launch_instance<kNt, kStages, true>(op, a, fault, spans, stream)
+                        : launch_instance<kNt, kStages, false>(op, a, fault, spans, stream);
 }
 
 }  // namespace
 
-bool launch_decode_narrow(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+bool launch_decode_narrow(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans,
+                          cudaStream_t stream) {
   const bool shallow = a.batch >= kShallowFromBatch;
   if (a.rows <= 8) {
-    return shallow ? launch_instance<1, 2>(a, fault, spans, stream) : launch_instance<1, 3>(a, fault, spans, stream);
+    return shallow ? launch_instance<1, 2>(op, a, fault, spans, stream)
+                   : launch_instance<1, 3>(op, a, fault, spans, stream);
   }
-  return shallow ? launch_instance<2, 2>(a, fault, spans, stream) : launch_instance<2, 3>(a, fault, spans, stream);
+  return shallow ? launch_instance<2, 2>(op, a, fault, spans, stream) : launch_instance<2, 3>(op, a, fault, spans, stream);
 }
 int narrow_blocks_per_sm(int rows, int batch) {
   const bool shallow = batch >= kShallowFromBatch;

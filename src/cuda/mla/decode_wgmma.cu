@@ -738,11 +738,11 @@ void launch_instance(const char* op, const DecodeArgs& a, const FaultSink& fault
 
 // The decode instance for a call: with checks (a fault record) or not, and tokens hidden (q_len > 1) or not.
 template <bool kHidden>
-void launch_decode(const DecodeArgs& a, const FaultSink& fault, const dim3 grid, cudaStream_t stream) {
+void launch_decode(const char* op, const DecodeArgs& a, const FaultSink& fault, const dim3 grid, cudaStream_t stream) {
   if (fault.record != nullptr) {
-    launch_instance<true, false, kHidden>("mla_decode", a, fault, nullptr, grid, stream);
+    launch_instance<true, false, kHidden>(op, a, fault, nullptr, grid, stream);
   } else {
-    launch_instance<false, false, kHidden>("mla_decode", a, fault, nullptr, grid, stream);
+    launch_instance<false, false, kHidden>(op, a, fault, nullptr, grid, stream);
   }
 }
 
@@ -754,16 +754,17 @@ int wgmma_blocks_per_sm() {
   return resident_ctas_per_sm(decode_wgmma_kernel<false, false, false, false>, kThreads, configure(), "mla_decode");
 }
 
-void launch_decode_wgmma(const DecodeArgs& a, const FaultSink& fault, const int2* spans, cudaStream_t stream) {
+void launch_decode_wgmma(const char* op, const DecodeArgs& a, const FaultSink& fault, const int2* spans,
+                         cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((a.rows + kRows - 1) / kRows), static_cast<unsigned>(a.num_splits),
                   static_cast<unsigned>(a.batch));
   if (spans != nullptr) {
-    if (fault.record != nullptr) throw Error("mla_prefill", "fault", "a record", "none for the grouped decode");
-    launch_instance<false, true, true>("mla_prefill", a, fault, spans, grid, stream);
+    if (fault.record != nullptr) throw Error(op, "fault", "a record", "none for the grouped decode");
+    launch_instance<false, true, true>(op, a, fault, spans, grid, stream);
   } else if (a.q_len > 1) {
-    launch_decode<true>(a, fault, grid, stream);
+    launch_decode<true>(op, a, fault, grid, stream);
   } else {
-    launch_decode<false>(a, fault, grid, stream);
+    launch_decode<false>(op, a, fault, grid, stream);
   }
 }
 

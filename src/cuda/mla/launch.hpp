@@ -21,8 +21,9 @@ inline constexpr int kMaxDecodeBatch = static_cast<int>(kMaxGpuRequests);
 Plan plan_mla_decode(const MlaDecodeParams& p, int multiprocessors, const char* op = "mla_decode");
 
 // Launches decode (and the split combine when p.num_splits > 1). Arguments must be validated;
-// p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes.
-void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
+// p.num_splits must come from plan_mla_decode and p.workspace hold its workspace_bytes. `op` names
+// the calling op in errors (a per-token prefill launches it on slices of its new tokens).
+void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream, const char* op = "mla_decode");
 
 // What every decode launch (decode.cu's kernels and their split combine) asks of its call before it
 // queues anything, for `batch` query tokens (requests; B x q_len sparse; a prefill's new tokens or
@@ -42,10 +43,10 @@ struct DecodeCall {
 };
 void check_decode_call(const DecodeCall& call);
 // The same for each op's whole call, its fault record's alignment, and (prefill) every launch it
-// would queue: what launch_mla_decode, launch_sparse_mla_decode (`op` names the caller),
+// would queue: what launch_mla_decode, launch_sparse_mla_decode (`op` names the caller of either),
 // launch_mla_prefill and launch_sparse_mla_prefill refuse before they queue anything. They queue
 // nothing themselves.
-void check_mla_decode_call(const MlaDecodeParams& p);
+void check_mla_decode_call(const MlaDecodeParams& p, const char* op = "mla_decode");
 void check_sparse_mla_decode_call(const SparseMlaDecodeParams& p, const char* op = "sparse_mla_decode");
 void check_mla_prefill_call(const MlaPrefillParams& p);
 void check_sparse_mla_prefill_call(const SparseMlaPrefillParams& p);

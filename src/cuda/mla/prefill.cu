@@ -224,7 +224,7 @@ void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
     d.seq_lens = leading_rows(d.seq_lens, first, n);
     d.o = leading_rows(d.o, first, n);
     d.lse = leading_rows(d.lse, first, n);
-    launch_mla_decode(d, stream);
+    launch_mla_decode(d, stream, "mla_prefill");
   }
 }
 

@@ -1,0 +1,45 @@
+// What every CUDA backend's plan() checks first (backend_support.hpp).
+#include <string>
+#include <variant>
+
+#include "core/validate.hpp"
+#include "cuda/common/backend_support.hpp"
+#include "latentkv/backend.hpp"
+
+namespace latentkv::cuda {
+
+// plan() runs before a call's own checks (a DSA call plans its steps before their workspace views
+// exist), so what the planners count and divide with is refused here as the call would refuse it:
+// q's extents within 0 .. 2^31-1 (problem_of), at least one head, a page size of at least one token,
+// and queries, index rows, logits, block tables, lengths and offsets of no negative extent.
+void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
+  const Problem p = problem_of(args, device);
+  const std::string op(op_name(p.op));
+  if (p.op != Op::kAppend && p.op != Op::kTopk) {
+    const bool prefill = p.op == Op::kMlaPrefill || p.op == Op::kSparseMlaPrefill || p.op == Op::kIndexerPrefill;
+    const bool indexer = p.op == Op::kIndexerLogits || p.op == Op::kIndexerPrefill;
+    const std::string heads =
+        std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)");
+    detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
+  }
+  if (p.op != Op::kAppend && p.page_size < 1) {
+    detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");
+  }
+  const auto no_negative_extent = [&](const char* name, const TensorView& v) {
+    for (int d = 0; d < TensorView::kMaxRank; ++d) {
+      if (v.size(d) < 0) detail::fail(op, name, v.shape_string(), "extents >= 0");
+    }
+  };
+  std::visit(
+      [&](const auto& a) {
+        if constexpr (requires { a.q; }) no_negative_extent("q", a.q);
+        if constexpr (requires { a.indices; }) no_negative_extent("indices", a.indices);
+        if constexpr (requires { a.logits; }) no_negative_extent("logits", a.logits);
+        if constexpr (requires { a.block_table; }) no_negative_extent("block_table", a.block_table);
+        if constexpr (requires { a.seq_lens; }) no_negative_extent("seq_lens", a.seq_lens);
+        if constexpr (requires { a.cu_new_tokens; }) no_negative_extent("cu_new_tokens", a.cu_new_tokens);
+      },
+      args);
+}
+
+}  // namespace latentkv::cuda
