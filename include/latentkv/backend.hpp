@@ -121,8 +121,9 @@ class Backend {
   virtual Selection select(const Problem& problem) const = 0;
   // The schedule and scratch for a call with these shapes; callers copy num_splits and a workspace
   // of workspace_bytes into the parameters. No scratch by default. A backend may throw Error for
-  // shapes its planner cannot count with, as the call would (the cuda backend: q without heads, a
-  // page size below one token, negative table extents); the rest is checked by the call.
+  // shapes its planner cannot count with, as the call would (the cuda backend and the cast
+  // baselines: q without heads, a page size below one token, negative extents of q, index rows,
+  // logits, block tables, lengths and offsets); the rest is checked by the call.
   virtual Plan plan(const OpArgs& args, const DeviceInfo& device) const {
     (void)args;
     (void)device;
