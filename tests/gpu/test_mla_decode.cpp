@@ -590,7 +590,8 @@ struct PlanCase {
 };
 
 // plan() runs before a call's checks: q without heads or of a negative extent, a page size below one
-// token, a block table or index rows of negative extent are refused there, naming them, rather than
+// token, a block table or index rows of negative extent or too many bytes, lengths of a rank or dtype
+// no view has are refused there, naming them, rather than
 // divided or counted with: by the cuda backend and by both cast baselines (whose scratch is sized
 // from the same shapes).
 TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
@@ -620,6 +621,15 @@ TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
     p = c.d.params;
     p.block_table.shape[1] = -3;
     EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "block_table", "-3"));
+    p = c.d.params;
+    p.block_table.shape[0] = std::int64_t{1} << 62;  // 2^64 bytes of i32
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "block_table", "4611686018427387904"));
+    p = c.d.params;
+    p.seq_lens.rank = TensorView::kMaxRank + 1;
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "seq_lens", "rank"));
+    p = c.d.params;
+    p.seq_lens.dtype = static_cast<DType>(99);
+    EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "seq_lens", "dtype 99"));
     EXPECT_NO_THROW(plan(c.d.params));
   }
   MlaPrefillParams prefill;

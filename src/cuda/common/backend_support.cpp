@@ -11,7 +11,9 @@ namespace latentkv::cuda {
 // plan() runs before a call's own checks (a DSA call plans its steps before their workspace views
 // exist), so what the planners count and divide with is refused here as the call would refuse it:
 // q's extents within 0 .. 2^31-1 (problem_of), at least one head, a page size of at least one token,
-// and queries, index rows, logits, block tables, lengths and offsets of no negative extent.
+// and queries, index rows, logits, block tables, lengths and offsets whose descriptors the calls'
+// shape checks would pass first (detail::expect_descriptor: a rank of at most kMaxRank, a DType,
+// extents >= 0, a byte size that fits int64).
 void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
   const Problem p = problem_of(args, device);
   const std::string op(op_name(p.op));
@@ -25,19 +27,14 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
   if (p.op != Op::kAppend && p.page_size < 1) {
     detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");
   }
-  const auto no_negative_extent = [&](const char* name, const TensorView& v) {
-    for (int d = 0; d < TensorView::kMaxRank; ++d) {
-      if (v.size(d) < 0) detail::fail(op, name, v.shape_string(), "extents >= 0");
-    }
-  };
   std::visit(
       [&](const auto& a) {
-        if constexpr (requires { a.q; }) no_negative_extent("q", a.q);
-        if constexpr (requires { a.indices; }) no_negative_extent("indices", a.indices);
-        if constexpr (requires { a.logits; }) no_negative_extent("logits", a.logits);
-        if constexpr (requires { a.block_table; }) no_negative_extent("block_table", a.block_table);
-        if constexpr (requires { a.seq_lens; }) no_negative_extent("seq_lens", a.seq_lens);
-        if constexpr (requires { a.cu_new_tokens; }) no_negative_extent("cu_new_tokens", a.cu_new_tokens);
+        if constexpr (requires { a.q; }) detail::expect_descriptor(op, "q", a.q);
+        if constexpr (requires { a.indices; }) detail::expect_descriptor(op, "indices", a.indices);
+        if constexpr (requires { a.logits; }) detail::expect_descriptor(op, "logits", a.logits);
+        if constexpr (requires { a.block_table; }) detail::expect_descriptor(op, "block_table", a.block_table);
+        if constexpr (requires { a.seq_lens; }) detail::expect_descriptor(op, "seq_lens", a.seq_lens);
+        if constexpr (requires { a.cu_new_tokens; }) detail::expect_descriptor(op, "cu_new_tokens", a.cu_new_tokens);
       },
       args);
 }
