@@ -205,7 +205,13 @@ void check_bench_options(const BenchOptions& o, const std::set<std::string>& giv
   }
   check_lengths(o);
   // One set of requests must fit in the pool (the timed calls rotate over as many as it holds).
-  check_pool("bench", o.pool, o.batch, o.context, o.page_size);
+  try {
+    check_pool("bench", o.pool, o.batch, o.context, o.page_size);
+  } catch (const Error& e) {
+    if (given.contains("--pool") || e.argument() != "--pool") throw;
+    throw Error("bench", "--pool", e.value() + " (its default)",
+                e.expected() + ": give a larger --pool, or lower --batch, --context or --page-size");
+  }
   if (given.contains("--check-requests") && o.check_requests > o.batch) {
     throw Error("bench", "--check-requests", std::to_string(o.check_requests),
                 "at most the batch, " + std::to_string(o.batch) + " (--batch)");

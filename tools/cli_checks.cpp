@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,6 +59,7 @@ template <typename T>
 std::string integer_problem(std::string& text, T lo, T hi, const std::string& bounds, const std::string& why) {
   const char* first = text.data();
   const char* last = first + text.size();
+  if (text.starts_with("--")) return "no value was given (the word after it, " + text + ", is an option)";
   const bool negative = first != last && *first == '-';
   if (first != last && (*first == '+' || (negative && std::is_unsigned_v<T>))) ++first;
   T value{};
@@ -69,6 +71,19 @@ std::string integer_problem(std::string& text, T lo, T hi, const std::string& bo
   }
   text = std::to_string(value);
   return "";
+}
+
+// The file a path names once its links are followed (it need not exist).
+std::filesystem::path link_target(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path file = path;
+  for (int hops = 0; hops < 40 && fs::is_symlink(fs::symlink_status(file, ec)); ++hops) {
+    const fs::path target = fs::read_symlink(file, ec);
+    if (ec) break;
+    file = target.is_relative() ? file.parent_path() / target : target;
+  }
+  return file;
 }
 
 }  // namespace
@@ -126,6 +141,16 @@ CLI::Validator seed_in_range() {
 
 void check_output_path(const std::string& command, const std::string& option, const std::string& path) {
   namespace fs = std::filesystem;
+  // CLI11 takes the word after the option as its value, whatever it is: `--json --no-progress`
+  // would write a file named --no-progress and drop the option.
+  if (path == "-") {
+    throw Error(command, option, path, "a file name ('-' is no standard output here: the table is printed there)");
+  }
+  if (path.starts_with("-")) {
+    throw Error(command, option, path,
+                "a file name, not an option (no file name was given after " + option +
+                    "; to name a file that starts with '-', write ./" + path + ")");
+  }
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
   if (fs::exists(status)) {
@@ -143,12 +168,7 @@ void check_output_path(const std::string& command, const std::string& option, co
     return;
   }
   // A new name, or a link to one (the file is then created where the link points).
-  fs::path file = path;
-  for (int hops = 0; hops < 40 && fs::is_symlink(fs::symlink_status(file, ec)); ++hops) {
-    const fs::path target = fs::read_symlink(file, ec);
-    if (ec) break;
-    file = target.is_relative() ? file.parent_path() / target : target;
-  }
+  const fs::path file = link_target(path);
   fs::path dir = file.parent_path();
   if (dir.empty()) dir = ".";
   if (!fs::is_directory(fs::status(dir, ec))) {
@@ -172,12 +192,78 @@ void check_output_path(const std::string& command, const std::string& option, co
   unlink(file.c_str());
 }
 
+OutputFile::OutputFile(std::string command, std::string option, std::string path, int suffix_length)
+    : command_(std::move(command)), option_(std::move(option)), path_(std::move(path)) {
+  namespace fs = std::filesystem;
+  const fs::path target = link_target(path_);
+  std::error_code ec;
+  const fs::file_status status = fs::status(target, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {  // a FIFO or a character device: written as it is
+    write_path_ = path_;
+    return;
+  }
+  target_ = target.string();
+  const std::string name = target.filename().string();
+  const std::string suffix = name.substr(name.size() - std::min<std::size_t>(name.size(), suffix_length));
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::string temp = (dir / ("." + name + ".partial-XXXXXX" + suffix)).string();
+  const int fd = mkstemps(temp.data(), static_cast<int>(suffix.size()));
+  if (fd < 0) {
+    // A writable file in a directory that takes no new files is written in place.
+    const int error = errno;
+    if (access(target_.c_str(), W_OK) == 0) {
+      write_path_ = path_;
+      return;
+    }
+    fail("creating a file beside it failed: " + std::string(std::strerror(error)));
+  }
+  // The mode a new file gets (0666 less the umask), or the one the file being replaced has.
+  const mode_t mask = umask(0);
+  umask(mask);
+  mode_t mode = 0666 & ~mask;
+  struct stat old {};
+  if (stat(target_.c_str(), &old) == 0) mode = old.st_mode & 07777;
+  fchmod(fd, mode);
+  close(fd);
+  write_path_ = temp;
+}
+
+OutputFile::~OutputFile() {
+  if (!committed_ && write_path_ != path_) unlink(write_path_.c_str());
+}
+
+void OutputFile::write(const std::string& text) {
+  const int fd = open(write_path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (fd < 0) fail(std::string("opening it failed: ") + std::strerror(errno));
+  for (std::size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : EIO;
+      close(fd);
+      fail(std::string("writing it failed: ") + std::strerror(error));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (close(fd) != 0) fail(std::string("writing it failed: ") + std::strerror(errno));
+}
+
+void OutputFile::commit() {
+  if (write_path_ != path_ && rename(write_path_.c_str(), target_.c_str()) != 0) {
+    fail("renaming " + write_path_ + " onto it failed: " + std::strerror(errno));
+  }
+  committed_ = true;
+}
+
+void OutputFile::fail(const std::string& why) const {
+  throw Error(command_, option_, path_, "a writable file (" + why + ")");
+}
+
 void write_output_file(const std::string& command, const std::string& option, const std::string& path,
                        const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-  out.close();
-  if (!out) throw Error(command, option, path, "a writable file (writing it failed)");
+  OutputFile out(command, option, path);
+  out.write(text);
+  out.commit();
 }
 
 ModelShard shard_from_flags(const std::string& command, const std::string& model, int tp) {

@@ -43,13 +43,37 @@ std::string join(const std::vector<std::string>& items, const std::string& separ
 // 18446744073709551615" (CLI11 alone would wrap -1 around to 2^64 - 1); also a ->transform().
 CLI::Validator seed_in_range();
 
-// Throws latentkv::Error unless `path` can be written as `option`'s output file: an existing file,
+// Throws latentkv::Error unless `path` can be written as `option`'s output file: not "-" nor a word
+// starting with '-' (the option CLI11 took as a missing file name), and an existing file,
 // FIFO or character device that is writable (not a directory, block device or socket), or a new name
 // in a directory that takes it (tried by creating the file and removing it again). Leaves nothing
 // behind.
 void check_output_path(const std::string& command, const std::string& option, const std::string& path);
 
-// Writes `text` to `path`; throws latentkv::Error naming `option` when that fails.
+// An output file written whole or not at all. A regular file (or a new name) is written as a
+// temporary file beside the one `path` names once its links are followed, and renamed onto it by
+// commit(): a run that fails to write (a full disk) leaves no partial file and an earlier one in
+// place. A FIFO or character device is written as it is. Without commit() the temporary file is
+// removed. `suffix_length`: the last characters of the name that the temporary one keeps too (a
+// plot's ".png", which tells its writer the format). Failures throw latentkv::Error naming `option`,
+// with the system's reason.
+class OutputFile {
+ public:
+  OutputFile(std::string command, std::string option, std::string path, int suffix_length = 0);
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  ~OutputFile();
+  const std::string& write_path() const { return write_path_; }  // where the text goes until commit()
+  void write(const std::string& text);                            // the whole text to write_path()
+  void commit();
+
+ private:
+  [[noreturn]] void fail(const std::string& why) const;
+  std::string command_, option_, path_, target_, write_path_;
+  bool committed_ = false;
+};
+
+// Writes `text` to `path` through an OutputFile.
 void write_output_file(const std::string& command, const std::string& option, const std::string& path,
                        const std::string& text);
 

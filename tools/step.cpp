@@ -153,7 +153,8 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
     });
     if (same != run.strategies.end()) {
       if (name == same->name) {
-        run.notes.push_back(name + " is listed twice in --strategies: the second is left out");
+        const std::string note = name + " is listed more than once in --strategies: the repeats are left out";
+        if (std::find(run.notes.begin(), run.notes.end(), note) == run.notes.end()) run.notes.push_back(note);
       } else if (!o.strategies.empty()) {
         const std::string why =
             spec.by_rule || same->by_rule
@@ -266,18 +267,29 @@ bool draw_plot(const std::string& json_path, const std::string& out_path, const 
   const std::string chosen = chosen_python();
   const std::vector<std::string> pythons = plot_pythons();
   bool any_python = false;
-  // A picture already there (an earlier run's) must not pass for this one's.
-  std::error_code ignored;
-  std::filesystem::remove(out_path, ignored);
+  // The picture is drawn into a file beside out_path and renamed onto it once drawn (OutputFile), so
+  // that a failed drawing leaves neither a partial picture nor an earlier run's passing for this one's.
+  OutputFile out("step", "--plot", out_path, 4);
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (out.write_path() == out_path && fs::is_regular_file(out_path, ec)) fs::remove(out_path, ec);
+  const auto drawn = [&] {
+    const std::string& path = out.write_path();
+    return fs::is_regular_file(path, ec) ? fs::file_size(path, ec) > 0 && !ec : fs::exists(path, ec);
+  };
   for (const std::string& python : pythons) {
     const std::string command = "command -v " + shell_quote(python) + " >/dev/null 2>&1 || exit 127; exec " +
-                                shell_quote(python) + " - " + shell_quote(json_path) + " " + shell_quote(out_path);
+                                shell_quote(python) + " - " + shell_quote(json_path) + " " +
+                                shell_quote(out.write_path());
     FILE* pipe = popen(command.c_str(), "w");
     if (pipe == nullptr) continue;
     std::fputs(kStepPlotScript, pipe);
     const int status = pclose(pipe);
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    if (code == 0 && std::filesystem::exists(out_path)) return true;
+    if (code == 0 && drawn()) {
+      out.commit();
+      return true;
+    }
     if (code == kShellNotFound) continue;
     any_python = true;
     if (code == kPlotNoMatplotlib) continue;
@@ -313,6 +325,11 @@ bool draw_plot(const std::string& json_path, const std::string& out_path, const 
 // Draws the report. The script reads it from a temporary file; when drawing fails, the run's data
 // stays in `json_path` (--json, or the --from-json it came from), else in that file, for a redraw.
 bool plot_report(const StepReport& report, const std::string& json_path, const std::string& out_path) {
+  if (std::none_of(report.strategies.begin(), report.strategies.end(), [](const StrategyResult& r) { return r.timed; })) {
+    std::fprintf(stderr, "error: step: --plot %s: no strategy was timed (see the table), so there is nothing to draw\n",
+                 out_path.c_str());
+    return false;
+  }
   char name[] = "/tmp/latentkv-step-XXXXXX.json";
   const int fd = mkstemps(name, 5);
   if (fd < 0) throw Error("step", "--plot", out_path, "a writable /tmp for the run's JSON");
@@ -415,6 +432,12 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
     }
     cpu = o.device == "cpu" || !have_gpu;
     run = resolve_run(o, cpu, o.device != "cpu");
+    const auto reference_runs = [](const StrategySpec& x) { return x.backend == "cuda"; };
+    if (!o.plot.empty() && cpu && std::none_of(run.strategies.begin(), run.strategies.end(), reference_runs)) {
+      throw Error("step", "--plot", o.plot,
+                  "a run with a strategy the CPU reference times (fp8, dense or sparse): the ones asked are CUDA "
+                  "baselines, which a CPU run lists as unsupported, leaving nothing to draw");
+    }
   });
   if (o.from_json.empty()) {
     report = cpu ? run_step_cpu(run) : run_step_gpu(run);

@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "latentkv/error.hpp"
+#include "latentkv/model.hpp"
 #include "latentkv/ops.hpp"
 #include "text.hpp"
 
@@ -481,6 +483,20 @@ T in_range(const nlohmann::json& parent, const char* key, std::int64_t least,
   return static_cast<T>(x);
 }
 
+// A text field of the report, which is printed as it is: no control characters (a crafted report's
+// escape sequences or carriage returns would reach the terminal).
+std::string plain_text(const nlohmann::json& v, const std::string& field) {
+  const auto text = v.get<std::string>();
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) bad_field(field, v, "text without control characters");
+  }
+  return text;
+}
+std::string plain_text(const nlohmann::json& parent, const char* key, const std::string& where) {
+  return plain_text(parent.at(key), where + key);
+}
+
 // "append, indexer_logits, topk, sparse_decode"
 std::string op_names(const std::vector<StepOp>& ops) {
   std::string s;
@@ -496,13 +512,20 @@ StepReport parse_report_json(std::string_view text) {
   try {
     const json j = json::parse(text);
     if (!j.is_object()) throw std::invalid_argument("a JSON object at the top, not " + std::string(j.type_name()));
-    r.command = j.at("command").get<std::string>();
-    if (j.contains("latentkv") && !j.at("latentkv").is_null()) r.latentkv = j.at("latentkv").get<std::string>();
-    r.device = j.at("device").get<std::string>();
+    r.command = plain_text(j, "command", "");
+    if (j.contains("latentkv") && !j.at("latentkv").is_null()) r.latentkv = plain_text(j, "latentkv", "");
+    r.device = plain_text(j, "device", "");
     r.cpu_reference = j.at("cpu_reference").get<bool>();
-    r.notes = j.at("notes").get<std::vector<std::string>>();
+    const json& notes = j.at("notes");
+    if (!notes.is_array()) bad_field("notes", notes, "a list of texts");
+    for (std::size_t i = 0; i < notes.size(); ++i) r.notes.push_back(plain_text(notes[i], "notes[" + std::to_string(i) + "]"));
     const json& s = j.at("shape");
-    r.shape.model = s.at("model").get<std::string>();
+    r.shape.model = plain_text(s, "model", "shape.");
+    try {
+      (void)model_preset(r.shape.model);
+    } catch (const Error& e) {
+      bad_field("shape.model", s.at("model"), e.expected());
+    }
     // The bounds a run's own options and the ops hold it to (`latentkv step --help`).
     r.shape.tp = in_range<int>(s, "tp", 1);
     r.shape.layers = in_range<int>(s, "layers", 1);
@@ -518,7 +541,7 @@ StepReport parse_report_json(std::string_view text) {
     r.read_gbps = non_negative(j, "read_gbps", "");
     r.copy_gbps = non_negative(j, "copy_gbps", "");
     r.matrix_tflops = non_negative(j, "matrix_tflops", "");
-    r.matrix_how = j.at("matrix_how").is_null() ? "" : j.at("matrix_how").get<std::string>();
+    r.matrix_how = j.at("matrix_how").is_null() ? "" : plain_text(j, "matrix_how", "");
     // Absent from reports written before it was measured.
     r.launch_us = j.contains("launch_us") ? non_negative(j, "launch_us", "") : 0.0;
     r.warmup = in_range<int>(j, "warmup", 0, std::numeric_limits<int>::max(), "");
@@ -533,25 +556,30 @@ StepReport parse_report_json(std::string_view text) {
       const json& x = strategies[i];
       const std::string where = "strategies[" + std::to_string(i) + "].";
       StrategyResult st;
-      st.name = x.at("name").get<std::string>();
+      st.name = plain_text(x, "name", where);
       if (st.name.empty()) bad_field(where + "name", x.at("name"), "a strategy's name");
-      const std::string path = x.at("path").get<std::string>();
+      const std::string path = plain_text(x, "path", where);
       if (path != "dense" && path != "sparse") bad_field(where + "path", x.at("path"), "\"dense\" or \"sparse\"");
       st.dense = path == "dense";
-      st.backend = x.at("backend").get<std::string>();
-      st.status = x.at("status").get<std::string>();
+      st.backend = plain_text(x, "backend", where);
+      st.status = plain_text(x, "status", where);
       st.timed = x.at("timed").get<bool>();
       st.step_us = non_negative(x, "step_us", where);
       st.step_p10_us = non_negative(x, "step_p10_us", where);
       st.step_p90_us = non_negative(x, "step_p90_us", where);
+      if (st.timed && !(st.step_p10_us <= st.step_us && st.step_us <= st.step_p90_us)) {
+        bad_field(where + "step_us", x.at("step_us"),
+                  "a timed step within its p10 .. p90 (" + x.at("step_p10_us").dump() + " .. " +
+                      x.at("step_p90_us").dump() + ")");
+      }
       const json& ops = x.at("ops");
       for (std::size_t k = 0; k < ops.size(); ++k) {
         const json& o = ops[k];
         const std::string at = where + "ops[" + std::to_string(k) + "].";
         OpResult op;
         op.op = parse_step_op(o.at("op").get<std::string>());
-        op.backend = o.at("backend").get<std::string>();
-        op.kernel = o.at("kernel").get<std::string>();
+        op.backend = plain_text(o, "backend", at);
+        op.kernel = plain_text(o, "kernel", at);
         op.us = non_negative(o, "us", at);
         op.p10_us = non_negative(o, "p10_us", at);
         op.p90_us = non_negative(o, "p90_us", at);

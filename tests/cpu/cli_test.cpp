@@ -144,6 +144,70 @@ TEST_F(Cli, EmptyOrSharedOutputFilesAreRefused) {
   EXPECT_FALSE(fs::exists(path("r.svg")));
 }
 
+// The word after a file option is its file name to CLI11 whatever it is: an option there, or "-",
+// is refused before anything runs (rather than written to a file named --no-progress, with the
+// option dropped), and so is an integer option whose value is missing.
+TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
+  for (const std::string command : {"step", "bench"}) {
+    SCOPED_TRACE(command);
+    const Result option = run({command, "--json", "--no-progress"});
+    EXPECT_EQ(option.exit_code, 2);
+    EXPECT_THAT(option.err, HasSubstr("error: " + command + ": argument '--json' = --no-progress: expected a file name, "
+                                      "not an option (no file name was given after --json; to name a file that "
+                                      "starts with '-', write ./--no-progress)"));
+    const Result dash = run({command, "--json", "-"});
+    EXPECT_EQ(dash.exit_code, 2);
+    EXPECT_THAT(dash.err, HasSubstr("argument '--json' = -: expected a file name ('-' is no standard output here"));
+    EXPECT_EQ(option.out + dash.out, "");
+  }
+  const Result plot = run(kSmallStep, {"--plot", "--json"});
+  EXPECT_EQ(plot.exit_code, 2);
+  EXPECT_THAT(plot.err, HasSubstr("argument '--plot' = --json"));
+  const Result missing = run({"step", "--batch", "--tp", "8"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, --tp, is an option)"));
+}
+
+// A report is written whole or not at all: into a file beside the one named, renamed onto it once
+// written, so that a link stays a link to the file it names and a replaced file keeps its mode; a
+// device written as it is says why it failed (/dev/full: no space).
+TEST_F(Cli, AReportReplacesItsFileWhole) {
+  { std::ofstream(path("old.json")) << "an earlier report"; }
+  fs::permissions(path("old.json"), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  fs::create_symlink("old.json", path("link.json"));
+  const Result r = run(kSmallStep, {"--json", path("link.json")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::is_symlink(path("link.json")));
+  EXPECT_EQ(read_file(path("old.json")).rfind("{\n  \"command\": \"latentkv step ", 0), 0u);
+  EXPECT_EQ(fs::status(path("old.json")).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  }
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  const Result full = run(kSmallStep, {"--json", "/dev/full"});
+  EXPECT_EQ(full.exit_code, 1);
+  EXPECT_THAT(full.err, HasSubstr("argument '--json' = /dev/full: expected a writable file (writing it failed: "));
+}
+
+// On the CPU the baselines are not run: a picture of them alone is refused before the run.
+TEST_F(Cli, APlotOfNothingTheCpuRunsIsRefusedFirst) {
+  const Result r = run(kSmallStep, {"--strategies", "cast_full,gather_cast", "--plot", path("p.svg")});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("argument '--plot' = " + path("p.svg") + ": expected a run with a strategy the CPU "
+                               "reference times (fp8, dense or sparse)"));
+  EXPECT_EQ(r.out, "");
+  EXPECT_FALSE(fs::exists(path("p.svg")));
+}
+
+// bench's --pool left at its default is said to be one, with the options that change what it must hold.
+TEST_F(Cli, ADefaultPoolTooSmallIsSaidToBeTheDefault) {
+  const Result r = run({"bench", "--page-size", "1073741824"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("argument '--pool' = 495000 (its default): expected >= 1073741824 tokens"));
+  EXPECT_THAT(r.err, HasSubstr("give a larger --pool, or lower --batch, --context or --page-size"));
+}
+
 // The configuration's variables set for a command that takes its shape from its options are said,
 // with the option to use; the kernel overrides, read by every command, are not; `config` reads them.
 TEST_F(Cli, ConfigurationVariablesACommandDoesNotReadAreSaid) {
@@ -422,7 +486,9 @@ TEST_F(Cli, FromJsonRefusesTheOptionsOfARunAndHonoursJson) {
 
   // A report whose steps took no measurable time prints no NaN.
   nlohmann::json zero = original;
-  for (nlohmann::json& s : zero["strategies"]) s["step_us"] = 0.0;
+  for (nlohmann::json& s : zero["strategies"]) {
+    for (const char* key : {"step_us", "step_p10_us", "step_p90_us"}) s[key] = 0.0;
+  }
   std::ofstream(path("zero.json")) << zero.dump();
   const Result printed = run({"step", "--from-json", path("zero.json")});
   EXPECT_EQ(printed.exit_code, 0) << printed.err;
@@ -444,9 +510,11 @@ TEST_F(Cli, StepTooLargeForHostMemoryFailsBeforeAllocating) {
 }
 
 TEST_F(Cli, DuplicateStrategyIsNamedAsOne) {
-  const Result r = run(kSmallStep, {"--strategies", "fp8,fp8"});
+  const Result r = run(kSmallStep, {"--strategies", "fp8,fp8,fp8"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.out, HasSubstr("fp8 is listed twice in --strategies"));
+  const std::string note = "fp8 is listed more than once in --strategies: the repeats are left out";
+  EXPECT_THAT(r.out, HasSubstr(note));
+  EXPECT_EQ(r.out.find(note), r.out.rfind(note)) << "the note once, however many repeats";
   EXPECT_THAT(r.out, Not(HasSubstr("the model's rule picks")));
 }
 
@@ -474,14 +542,18 @@ TEST_F(Cli, ChosenPythonThatCannotRunIsNamedAndRefusedBeforeTheRun) {
   EXPECT_THAT(bare.err, HasSubstr("LATENTKV_PYTHON=" + without + " cannot import matplotlib"));
   EXPECT_THAT(bare.err, HasSubstr("kept in " + report));
   EXPECT_FALSE(fs::exists(plot));
-  // One that exits 0 without drawing is an error too, also where an earlier picture lies at the path
-  // (it is not taken for this one's, and does not stay to be).
+  // One that exits 0 without drawing is an error too, also where an earlier picture lies at the path:
+  // it is not taken for this one's, and stays as it was (the picture is drawn beside it and renamed
+  // onto it only once drawn), with nothing else left in the directory.
   { std::ofstream(plot) << "an earlier run's picture"; }
   const std::string silent = script("python-that-draws-nothing", "cat >/dev/null; exit 0");
   const Result nothing = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + silent});
   EXPECT_EQ(nothing.exit_code, 1);
   EXPECT_THAT(nothing.err, HasSubstr("exit 0 without writing " + plot));
-  EXPECT_FALSE(fs::exists(plot));
+  EXPECT_EQ(read_file(plot), "an earlier run's picture");
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  }
 }
 
 TEST_F(Cli, NegativeSeedsAreRefused) {

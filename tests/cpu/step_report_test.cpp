@@ -4,6 +4,7 @@
 // (tools/step_check.hpp).
 #include "step_report.hpp"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -709,6 +710,20 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
             "shape.page_size = 2147483647: expected an integer in 1 .. 1073741824");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["shape"]["context"] = 9223372036854775807; }),
             "shape.context = 9223372036854775807: expected an integer in 1 .. 2147483647");
+  // Text printed as it is carries no control characters (a crafted report's escape sequences would
+  // reach the terminal); the model is a preset; a timed step lies within its own spread.
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["command"] = "latentkv step \x1b[31mRED\r"; }),
+            "command = \"latentkv step \\u001b[31mRED\\r\": expected text without control characters");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["notes"][0] = "a\nb"; }),
+            "notes[0] = \"a\\nb\": expected text without control characters");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][1]["ops"][0]["kernel"] = "k\x07"; }),
+            "strategies[1].ops[0].kernel = \"k\\u0007\": expected text without control characters");
+  EXPECT_THAT(problem([](nlohmann::json& j) { j["shape"]["model"] = "bogus"; }),
+              ::testing::StartsWith("shape.model = \"bogus\": expected "));
+  EXPECT_THAT(problem([](nlohmann::json& j) { j["strategies"][0]["step_us"] = 0.0; }),
+              ::testing::StartsWith("strategies[0].step_us = 0.0: expected a timed step within its p10 .. p90 ("));
+  EXPECT_THAT(problem([](nlohmann::json& j) { j["strategies"][0]["step_p10_us"] = 1e9; }),
+              ::testing::StartsWith("strategies[0].step_us = "));
   EXPECT_EQ(problem([](nlohmann::json&) {}), "accepted");
 }
 
