@@ -38,7 +38,9 @@ struct ConfigCommandState {
   bool explain = false;
   CLI::Option* json = nullptr;  // --json: given (count() > 0), with json_file empty or "-" for standard output
   std::string json_file;
-  std::string device = "detected";  // "cpu": resolve for the CPU whatever the machine has; "cuda": the detected GPU
+  // "auto": the detected device; "cpu": resolve for the CPU whatever the machine has; "cuda": the
+  // detected GPU.
+  std::string device = "auto";
 
   bool as_json() const { return json != nullptr && json->count() > 0; }
   bool json_to_file() const { return as_json() && !json_file.empty() && json_file != "-"; }
@@ -384,8 +386,8 @@ CLI::App* add_config_command(CLI::App& app, ConfigCommandIo io) {
   cmd->add_option("--device", state->device,
                   "resolve for the detected device (auto), for the cpu, or for the detected GPU (cuda: an error "
                   "where there is none)")
-      ->transform(CLI::Transformer({{"auto", "detected"}}))
-      ->check(CLI::IsMember({"detected", "cpu", "cuda"}))
+      ->transform(CLI::Transformer({{"detected", "auto"}}))  // as `latentkv step --device` reads it
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
   cmd->callback([state, io = std::move(io)] { run_config_command(*state, io); });
   return cmd;
