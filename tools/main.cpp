@@ -54,6 +54,14 @@ std::string plain_message(std::string message) {
     const std::string times = message.substr(repeated + std::string(": At Most 1 required but received ").size());
     return message.substr(0, repeated) + ": given " + times + " times; give it once";
   }
+  // "Could not convert: --fault-checks = bogus": a flag given a value that is no boolean.
+  for (const std::string lead : {"Could not convert: ", "could not convert: "}) {
+    const std::size_t equals = message.find(" = ");
+    if (message.starts_with(lead) && equals != std::string::npos && message.compare(lead.size(), 2, "--") == 0) {
+      const std::string flag = message.substr(lead.size(), equals - lead.size());
+      return flag + ": '" + message.substr(equals + 3) + "' is not a boolean (give " + flag + " alone, or =true / =false)";
+    }
+  }
   if (!message.empty() && message.front() >= 'A' && message.front() <= 'Z') message.front() += 'a' - 'A';
   return message;
 }

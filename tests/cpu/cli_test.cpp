@@ -168,6 +168,21 @@ TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
   EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, --tp, is an option)"));
 }
 
+// A flag given a value that is no boolean is said to be one; a long bad value is echoed in part.
+TEST_F(Cli, BadFlagAndLongValuesAreSaidPlainly) {
+  const Result flag = run({"step", "--fault-checks=bogus"});
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_THAT(flag.err, HasSubstr("error: step: --fault-checks: 'bogus' is not a boolean (give --fault-checks alone, "
+                                  "or =true / =false)"));
+  const Result explain = run({"config", "--explain=bogus"});
+  EXPECT_EQ(explain.exit_code, 2);
+  EXPECT_THAT(explain.err, HasSubstr("error: config: --explain: 'bogus' is not a boolean"));
+  const Result long_value = run({"step", "--tp", std::string(100000, '9')});
+  EXPECT_EQ(long_value.exit_code, 2);
+  EXPECT_THAT(long_value.err, HasSubstr("--tp: " + std::string(80, '9') + "... is not in 1 .. "));
+  EXPECT_LT(long_value.err.size(), 400u);
+}
+
 // A report is written whole or not at all: into a file beside the one named, renamed onto it once
 // written, so that a link stays a link to the file it names and a replaced file keeps its mode; a
 // device written as it is says why it failed (/dev/full: no space).
