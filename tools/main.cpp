@@ -8,6 +8,7 @@
 #include <new>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "commands.hpp"
@@ -55,11 +56,12 @@ std::string plain_message(std::string message) {
     return message.substr(0, repeated) + ": given " + times + " times; give it once";
   }
   // "Could not convert: --fault-checks = bogus": a flag given a value that is no boolean.
-  for (const std::string lead : {"Could not convert: ", "could not convert: "}) {
+  for (const std::string_view lead : {"Could not convert: ", "could not convert: "}) {
     const std::size_t equals = message.find(" = ");
     if (message.starts_with(lead) && equals != std::string::npos && message.compare(lead.size(), 2, "--") == 0) {
       const std::string flag = message.substr(lead.size(), equals - lead.size());
-      return flag + ": '" + message.substr(equals + 3) + "' is not a boolean (give " + flag + " alone, or =true / =false)";
+      return flag + ": '" + message.substr(equals + 3) + "' is not a boolean (give " + flag +
+             " alone, or =true / =false)";
     }
   }
   if (!message.empty() && message.front() >= 'A' && message.front() <= 'Z') message.front() += 'a' - 'A';

@@ -325,7 +325,8 @@ bool draw_plot(const std::string& json_path, const std::string& out_path, const 
 // Draws the report. The script reads it from a temporary file; when drawing fails, the run's data
 // stays in `json_path` (--json, or the --from-json it came from), else in that file, for a redraw.
 bool plot_report(const StepReport& report, const std::string& json_path, const std::string& out_path) {
-  if (std::none_of(report.strategies.begin(), report.strategies.end(), [](const StrategyResult& r) { return r.timed; })) {
+  const auto timed = [](const StrategyResult& r) { return r.timed; };
+  if (std::none_of(report.strategies.begin(), report.strategies.end(), timed)) {
     std::fprintf(stderr, "error: step: --plot %s: no strategy was timed (see the table), so there is nothing to draw\n",
                  out_path.c_str());
     return false;

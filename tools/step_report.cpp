@@ -518,7 +518,9 @@ StepReport parse_report_json(std::string_view text) {
     r.cpu_reference = j.at("cpu_reference").get<bool>();
     const json& notes = j.at("notes");
     if (!notes.is_array()) bad_field("notes", notes, "a list of texts");
-    for (std::size_t i = 0; i < notes.size(); ++i) r.notes.push_back(plain_text(notes[i], "notes[" + std::to_string(i) + "]"));
+    for (std::size_t i = 0; i < notes.size(); ++i) {
+      r.notes.push_back(plain_text(notes[i], "notes[" + std::to_string(i) + "]"));
+    }
     const json& s = j.at("shape");
     r.shape.model = plain_text(s, "model", "shape.");
     try {
