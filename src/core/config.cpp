@@ -194,7 +194,10 @@ void set_string(AttentionConfig& config, std::string_view key, const std::string
   }
 }
 
+// A decimal integer, with an optional leading '+' as the commands' own integer options take it
+// ("+8" as 8; "+-8" and "+" are not integers).
 std::optional<std::int64_t> parse_integer(std::string_view text) {
+  if (text.starts_with('+') && !text.starts_with("+-")) text.remove_prefix(1);
   std::int64_t value = 0;
   const char* end = text.data() + text.size();
   const auto [ptr, ec] = std::from_chars(text.data(), end, value);

@@ -519,6 +519,13 @@ TEST(ConfigReject, TpNotDividingHeadsNamesHeadsSourceAndDivisors) {
   EXPECT_THAT(ds, HasSubstr("128 attention heads of deepseek-v3.2 (model from flag --model)"));
 }
 
+TEST(Config, TextIntegersTakeALeadingPlus) {
+  // As the commands' own integer options do (`latentkv step --tp +8`).
+  const AttentionConfig c = with_flags({{"tp", "+8"}}, {{"LATENTKV_PAGE_SIZE", "+32"}});
+  EXPECT_EQ(c.tp.value, 8);
+  EXPECT_EQ(c.page_size.value, 32);
+}
+
 TEST(ConfigReject, BadIntegers) {
   struct Case {
     std::string key, value, expect;
@@ -528,6 +535,9 @@ TEST(ConfigReject, BadIntegers) {
       {"tp", "-8", "tp = -8"},
       {"tp", "abc", "tp = 'abc' (flag --tp): expected"},
       {"tp", "8x", "tp = '8x'"},
+      {"tp", "+-8", "tp = '+-8'"},
+      {"tp", "+", "tp = '+'"},
+      {"tp", "++8", "tp = '++8'"},
       {"tp", " 8", "tp = ' 8'"},
       {"tp", "", "tp = ''"},
       {"tp", "99999999999999999999", "tp = '99999999999999999999'"},

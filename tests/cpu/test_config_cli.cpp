@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -437,7 +438,33 @@ std::string random_token(std::mt19937_64& rng) {
   }
 }
 
+// The current directory moved to a fresh one under the test's temporary directory for the scope's
+// life, and that directory removed after: the argv fuzz passes `--json 129`, `--json config` and the
+// like, which write where the tests run.
+class ScopedScratchDirectory {
+ public:
+  ScopedScratchDirectory()
+      : previous_(std::filesystem::current_path()),
+        scratch_(std::filesystem::path(::testing::TempDir()) /
+                 ("lkv_config_fuzz_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+                  std::to_string(std::random_device{}()))) {
+    std::filesystem::create_directories(scratch_);
+    std::filesystem::current_path(scratch_);
+  }
+  ~ScopedScratchDirectory() {
+    std::error_code ec;
+    std::filesystem::current_path(previous_, ec);
+    std::filesystem::remove_all(scratch_, ec);
+  }
+  ScopedScratchDirectory(const ScopedScratchDirectory&) = delete;
+  ScopedScratchDirectory& operator=(const ScopedScratchDirectory&) = delete;
+
+ private:
+  std::filesystem::path previous_, scratch_;
+};
+
 TEST(ConfigFuzz, RandomArgvAndEnvironmentEndInSuccessOrUsageError) {
+  const ScopedScratchDirectory scratch;
   std::mt19937_64 rng(fuzz_seed() + 2);
   const int iterations = 3000 * fuzz_scale();
   int ok = 0, usage = 0;
