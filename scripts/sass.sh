@@ -38,13 +38,18 @@ name=$(basename "$src" .cu)_sm$arch
 python3 - "$out/$name.ptxas.txt" "$out/$name.sass" "$pattern" <<'EOF'
 import collections, re, sys
 ptxas, sass, pattern = open(sys.argv[1]).read(), open(sys.argv[2]).read(), re.compile(sys.argv[3])
-usage, name = {}, None
+# ptxas -v: "Compiling entry function 'K'", then "Function properties for F" and F's spills, for K
+# and for any device function K calls (not inlined), then K's "Used N registers".
+usage, name, props = {}, None, None
 for line in ptxas.splitlines():
     m = re.search(r"Compiling entry function '(\w+)'", line)
     if m:
         name = m.group(1)
+    m = re.search(r"Function properties for (\w+)", line)
+    if m:
+        props = m.group(1)
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-    if m and name:
+    if m and name and props == name:
         usage[name] = [m.group(1), m.group(2)]
     m = re.search(r"Used (\d+) registers", line)
     if m and name in usage:

@@ -48,7 +48,11 @@
 // outputs over all the splits (merge_splits): no combine kernel, and no scratch that would have to
 // be zeroed. Otherwise decode.cu's combine kernel merges them. (A barrier per request instead, on
 // a word per request in a workspace the caller keeps zeroed, left the dense and sparse decodes
-// where they were: the last request still ends last - docs/benchmarks.md, twenty-seventh session.)
+// where they were: the last request still ends last - docs/benchmarks.md, twenty-seventh session.
+// Nor did each request's splits as one thread-block cluster, merged through distributed shared
+// memory with no partials in global memory and no grid barrier: slower on every shape, H100, sparse
+// H 8 B 64 50.2 -> 55.8 us, sparse H 16 B 64 58.0 -> 74.0, and in place of the balanced grid dense
+// H 8 B 64 x 8K 127.3 -> 163.3 - docs/benchmarks.md, sixty-third session.)
 // A dense decode merged in the kernel (on bulk copies) hands its CTAs out by the requests' lengths
 // rather than num_splits to each (the balanced grid, balanced_piece below): in a batch of mixed
 // lengths an even grid waits for the pieces of its longest request. H200, glm5 tp 8, B 64 of 1K to
@@ -721,7 +725,11 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
           const std::uint32_t pd[2] = {prmt(x10.y, x11.y, 0x5140), prmt(x10.y, x11.y, 0x7362)};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {  // m-tile: rows r -> dim dim_r + j, r + 8 -> dim dim_r + 4 + j
-            const auto cvt = j % 2 == 0 ? fp8x2_to_f16x2 : fp8x2_hi_to_f16x2;
+            // (A direct call each, not one through a function pointer: nvcc 13 left that pointer's
+            // calls in the sm_120a code, 64 per tile.)
+            const auto cvt = [j](std::uint32_t codes) {
+              return j % 2 == 0 ? fp8x2_to_f16x2(codes) : fp8x2_hi_to_f16x2(codes);
+            };
             const std::uint32_t a0 = cvt(pa[j / 2]), a1 = cvt(pb[j / 2]), a2 = cvt(pc[j / 2]), a3 = cvt(pd[j / 2]);
             float(&acc)[kNt][4] = acc_o[4 * gi + j];
 #pragma unroll
