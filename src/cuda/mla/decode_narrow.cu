@@ -71,8 +71,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/chained_launch.cuh"
@@ -312,66 +310,16 @@ __device__ void merge_splits(const DecodeArgs& a, const Piece& piece, unsigned c
   }
 }
 
-// The split merge of a request whose splits are one thread-block cluster (kClusters: the even grid,
-// launched in clusters of num_splits CTAs along x, so that CTA rank s of request b's cluster is its
-// split s). Each CTA has staged its partial rows (o_s = O / sum, f32 [rows][kOutStride]) and their
-// lse in its shared memory; after one cluster barrier, CTA s merges units [s U / S, (s + 1) U / S)
-// of the request's U = 128 x rows float4 units from the S CTAs' shared memory (o = sum_s w_s o_s /
-// sum_s w_s, w_s = exp(lse_s - max lse), as merge_splits) and writes the lse of the rows whose first
-// unit it owns; a second barrier keeps every CTA's shared memory until the others have read it. No
-// partials in global memory, no grid barrier: a cluster ends with its own last split.
-// `lse_all` takes rows x S floats of this CTA's own.
-__device__ void merge_in_cluster(const DecodeArgs& a, const RequestRows& rows, const float* out_s,
-                                 const float* lse_s, float* lse_all) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's rows and lse are staged
-  const int splits = static_cast<int>(cluster.num_blocks()), split = static_cast<int>(cluster.block_rank());
-  const int tid = static_cast<int>(threadIdx.x);
-  for (int i = tid; i < rows.count * splits; i += kThreads) {  // lse_all[row][s]: every split's lse, here
-    const int row = i / splits, s = i % splits;
-    lse_all[i] = *cluster.map_shared_rank(lse_s + row, s);
-  }
-  __syncthreads();
-  const int units = 128 * rows.count;
-  const int u1 = static_cast<int>(static_cast<std::int64_t>(split + 1) * units / splits);
-  for (int u = static_cast<int>(static_cast<std::int64_t>(split) * units / splits) + tid; u < u1; u += kThreads) {
-    const int row = u / 128, piece = u % 128;
-    const float* l = lse_all + row * splits;
-    float m = -INFINITY;
-    for (int s = 0; s < splits; ++s) m = lse_max(m, l[s]);
-    float total = 0.0f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float* mine = out_s + row * kOutStride + 4 * piece;
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-      const float w = split_weight(l[s], m);
-      total += w;
-      add_scaled(acc, w, *reinterpret_cast<const float4*>(cluster.map_shared_rank(mine, s)));
-    }
-    reinterpret_cast<uint2*>(a.o + (rows.origin + row) * 512)[piece] = merged_bf16x4(acc, total);
-    if (piece == 0) a.lse[rows.origin + row] = merged_lse(m, total);
-  }
-  cluster.sync();  // the other CTAs are done reading this one's shared memory
-#else
-  __trap();  // launched only from sm_90 code (clusters_fit)
-#endif
-}
-
 // Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
 // file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages.
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
 // request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
 // on; its splits are merged by decode.cu's combine (which knows the groups' rows).
-// kClusters: the even grid launched in clusters of num_splits CTAs, one per request, its splits
-// merged in the cluster (merge_in_cluster).
-template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk, bool kBalanced, bool kClusters = false>
+template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk, bool kBalanced>
 __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
     narrow_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
   static_assert(!(kGrouped && kBalanced), "a grouped prefill's splits are merged by decode.cu's combine");
-  static_assert(!(kClusters && (kGrouped || kBalanced)), "clusters are the even grid's requests");
   using Smem = NarrowSmem<kNt, kStages>;
   constexpr int kRows = Smem::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -821,16 +769,11 @@ __global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
       }
       if (warp == 0 && r == 0 && row < rows.count) {
         const float lse = row_lse(mx, l);
-        if constexpr (kClusters) s_part[row] = lse;  // read by the cluster's merge
-        else if (done.count == 1) a.lse[rows.origin + row] = lse;
+        if (done.count == 1) a.lse[rows.origin + row] = lse;
         else if constexpr (kBalanced) a.lse_part[done.slot_row(done.j, row, a.rows)] = lse;
         else a.lse_part[static_cast<std::int64_t>(split) * a.batch * a.rows + b * a.rows + row] = lse;
       }
     }
-  }
-  if constexpr (kClusters) {
-    merge_in_cluster(a, rows, out_s, s_part, s_part + kRows);
-    return;
   }
   __syncthreads();
   for (int idx = tid; idx < rows.count * (512 / 4); idx += kThreads) {
@@ -877,23 +820,10 @@ bool bulk_copies(const DecodeArgs& a) {
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per device); returns the bytes it launches with.
-template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false, bool kBulk = false, bool kBalanced = false,
-          bool kClusters = false>
+template <int kNt, int kStages, bool kChecks = false, bool kGrouped = false, bool kBulk = false, bool kBalanced = false>
 int configure() {
   constexpr int kSmem = NarrowSmem<kNt, kStages>::kBytes;
-  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, kBalanced, kClusters>, kSmem,
-                            "mla_decode");
-}
-
-// EXPERIMENT (not to land as is): LKV_MERGE=grid (default) | cluster (sparse and even-grid decodes
-// merged in clusters) | cluster-all (dense decodes too, in place of the balanced grid).
-int merge_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("LKV_MERGE");
-    if (v == nullptr || std::string_view(v) == "grid") return 0;
-    return std::string_view(v) == "cluster-all" ? 2 : 1;
-  }();
-  return mode;
+  return allow_dynamic_smem(narrow_kernel<kNt, kStages, kChecks, kGrouped, kBulk, kBalanced>, kSmem, "mla_decode");
 }
 
 // The plan asks it of the cp.async instance; a launch of the bulk one asks it of that (the two take
@@ -919,19 +849,6 @@ bool launch_instance(const char* op, DecodeArgs a, const FaultSink& fault, const
                    a.num_splits <= kMergeMostSplits &&
                    merge_bytes(a.num_splits, a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
   const dim3 grid(static_cast<unsigned>(a.num_splits), static_cast<unsigned>(a.batch));
-  if constexpr (!kGrouped) {
-    const bool dense_balanced = a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch && kBulk;
-    if (merge_mode() > 0 && a.num_splits > 1 && a.num_splits <= kMergeMostSplits &&
-        (merge_mode() == 2 || !dense_balanced)) {
-      auto* kernel = narrow_kernel<kNt, kStages, kChecks, false, kBulk, false, true>;
-      const int bytes = configure<kNt, kStages, kChecks, false, kBulk, false, true>();
-      if (clusters_fit(kernel, static_cast<unsigned>(a.num_splits), kThreads, bytes, "mla_decode")) {
-        launch_chained(op, kernel, grid, kThreads, bytes, stream, CtaGroups{false, static_cast<unsigned>(a.num_splits)},
-                       a, fault, spans);
-        return true;
-      }
-    }
-  }
   if constexpr (kBulk && !kGrouped) {
     const bool balanced = a.merge_splits && a.indices == nullptr && a.batch > 1 && a.batch <= kBalancedMostBatch &&
                           most_merge_bytes(a.rows) <= static_cast<std::size_t>(kStages) * kStageBytes;
