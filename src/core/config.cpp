@@ -248,7 +248,10 @@ std::string toml_shown(const toml::node& node) {
   if (const auto* f = node.as_floating_point()) {
     std::ostringstream out;
     out << f->get();
-    return out.str();
+    std::string text = out.str();
+    // A whole float shown as one (8.0, not 8): the message goes on to say it is no integer.
+    if (text.find_first_not_of("-0123456789") == std::string::npos) text += ".0";
+    return text;
   }
   return "<" + std::string(toml_type_name(node.type())) + ">";
 }

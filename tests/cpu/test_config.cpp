@@ -589,6 +589,8 @@ TEST(ConfigReject, TomlErrorsNameFileLineKeyValueAndExpected) {
   EXPECT_THAT(toml("tp = \"8\"\n"), HasSubstr("got a string"));
   EXPECT_THAT(toml("\npage_size = 6.5\n"), HasSubstr("page_size = 6.5 (file cfg.toml:2)"));
   EXPECT_THAT(toml("\npage_size = 6.5\n"), HasSubstr("got a floating-point number"));
+  // A whole float is shown as one, as written, not as the integer it equals.
+  EXPECT_THAT(toml("tp = 8.0\n"), HasSubstr("tp = 8.0 (file cfg.toml:1): expected a positive integer"));
   EXPECT_THAT(toml("model = 5\n"), HasSubstr("model = 5 (file cfg.toml:1): expected a string: one of: glm5"));
   EXPECT_THAT(toml("q_len = [1, 2]\n"), HasSubstr("q_len = <array>"));
   EXPECT_THAT(toml("q_len = 7\n"), HasSubstr("q_len = 7 (file cfg.toml:1): expected an integer from 1 to 4"));
