@@ -509,9 +509,16 @@ __global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a) 
 // Three CTAs per SM from 8 keys per thread (the many-row grids): without the bound, ptxas gave kPer
 // 16 118 registers (two CTAs); at it, kPer 8 and 16 spill a few words (the histogram loads kept in
 // flight with the logits). Fewer keys serve few rows (grids of at most two CTAs per SM), and keep
-// every load in registers.
+// every load in registers. Where an SM has 100 KB of shared memory (sm_89, sm_120), two of these
+// CTAs (42.3 KB each) are all it holds, so the bound asks for two: at three, ptxas held sm_120a's
+// kPer 16 to 80 registers and spilled 124 bytes for an occupancy the shared memory never allows.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || __CUDA_ARCH__ >= 1200)
+constexpr int kSelectCtasPerSm = 2;
+#else
+constexpr int kSelectCtasPerSm = 3;
+#endif
 template <int kPer>
-__global__ void __launch_bounds__(kThreads, kPer >= 8 ? 3 : 1) topk_select_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(kThreads, kPer >= 8 ? kSelectCtasPerSm : 1) topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   wait_for_previous_kernels();
   allow_next_kernel();  // the next kernel's CTAs may queue behind the row finishers
