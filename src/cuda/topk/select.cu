@@ -49,6 +49,7 @@
 #include "cuda/common/chained_launch.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/paging_check.hpp"
+#include "cuda/common/register_cap.cuh"
 #include "cuda/topk/launch.hpp"
 #include "latentkv/error.hpp"
 
@@ -510,15 +511,11 @@ __global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a) 
 // 16 118 registers (two CTAs); at it, kPer 8 and 16 spill a few words (the histogram loads kept in
 // flight with the logits). Fewer keys serve few rows (grids of at most two CTAs per SM), and keep
 // every load in registers. Where an SM has 100 KB of shared memory (sm_89, sm_120), two of these
-// CTAs (42.3 KB each) are all it holds, so the bound asks for two: at three, ptxas held sm_120a's
-// kPer 16 to 80 registers and spilled 124 bytes for an occupancy the shared memory never allows.
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || __CUDA_ARCH__ >= 1200)
-constexpr int kSelectCtasPerSm = 2;
-#else
-constexpr int kSelectCtasPerSm = 3;
-#endif
+// CTAs (42.3 KB each) are all it holds, and the cap asks for two (register_cap.cuh): at three, ptxas
+// held sm_120a's kPer 16 to 80 registers and spilled 124 bytes.
 template <int kPer>
-__global__ void __launch_bounds__(kThreads, kPer >= 8 ? kSelectCtasPerSm : 1) topk_select_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(kThreads, kPer >= 8 ? ctas_per_sm_cap(3, sizeof(TopkShared)) : 1)
+    topk_select_kernel(const TopkArgs a) {
   __shared__ TopkShared s;
   wait_for_previous_kernels();
   allow_next_kernel();  // the next kernel's CTAs may queue behind the row finishers
