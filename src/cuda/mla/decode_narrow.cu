@@ -312,9 +312,9 @@ __device__ void merge_splits(const DecodeArgs& a, const Piece& piece, unsigned c
 
 // Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
 // file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages. (8 rows at 3
-// stages fit 3 CTAs, not 4; and on sm_89 and sm_120 every instance fits one. Caps by the shared
-// memory, register_cap.cuh, are built but not yet timed here: docs/benchmarks.md, sixty-fourth
-// session.)
+// stages fit 3 CTAs, not 4; and on sm_89 and sm_120 every instance fits one. Capping this kernel by
+// its shared memory too, as register_cap.cuh does the top-k's, would lift both, and so change
+// sm_90a's 3-stage code: not done until timed - docs/benchmarks.md, sixty-fourth session.)
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
 // request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
 // on; its splits are merged by decode.cu's combine (which knows the groups' rows).
