@@ -77,6 +77,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/cuda_check.hpp"
 #include "cuda/common/mma.cuh"
+#include "cuda/common/register_cap.cuh"
 #include "cuda/mla/decode_common.cuh"
 #include "latentkv/error.hpp"
 
@@ -310,16 +311,20 @@ __device__ void merge_splits(const DecodeArgs& a, const Piece& piece, unsigned c
   }
 }
 
-// Registers capped so that the CTAs the shared memory allows per SM on sm_90 also fit the register
-// file: 4 for 8 rows (128 registers), 3 for 16 rows at 2 stages and 2 at 3 stages. (8 rows at 3
-// stages fit 3 CTAs, not 4; and on sm_89 and sm_120 every instance fits one. Capping this kernel by
-// its shared memory too, as register_cap.cuh does the top-k's, would lift both, and so change
-// sm_90a's 3-stage code: not done until timed - docs/benchmarks.md, sixty-fourth session.)
+// Registers capped so that the CTAs the shared memory allows per SM also fit the register file
+// (register_cap.cuh): on sm_90, 4 for 8 rows at 2 stages (128 registers), 3 for 8 rows at 3 stages
+// and for 16 rows at 2, 2 for 16 rows at 3; on sm_89 and sm_120 (100 KB per SM) one, which keeps
+// those instances from spilling. On sm_90 this moved the 8-row 3-stage instances' cap from 128
+// registers (4 CTAs, more than fit) to 168 (they take 134-140); against the fixed caps before it, on
+// an H100 in the same call, no shape timed (glm5 tp 8 B 1 x 32K and 256K, B 64 x 8K, tp 4 B 64,
+// sparse B 1 and B 64, dsa_decode B 1, the step) was slower by more than 0.4% (docs/benchmarks.md,
+// sixty-fifth session).
 // kGrouped: the requests are groups of a dense prefill's new tokens (DecodeGroups, decode_common.cuh):
 // request b's query rows are those of its spans[b].y tokens, from row spans[b].x * H of q, o and lse
 // on; its splits are merged by decode.cu's combine (which knows the groups' rows).
 template <int kNt, int kStages, bool kChecks, bool kGrouped, bool kBulk, bool kBalanced>
-__global__ void __launch_bounds__(kThreads, kNt == 1 ? 4 : 5 - kStages)
+__global__ void
+__launch_bounds__(kThreads, ctas_per_sm_cap(kNt == 1 ? 4 : 5 - kStages, NarrowSmem<kNt, kStages>::kBytes))
     narrow_kernel(const DecodeArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the decode (prefill_rows.hpp)");
   static_assert(!(kGrouped && kBalanced), "a grouped prefill's splits are merged by decode.cu's combine");
