@@ -589,10 +589,10 @@ struct PlanCase {
   }
 };
 
-// plan() runs before a call's checks: q without heads or of a negative extent, a page size below one
-// token, a block table or index rows of negative extent or too many bytes, lengths of a rank or dtype
-// no view has are refused there, naming them, rather than
-// divided or counted with: by the cuda backend and by both cast baselines (whose scratch is sized
+// plan() runs before a call's checks: q without heads, of a q_len outside 1 .. 4 or of a negative
+// extent, a page size below one token, a block table or index rows of negative extent or too many
+// bytes, lengths of a rank or dtype no view has are refused there, naming them, rather than divided
+// or counted with: by the cuda backend and by both cast baselines (whose scratch is sized
 // from the same shapes).
 TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
   LKV_REQUIRE_GPU();
@@ -604,11 +604,19 @@ TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
     MlaDecodeParams p = c.d.params;
     p.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 1, 0, 576}, p.q.device);
     EXPECT_TRUE(throws_error([&] { plan(p); }, "mla_decode", "q.shape[2] (heads)", "0"));
+    // q_len x heads are the planner's query rows, which it divides by: 2^28 x 16 would wrap to 0.
+    for (const std::int64_t q_len : {std::int64_t{0}, std::int64_t{kMaxDecodeQLen + 1}, std::int64_t{1} << 28}) {
+      MlaDecodeParams rows = c.d.params;
+      rows.q = TensorView::contiguous(rows.q.data, DType::kBF16, {c.f.batch(), q_len, 16, 576}, rows.q.device);
+      EXPECT_TRUE(throws_error([&] { plan(rows); }, "mla_decode", "q.shape[1] (q_len)", std::to_string(q_len)));
+    }
     SparseMlaDecodeParams sparse;
     sparse.q = p.q;
     sparse.cache = p.cache;
     sparse.indices = TensorView::contiguous(nullptr, DType::kI32, {c.f.batch(), 1, 64}, p.q.device);
     EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "q.shape[2] (heads)", "0"));
+    sparse.q = TensorView::contiguous(p.q.data, DType::kBF16, {c.f.batch(), 0, 8, 576}, p.q.device);
+    EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "q.shape[1] (q_len)", "0"));
     sparse.q = c.d.params.q;
     sparse.indices.shape[0] = -2;
     EXPECT_TRUE(throws_error([&] { plan(sparse); }, "sparse_mla_decode", "indices", "-2"));

@@ -10,10 +10,11 @@ namespace latentkv::cuda {
 
 // plan() runs before a call's own checks (a DSA call plans its steps before their workspace views
 // exist), so what the planners count and divide with is refused here as the call would refuse it:
-// q's extents within 0 .. 2^31-1 (problem_of), at least one head, a page size of at least one token,
-// and queries, index rows, logits, block tables, lengths and offsets whose descriptors the calls'
-// shape checks would pass first (detail::expect_descriptor: a rank of at most kMaxRank, a DType,
-// extents >= 0, a byte size that fits int64).
+// q's extents within 0 .. 2^31-1 (problem_of), at least one head, a decode's q_len within 1 ..
+// kMaxDecodeQLen (q_len x heads are the query rows the split planner divides by), a page size of at
+// least one token, and queries, index rows, logits, block tables, lengths and offsets whose
+// descriptors the calls' shape checks would pass first (detail::expect_descriptor: a rank of at most
+// kMaxRank, a DType, extents >= 0, a byte size that fits int64).
 void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
   const Problem p = problem_of(args, device);
   const std::string op(op_name(p.op));
@@ -23,6 +24,9 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
     const std::string heads =
         std::string("q.shape[") + (prefill ? "1" : "2") + (indexer ? "] (indexer heads)" : "] (heads)");
     detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
+  }
+  if (p.op == Op::kMlaDecode || p.op == Op::kSparseMlaDecode || p.op == Op::kIndexerLogits) {
+    detail::expect_range(op, "q.shape[1] (q_len)", p.q_len, 1, kMaxDecodeQLen);
   }
   if (p.op != Op::kAppend && p.page_size < 1) {
     detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");

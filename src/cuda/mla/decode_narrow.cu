@@ -158,9 +158,9 @@ constexpr std::size_t most_merge_bytes(int rows) {
 
 // A CTA's share of the call: piece j of request b's `count` pieces (its tokens cut into `count`
 // chunks of whole tiles, split_range), whose partial rows (count > 1) go to workspace slot
-// first + j x stride: slot y x batch + x of CTA (x, y) in an even grid, the CTA's own index in a
-// balanced one, which also knows the request's length (len; -1: not read yet). b = -1: a CTA of a
-// balanced grid left without work.
+// first + j x stride: slot x x batch + y of CTA (x, y) in an even grid (split-major, as the combine
+// reads them), the CTA's own index in a balanced one, which also knows the request's length (len;
+// -1: not read yet). b = -1: a CTA of a balanced grid left without work.
 struct Piece {
   int b, j, count, first, stride, len;
   __device__ std::int64_t slot_row(int piece, int row, int rows) const {
