@@ -274,6 +274,10 @@ void expect_range(std::string_view op, std::string_view arg, std::int64_t value,
   }
 }
 
+void expect_decode_q_len(std::string_view op, std::int64_t q_len) {
+  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+}
+
 namespace {
 
 // The split count asked of a plan or set from one: 0 (the plan's choice) to kMaxSplits, whichever
@@ -473,7 +477,7 @@ void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
   constexpr std::string_view op = "mla_decode";
   expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kAny, kQkDim}, {"B", "q_len", "H"}, device);
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1), h = p.q.size(2);
-  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_decode_q_len(op, q_len);
   expect_range(op, "q.shape[2] (heads)", h, 1, kMaxHeads);
   expect_latent_cache(op, p.cache, device);
   expect_paging(op, p.block_table, p.seq_lens, b, device);
@@ -514,7 +518,7 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
   constexpr std::string_view op = "indexer_logits";
   expect_view(op, "q", p.q, {DType::kFP8E4M3}, {kAny, kAny, kAny, kIndexerDim}, {"B", "q_len", "Hi"}, device);
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1), hi = p.q.size(2);
-  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_decode_q_len(op, q_len);
   expect_range(op, "q.shape[2] (indexer heads)", hi, 1, kMaxIndexerHeads);
   expect_view(op, "weights", p.weights, {DType::kF32}, {b, q_len, hi}, {}, device);
   expect_indexer_cache(op, p.cache, device);
@@ -559,7 +563,7 @@ void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outp
   constexpr std::string_view op = "sparse_mla_decode";
   expect_view(op, "q", p.q, {DType::kBF16}, {kAny, kAny, kAny, kQkDim}, {"B", "q_len", "H"}, device);
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1), h = p.q.size(2);
-  expect_range(op, "q.shape[1] (q_len)", q_len, 1, kMaxDecodeQLen);
+  expect_decode_q_len(op, q_len);
   expect_range(op, "q.shape[2] (heads)", h, 1, kMaxHeads);
   expect_latent_cache(op, p.cache, device);
   expect_view(op, "indices", p.indices, {DType::kI32}, {b, q_len, kAny}, {"B", "q_len", "topk"}, device);

@@ -76,6 +76,9 @@ std::string describe(const TensorView& view);  // "bf16 [2, 1, 8, 576] on cuda"
 // Throws unless lo <= value <= hi: "argument 'q.shape[2] (heads)' = 0: expected 1 .. 128" (+ `what`).
 void expect_range(std::string_view op, std::string_view arg, std::int64_t value, std::int64_t lo, std::int64_t hi,
                   const std::string& what = {});
+// A decode's q_len (q.shape[1] of mla_decode, sparse_mla_decode and indexer_logits): 1 ..
+// kMaxDecodeQLen. The calls check it, and the CUDA plan() before them (backend_support.cpp).
+void expect_decode_q_len(std::string_view op, std::int64_t q_len);
 // The errors of the value checks, shared by the reference's checks and the GPU's fault records
 // (device_fault.cpp), so that both say the same for the same input: a bad slot (element `index` of
 // `argument`, outside -1 .. num_slots - 1), a non-finite bf16 or float element, a NaN fp8 code, a

@@ -26,7 +26,7 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
     detail::expect_range(op, heads, p.heads, 1, indexer ? kMaxIndexerHeads : kMaxHeads);
   }
   if (p.op == Op::kMlaDecode || p.op == Op::kSparseMlaDecode || p.op == Op::kIndexerLogits) {
-    detail::expect_range(op, "q.shape[1] (q_len)", p.q_len, 1, kMaxDecodeQLen);
+    detail::expect_decode_q_len(op, p.q_len);
   }
   if (p.op != Op::kAppend && p.page_size < 1) {
     detail::fail(op, p.op == Op::kTopk ? "page_size" : "cache.page_size", std::to_string(p.page_size), ">= 1");
