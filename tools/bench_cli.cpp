@@ -33,7 +33,7 @@ void check_backend_names(const std::vector<std::string>& names) {
   if (names.empty()) throw Error("bench", "--backends", "''", "one or more of " + join(known, ", "));
   for (const std::string& name : names) {
     if (std::find(known.begin(), known.end(), name) == known.end()) {
-      throw Error("bench", "--backends", "'" + name + "'", "one of " + join(known, ", ") + " (comma separated)");
+      throw Error("bench", "--backends", quoted_value(name), "one of " + join(known, ", ") + " (comma separated)");
     }
   }
 }

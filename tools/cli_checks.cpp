@@ -59,17 +59,18 @@ template <typename T>
 std::string integer_problem(std::string& text, T lo, T hi, const std::string& bounds, const std::string& why) {
   const char* first = text.data();
   const char* last = first + text.size();
-  // A value is echoed up to 80 characters (as `latentkv config` does), not pasted whole.
-  const std::string shown = text.size() > 80 ? text.substr(0, 80) + "..." : text;
+  // A word that is not a number is echoed as `latentkv config` echoes a value (quoted_value: control
+  // bytes escaped, cut at 80 characters); a number out of bounds, all digits, as typed, cut alike.
+  const std::string shown = quoted_value(text);
   if (text.starts_with("--")) return "no value was given (the word after it, " + shown + ", is an option)";
   const bool negative = first != last && *first == '-';
   if (first != last && (*first == '+' || (negative && std::is_unsigned_v<T>))) ++first;
   T value{};
   const auto [end, ec] = std::from_chars(first, last, value);
   const bool out_of_range = ec == std::errc::result_out_of_range;
-  if (first == last || end != last || (ec != std::errc() && !out_of_range)) return "'" + shown + "' is not an integer";
+  if (first == last || end != last || (ec != std::errc() && !out_of_range)) return shown + " is not an integer";
   if (out_of_range || (std::is_unsigned_v<T> && negative) || value < lo || value > hi) {
-    return shown + " is not in " + bounds + why;
+    return (text.size() > 80 ? text.substr(0, 80) + "..." : text) + " is not in " + bounds + why;
   }
   text = std::to_string(value);
   return "";

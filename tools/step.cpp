@@ -482,7 +482,7 @@ StrategySpec parse_strategy(const std::string& name, const StepShape& shape) {
   } else if (backend == "gather_cast" || backend == "cast_full") {
     s.backend = backend;
   } else {
-    throw Error("step", "--strategies", "'" + name + "'",
+    throw Error("step", "--strategies", quoted_value(name),
                 "fp8, gather_cast, cast_full (the path by the model's rule), dense, sparse, or dense_/sparse_ "
                 "followed by fp8, gather_cast or cast_full");
   }

@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace latentkv {
 
@@ -23,5 +24,10 @@ class Error : public std::runtime_error {
  private:
   std::string op_, argument_, value_, expected_;
 };
+
+// A value the user gave, as a message shows it: in single quotes, a quote or backslash escaped with a
+// backslash, control and non-ASCII bytes as \xNN (so that no message carries a terminal escape
+// sequence), and cut after 80 characters with "...".
+std::string quoted_value(std::string_view text);
 
 }  // namespace latentkv

@@ -66,8 +66,6 @@ constexpr KeySpec kKeySpecs[] = {
 constexpr std::uintmax_t kMaxConfigFileBytes = 1 << 20;
 // Backend names are short identifiers; anything longer is a typo or garbage.
 constexpr std::size_t kMaxBackendNameLength = 64;
-// Values are shown in messages up to this many characters.
-constexpr std::size_t kMaxShownValueLength = 80;
 
 const KeySpec* find_key(std::string_view key) {
   for (const KeySpec& spec : kKeySpecs) {
@@ -96,32 +94,6 @@ std::optional<Slot> slot_of_key(std::string_view key) {
     if (slot_name(slot) == key) return slot;
   }
   return std::nullopt;
-}
-
-// A value as it appears in a message: quoted, control bytes escaped, long values cut.
-std::string shown_value(std::string_view text) {
-  std::string out = "'";
-  std::size_t shown = 0;
-  for (char ch : text) {
-    if (shown == kMaxShownValueLength) {
-      out += "...";
-      break;
-    }
-    const auto byte = static_cast<unsigned char>(ch);
-    if (byte < 0x20 || byte == 0x7F || byte >= 0x80) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[byte >> 4];
-      out += kHex[byte & 0xF];
-    } else if (ch == '\'' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else {
-      out += ch;
-    }
-    ++shown;
-  }
-  return out + "'";
 }
 
 std::string registered_names_text() {
@@ -175,7 +147,7 @@ void set_string(AttentionConfig& config, std::string_view key, const std::string
   if (key == "model") {
     const std::vector<std::string> names = model_preset_names();
     if (std::find(names.begin(), names.end(), value) == names.end()) {
-      throw ConfigError("model", shown_value(value), source, expected_text(key));
+      throw ConfigError("model", quoted_value(value), source, expected_text(key));
     }
     config.model = {value, source};
   } else if (key == "kv_dtype") {
@@ -183,11 +155,11 @@ void set_string(AttentionConfig& config, std::string_view key, const std::string
     try {
       dtype = parse_kv_dtype(value);
     } catch (const Error&) {
-      throw ConfigError("kv_dtype", shown_value(value), source, expected_text(key));
+      throw ConfigError("kv_dtype", quoted_value(value), source, expected_text(key));
     }
     config.kv_dtype = {dtype, source};
   } else if (const std::optional<Slot> slot = slot_of_key(key)) {
-    if (!is_backend_name(value)) throw ConfigError(std::string(key), shown_value(value), source, expected_text(key));
+    if (!is_backend_name(value)) throw ConfigError(std::string(key), quoted_value(value), source, expected_text(key));
     config.backend(*slot) = {value, source};
   } else {
     throw ConfigError(std::string(key), "key '" + std::string(key) + "' does not take a string");
@@ -212,7 +184,7 @@ void set_from_text(AttentionConfig& config, const KeySpec& spec, const std::stri
     return;
   }
   const std::optional<std::int64_t> value = parse_integer(text);
-  if (!value) throw ConfigError(std::string(spec.key), shown_value(text), source, expected_text(spec.key));
+  if (!value) throw ConfigError(std::string(spec.key), quoted_value(text), source, expected_text(spec.key));
   set_integer(config, spec.key, *value, source);
 }
 
@@ -242,7 +214,7 @@ std::string_view toml_type_name(toml::node_type type) {
 }
 
 std::string toml_shown(const toml::node& node) {
-  if (const auto* s = node.as_string()) return shown_value(s->get());
+  if (const auto* s = node.as_string()) return quoted_value(s->get());
   if (const auto* i = node.as_integer()) return std::to_string(i->get());
   if (const auto* b = node.as_boolean()) return b->get() ? "true" : "false";
   if (const auto* f = node.as_floating_point()) {
@@ -319,7 +291,7 @@ void apply_toml(AttentionConfig& config, std::string_view text, std::string_view
     const Provenance source{SourceKind::kFile, with_line(path, key.source())};
     const KeySpec* spec = find_key(name);
     if (spec == nullptr) {
-      throw ConfigError(name, "unknown key " + shown_value(name) + " (" + source.describe() + "); expected one of: " +
+      throw ConfigError(name, "unknown key " + quoted_value(name) + " (" + source.describe() + "); expected one of: " +
                                   known_keys_text());
     }
     if (spec->kind == ValueKind::kInteger) {
@@ -343,7 +315,7 @@ void apply_toml(AttentionConfig& config, std::string_view text, std::string_view
 // ---- JSON ---------------------------------------------------------------------------------------
 
 std::string json_shown(const nlohmann::json& value) {
-  if (value.is_string()) return shown_value(value.get_ref<const std::string&>());
+  if (value.is_string()) return quoted_value(value.get_ref<const std::string&>());
   if (value.is_object()) return "<object>";
   if (value.is_array()) return "<array>";
   return value.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace);
@@ -387,13 +359,13 @@ void apply_json(AttentionConfig& config, std::string_view text, std::string_view
                                     std::string(document.type_name()));
   }
   if (duplicate) {
-    throw ConfigError(*duplicate, file + ": key " + shown_value(*duplicate) + " appears more than once");
+    throw ConfigError(*duplicate, file + ": key " + quoted_value(*duplicate) + " appears more than once");
   }
   const Provenance source{SourceKind::kFile, std::string(path)};
   for (const auto& [name, value] : document.items()) {
     const KeySpec* spec = find_key(name);
     if (spec == nullptr) {
-      throw ConfigError(name, "unknown key " + shown_value(name) + " (" + source.describe() + "); expected one of: " +
+      throw ConfigError(name, "unknown key " + quoted_value(name) + " (" + source.describe() + "); expected one of: " +
                                   known_keys_text());
     }
     if (spec->kind == ValueKind::kInteger) {
@@ -529,7 +501,7 @@ std::string would_work_text(const std::string& role, const std::vector<Candidate
 // settings under which it would run: the other cache dtype, or another probed device.
 std::string rejection_hints(const Backend& backend, const Problem& problem, const ModelShard& shard) {
   std::string hints;
-  const std::string name = shown_value(backend.name());
+  const std::string name = quoted_value(backend.name());
   const bool sparse = problem.op == Op::kSparseMlaDecode || problem.op == Op::kSparseMlaPrefill;
   const bool dense = problem.op == Op::kMlaDecode || problem.op == Op::kMlaPrefill;
   if (sparse || dense) {
@@ -614,15 +586,15 @@ OpResolution resolve_op(std::string role, const Problem& problem, const Sourced<
     }
   } else {
     const Backend* backend = find_in(backends, requested.value);
-    const std::string head = r.role + " = " + shown_value(requested.value) + " (" + r.source.describe() + "): ";
+    const std::string head = r.role + " = " + quoted_value(requested.value) + " (" + r.source.describe() + "): ";
     if (backend == nullptr) {
-      throw ConfigError(r.role, head + "no backend is named " + shown_value(requested.value) + " (registered: " +
+      throw ConfigError(r.role, head + "no backend is named " + quoted_value(requested.value) + " (registered: " +
                                     all_names(backends) + "). " + would_work_text(what, r.candidates));
     }
     const Candidate& mine = *std::find_if(r.candidates.begin(), r.candidates.end(),
                                           [&](const Candidate& c) { return c.backend == requested.value; });
     if (!mine.accepted) {
-      throw ConfigError(r.role, head + "backend " + shown_value(requested.value) + " cannot run " + what + ": " +
+      throw ConfigError(r.role, head + "backend " + quoted_value(requested.value) + " cannot run " + what + ": " +
                                     mine.reason + "." + rejection_hints(*backend, problem, shard) + " " +
                                     would_work_text(r.role, r.candidates, requested.value));
     }
@@ -633,7 +605,7 @@ OpResolution resolve_op(std::string role, const Problem& problem, const Sourced<
   // The kernel is select()'s own answer for the problem as configured.
   Selection selection = ask(*r.backend, problem);
   if (!selection) {
-    throw ConfigError(r.role, r.role + ": backend " + shown_value(r.backend->name()) + " accepted " + what +
+    throw ConfigError(r.role, r.role + ": backend " + quoted_value(r.backend->name()) + " accepted " + what +
                                   " once and then rejected it: " + selection.reason);
   }
   r.kernel = std::move(*selection.kernel);
@@ -759,7 +731,7 @@ void apply_config_text(AttentionConfig& config, std::string_view text, std::stri
 }
 
 void apply_config_file(AttentionConfig& config, const Sourced<std::string>& path) {
-  const std::string shown = shown_value(path.value);
+  const std::string shown = quoted_value(path.value);
   if (path.value.empty()) throw ConfigError("config", shown, path.source, "the path of a TOML or JSON file");
   std::error_code ec;
   const std::filesystem::path file(path.value);
@@ -809,7 +781,7 @@ void apply_flags(AttentionConfig& config, const std::vector<FlagValue>& flags) {
     if (flag.key == kConfigFileKey) continue;
     const KeySpec* spec = find_key(flag.key);
     if (spec == nullptr) {
-      throw ConfigError(flag.key, "unknown setting " + shown_value(flag.key) + "; expected one of: " + known_keys_text());
+      throw ConfigError(flag.key, "unknown setting " + quoted_value(flag.key) + "; expected one of: " + known_keys_text());
     }
     set_from_text(updated, *spec, flag.value, Provenance{SourceKind::kFlag, flag_name(flag.key)});
   }
@@ -819,7 +791,7 @@ void apply_flags(AttentionConfig& config, const std::vector<FlagValue>& flags) {
 void check_config(const AttentionConfig& config) {
   const std::vector<std::string> names = model_preset_names();
   if (std::find(names.begin(), names.end(), config.model.value) == names.end()) {
-    throw ConfigError("model", shown_value(config.model.value), config.model.source, expected_text("model"));
+    throw ConfigError("model", quoted_value(config.model.value), config.model.source, expected_text("model"));
   }
   const ModelPreset& model = model_preset(config.model.value);
   if (config.tp.value < 1 || model.heads % config.tp.value != 0) {
@@ -841,7 +813,7 @@ void check_config(const AttentionConfig& config) {
   for (Slot slot : kAllSlots) {
     const Sourced<std::string>& b = config.backend(slot);
     if (!is_backend_name(b.value)) {
-      throw ConfigError(std::string(slot_name(slot)), shown_value(b.value), b.source, expected_text(slot_name(slot)));
+      throw ConfigError(std::string(slot_name(slot)), quoted_value(b.value), b.source, expected_text(slot_name(slot)));
     }
   }
 }

@@ -52,7 +52,7 @@ const ModelPreset& model_preset(std::string_view name) {
   }
   std::string known;
   for (const auto& m : presets()) known += (known.empty() ? "" : ", ") + m.name;
-  throw Error("model", "model", "'" + std::string(name) + "'", "one of: " + known);
+  throw Error("model", "model", quoted_value(name), "one of: " + known);
 }
 
 ModelShard shard_model(const ModelPreset& model, int tp) {

@@ -165,7 +165,7 @@ TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
   EXPECT_THAT(plot.err, HasSubstr("argument '--plot' = --json"));
   const Result missing = run({"step", "--batch", "--tp", "8"});
   EXPECT_EQ(missing.exit_code, 2);
-  EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, --tp, is an option)"));
+  EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, '--tp', is an option)"));
 }
 
 // A flag given a value that is no boolean is said to be one; a long bad value is echoed in part.
@@ -344,6 +344,11 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   const Result fraction = run({"step", "--iters", "1.0"});
   EXPECT_EQ(fraction.exit_code, 2);
   EXPECT_THAT(fraction.err, HasSubstr("--iters: '1.0' is not an integer"));
+  // A terminal escape sequence typed as a value is shown escaped, not sent to the terminal.
+  const Result escape = run({"step", "--batch", "\x1b[31m8"});
+  EXPECT_EQ(escape.exit_code, 2);
+  EXPECT_THAT(escape.err, HasSubstr("--batch: '\\x1b[31m8' is not an integer"));
+  EXPECT_THAT(escape.err, Not(HasSubstr("\x1b")));
   const Result twice = run({"step", "--tp", "8", "--tp", "4"});
   EXPECT_EQ(twice.exit_code, 2);
   EXPECT_THAT(twice.err, HasSubstr("error: step: --tp: given 2 times; give it once"));
