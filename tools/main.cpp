@@ -99,6 +99,22 @@ std::string extras_message(const CLI::App& command, const std::string& what, con
   return (words.size() == 1 ? "argument not expected: " : "arguments not expected: ") + given;
 }
 
+// `message` with its control bytes shown as \xNN, as quoted_value shows them: CLI11's messages echo
+// the words typed, and a terminal escape sequence among them is shown rather than obeyed.
+std::string controls_escaped(const std::string& message) {
+  std::string out;
+  for (const char ch : message) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if (byte < 0x20 || byte == 0x7F) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xF]};
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
 // A command line CLI11 could not read, said as every other usage error is (docs/configuration.md,
 // "Exit codes"): "error: <subcommand>: <what>" on stderr, then where the options are listed; for
 // `latentkv config` the line in between says that the configuration was rejected, as its own errors
@@ -113,7 +129,7 @@ int parse_error(CLI::App& app, const CLI::ParseError& e, const std::vector<std::
     message = sub + ": " + extras_message(*parsed.back(), e.what(), args);
   }
   const std::string help = "latentkv" + (sub.empty() ? std::string() : " " + sub) + " --help";
-  std::fprintf(stderr, "error: %s\n", message.c_str());
+  std::fprintf(stderr, "error: %s\n", controls_escaped(message).c_str());
   if (sub == "config") {
     std::fprintf(stderr, "(configuration rejected: the command line could not be read; `%s` lists the options)\n",
                  help.c_str());

@@ -349,6 +349,14 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
   EXPECT_EQ(escape.exit_code, 2);
   EXPECT_THAT(escape.err, HasSubstr("--batch: '\\x1b[31m8' is not an integer"));
   EXPECT_THAT(escape.err, Not(HasSubstr("\x1b")));
+  // So in the messages CLI11 forms: an unknown option, an unknown subcommand, a name not in a list.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"step", "--\x1b[31m"}, {"\x1b[31m"}, {"bench", "--op", "\x1b[31m"}}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args.back();
+    EXPECT_THAT(r.err, HasSubstr("\\x1b[31m"));
+    EXPECT_THAT(r.err, Not(HasSubstr("\x1b")));
+  }
   const Result twice = run({"step", "--tp", "8", "--tp", "4"});
   EXPECT_EQ(twice.exit_code, 2);
   EXPECT_THAT(twice.err, HasSubstr("error: step: --tp: given 2 times; give it once"));
