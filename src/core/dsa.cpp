@@ -110,6 +110,15 @@ void check_rows_fit(std::string_view op, const TensorView& q, std::int64_t rows,
   }
 }
 
+// A block table [B, max_pages] of at most 2^30 tokens, as every step checks it, before planning: not
+// planned as gigabytes of logits or scratch that a step then refuses. page_size >= 1 checked before.
+void check_table_capacity(std::string_view op, const TensorView& block_table, std::int64_t page_size) {
+  if (block_table.size(1) > kMaxTableTokens / page_size) {
+    throw Error(std::string(op), "block_table", block_table.shape_string(),
+                "max_pages * page_size <= 2^30 (page_size " + std::to_string(page_size) + ")");
+  }
+}
+
 // The step views agree on [B, q_len] with q (each step checks the rest), so that a mismatch is
 // named here after the caller's argument, not after a workspace view of a later step. And what the
 // workspace is counted from (q's rows, the logits' columns) is checked before it is counted.
@@ -150,10 +159,7 @@ void check_shapes(const DsaDecodeParams& p) {
     throw Error(std::string(kOp), "max_len", std::to_string(p.max_len),
                 "0 .. 2^30 (the logits' columns, as the indexer and top-k take them; 0: table capacity)");
   }
-  if (p.block_table.size(1) > kMaxTableTokens / p.cache.page_size) {  // as every step checks it, before planning
-    throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
-                "max_pages * page_size <= 2^30 (page_size " + std::to_string(p.cache.page_size) + ")");
-  }
+  check_table_capacity(kOp, p.block_table, p.cache.page_size);
   check_rows_fit(kOp, p.q, b * q_len, (logits_columns(p) + p.topk) * 4, "f32 logits and i32 top-k slots");
 }
 
@@ -376,6 +382,9 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
   }
   detail::expect_descriptor(kPrefillOp, "block_table", p.block_table);
   check_rows_fit(kPrefillOp, p.q, p.q.size(0), std::int64_t{p.topk} * 4, "i32 top-k slots");
+  // The indexer step names a block table of another rank; its capacity, which the plan's chunk of
+  // logits is counted from, is refused here first, as dsa_decode refuses it.
+  if (p.block_table.rank == 2) check_table_capacity(kPrefillOp, p.block_table, p.cache.page_size);
   // Here, before a plan's chunk (which a backend may fill in for any value it takes as its default)
   // stands in for it: refused on every backend alike, as indexer_prefill refuses it.
   detail::expect_chunk_tokens(kPrefillOp, p.chunk_tokens);

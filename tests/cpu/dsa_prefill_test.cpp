@@ -434,6 +434,21 @@ TEST(DsaPrefillBadInput, TopkOutsideOneTo2048) {
   }
 }
 
+// A block table of more than 2^30 tokens (max_pages x page_size) is refused under the call's name
+// when the call is planned, as dsa_decode refuses it: not planned as a chunk's logits of gigabytes
+// that the indexer step then refuses. The view only describes the pages; nothing reads them.
+TEST(DsaPrefillBadInput, BlockTablePastTheLimit) {
+  HostDsaPrefill d = small_case();
+  const DsaPrefillParams good = d.params;
+  const std::int64_t batch = good.block_table.size(0);
+  const std::int64_t pages = kMaxTableTokens / d.f.page_size + 1;
+  d.params.block_table = TensorView::contiguous(good.block_table.data, DType::kI32, {batch, pages});
+  EXPECT_TRUE(throws_error([&] { plan_dsa_prefill(same_backend(reference_backend()), d.params, reference_device()); },
+                           "dsa_prefill", "block_table", std::to_string(pages)));
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "block_table", std::to_string(pages)));
+  EXPECT_TRUE(d.untouched());
+}
+
 // cu_new_tokens ending at 6 of T = 7 rows fails in the indexer step (dsa.hpp: the error names the
 // step), before anything reaches the workspace, o or lse.
 TEST(DsaPrefillBadInput, NewTokensNotEndingAtTFailInTheIndexerStep) {

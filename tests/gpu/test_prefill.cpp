@@ -466,6 +466,62 @@ TEST(GpuPrefillPlan, SplitsAskedForSizeOneSlice) {
 
 // 1100 prompts of 60 new tokens: 66,000 query rows, more than one decode launch takes (65,535, a
 // grid dimension), so both prefills run in two slices; every row against the reference.
+// A workspace one byte short of the plan's is refused before anything is queued, the error giving
+// the workspace_bytes the caller passed (not what is left of it after the block tables): a dense
+// prefill of a few new tokens over a long prefix, whose plan splits the prefix (per token on 128
+// heads; in groups of new tokens on 8 heads where the kernels take them), and a sparse prefill of
+// one token. The outputs stay sentinels.
+TEST(GpuPrefillBadInput, WorkspaceShortOfThePlanIsRefused) {
+  LKV_REQUIRE_GPU();
+  Rng rng = test_rng();
+  const Backend& cuda = *find_backend("cuda");
+  const DeviceInfo device = detect_device();
+  const auto run_short = [&](auto& p, const char* op) {
+    const Plan plan = cuda.plan(p, device);
+    ASSERT_GT(plan.num_splits, 1) << "the case should split its tokens";
+    DeviceBuffer workspace(plan.workspace_bytes);
+    p.num_splits = plan.num_splits;
+    p.workspace = workspace.get();
+    p.workspace_bytes = plan.workspace_bytes - 1;
+    EXPECT_TRUE(throws_error([&] { run(cuda, p, {}, device); }, op, "workspace_bytes",
+                             std::to_string(plan.workspace_bytes - 1)));
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+  };
+  const Batch batch{{4096}, {8}};
+  PagedFixture f = make_prefill_fixture(batch, 64, rng, KvDtype::kFp8E4M3, false);
+  const std::vector<std::int32_t> cu = cumulative(batch.new_tokens);
+  for (const std::int64_t heads : {128, 8}) {
+    SCOPED_TRACE("mla_prefill, H " + std::to_string(heads));
+    const HostTensor q = random_bf16(rng, {cu.back(), heads, kQkDim});
+    DeviceMlaPrefill d(f, q, cu);
+    run_short(d.p, "mla_prefill");
+    d.out.download();
+    EXPECT_TRUE(is_sentinel(d.out.o));
+    EXPECT_TRUE(is_sentinel(d.out.lse));
+  }
+  {
+    SCOPED_TRACE("sparse_mla_prefill");
+    const HostTensor one = random_bf16(rng, {1, 8, kQkDim});
+    DeviceBuffer d_one(one.raw(), one.bytes());
+    std::vector<std::int32_t> slots(kMaxTopk);
+    for (int i = 0; i < kMaxTopk; ++i) slots[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(f.slot(0, i));
+    DeviceBuffer d_idx(slots);
+    DeviceOutputs out(1, 8);
+    SparseMlaPrefillParams p;
+    p.q = one.view_of(d_one.get(), Device::cuda());
+    DeviceBuffer cache(f.cache_bytes);
+    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
+    p.o = out.o_view();
+    p.lse = out.lse_view();
+    p.softmax_scale = kScale;
+    run_short(p, "sparse_mla_prefill");
+    out.download();
+    EXPECT_TRUE(is_sentinel(out.o));
+    EXPECT_TRUE(is_sentinel(out.lse));
+  }
+}
+
 // A workspace that is not 16-byte aligned (a caller's sub-allocation) is refused before anything is
 // queued, naming it: the dense prefill of a 64-token prompt on 8 heads (its tables and groups' spans,
 // then the decode's partials) and the sparse prefill of one token over 2048 indices (its split

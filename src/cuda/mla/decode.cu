@@ -628,10 +628,11 @@ void check_decode_call(const DecodeCall& c) {
   check_aligned(c.op, "cache.data", c.cache, 16);  // entries read as 16-byte pieces and bulk copies
   if (c.batch == 0) return;  // nothing to compute, no workspace needed
   if (c.num_splits > 1) {
-    const std::size_t need = mla::partial_bytes(c.batch, c.rows, c.num_splits);
+    const std::size_t need = c.table_bytes + mla::partial_bytes(c.batch, c.rows, c.num_splits);
     if (c.workspace == nullptr || c.workspace_bytes < need) {
       throw Error(c.op, "workspace_bytes", std::to_string(c.workspace_bytes),
-                  ">= " + std::to_string(need) + " for " + std::to_string(c.num_splits) + " splits (see plan())");
+                  ">= " + std::to_string(need) + " for " + std::to_string(c.num_splits) + " splits" +
+                      (c.table_bytes > 0 ? " after the block tables" : "") + " (see plan())");
     }
     check_aligned(c.op, "workspace", c.workspace, 16);  // the partials: 16-byte copies and float4 loads
   }

@@ -29,7 +29,9 @@ void launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream, const char
 // queues anything, for `batch` query tokens (requests; B x q_len sparse; a prefill's new tokens or
 // groups) of `rows` rows each: a planned split count (1 to 1024), q, o and the cache aligned for the
 // kernels' vector accesses, and with batch > 0 the splits' partials within the workspace and at most
-// kMaxDecodeBatch query tokens. Throws Error naming `op`.
+// kMaxDecodeBatch query tokens. Throws Error naming `op`. A dense prefill's workspace starts with its
+// block tables (`table_bytes` of them, a multiple of 16): the partials follow them, and an error
+// gives the whole workspace the caller passed and needs.
 struct DecodeCall {
   const char* op = "mla_decode";
   std::int64_t batch = 0;
@@ -40,6 +42,7 @@ struct DecodeCall {
   const void* cache = nullptr;
   const void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  std::size_t table_bytes = 0;
 };
 void check_decode_call(const DecodeCall& call);
 // The same for each op's whole call, its fault record's alignment, and (prefill) every launch it

@@ -189,8 +189,7 @@ void check_mla_prefill_call(const MlaPrefillParams& p) {
   check_table_workspace(p, table_bytes, tokens > 1 ? "groups' block tables" : "per-token block tables");
   const std::int64_t launches = tokens > 1 ? group_slots(t, tokens, p.seq_lens.size(0)) : t;
   check_decode_call({"mla_prefill", std::min<std::int64_t>(launches, kMaxDecodeBatch), tokens * p.q.size(1),
-                     p.num_splits, p.q.data, p.o.data, p.cache.data,
-                     static_cast<const std::uint8_t*>(p.workspace) + table_bytes, p.workspace_bytes - table_bytes});
+                     p.num_splits, p.q.data, p.o.data, p.cache.data, p.workspace, p.workspace_bytes, table_bytes});
 }
 
 void launch_mla_prefill(const MlaPrefillParams& p, cudaStream_t stream) {
