@@ -1,6 +1,7 @@
 // tools/bench.hpp - options and result rows of `latentkv bench`.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -71,6 +72,18 @@ struct BenchReport {
   std::string matrix_how;
   std::vector<BenchRow> rows;
 };
+
+// Each timed row's speed-up over the table's timed cast_full row, where it has one; rows that time a
+// part of the row above them (their backend indented by spaces: a dsa op's steps) get none.
+inline void set_speedups(BenchReport& report) {
+  const auto base = std::find_if(report.rows.begin(), report.rows.end(),
+                                 [](const BenchRow& row) { return row.backend == "cast_full" && row.timed; });
+  if (base == report.rows.end()) return;
+  const double base_us = base->median_us;
+  for (BenchRow& row : report.rows) {
+    if (row.timed && !row.backend.starts_with(' ')) row.speedup = base_us / row.median_us;
+  }
+}
 
 // mla_decode or sparse_mla_decode on the CUDA device; throws latentkv::Error or std::runtime_error.
 BenchReport run_decode_bench(const BenchOptions& options);

@@ -107,11 +107,14 @@ void check_op_reads(const BenchOptions& o, const std::set<std::string>& given) {
 }
 
 // What an op's shape asks of the lengths, checked before the GPU is looked for.
-void check_lengths(const BenchOptions& o) {
+void check_lengths(const BenchOptions& o, const std::set<std::string>& given) {
   const std::string context = std::to_string(o.context);
   if (is_prefill(o.op)) {
     if (o.new_tokens > o.context) {
-      throw Error("bench", "--new-tokens", std::to_string(o.new_tokens), "at most --context (" + context + ")");
+      throw Error("bench", "--new-tokens",
+                  std::to_string(o.new_tokens) + (given.contains("--new-tokens") ? "" : " (its default)"),
+                  "at most --context (" + context + ")" +
+                      (given.contains("--new-tokens") ? "" : ": give --new-tokens, or a larger --context"));
     }
     return;
   }
@@ -203,7 +206,7 @@ void check_bench_options(const BenchOptions& o, const std::set<std::string>& giv
     throw Error("bench", "--context-min", std::to_string(o.context_min),
                 "at most --context (" + std::to_string(o.context) + ")");
   }
-  check_lengths(o);
+  check_lengths(o, given);
   // One set of requests must fit in the pool (the timed calls rotate over as many as it holds).
   try {
     check_pool("bench", o.pool, o.batch, o.context, o.page_size);

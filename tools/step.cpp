@@ -119,13 +119,13 @@ StepRun resolve_run(const StepOptions& o, bool cpu, bool cpu_by_default) {
     const std::int64_t needed = pool_tokens_needed("step", s.batch, s.context, s.page_size);
     pool = std::min(max_pool_tokens(s.page_size),
                     cpu ? 2 * needed : std::max<std::int64_t>(kGpuPool, needed + needed / 8));
-    if (!cpu && pool != kGpuPool) {
-      run.notes.push_back("pool grown to " + std::to_string(pool) + " tokens per layer to hold the batch");
-    }
   } else {
     check_pool("step", pool, s.batch, s.context, s.page_size);
   }
   s.pool_tokens = round_up(pool, s.page_size);
+  if (o.pool == 0 && !cpu && pool != kGpuPool) {  // in whole pages, as the header gives it
+    run.notes.push_back("pool grown to " + std::to_string(s.pool_tokens) + " tokens per layer to hold the batch");
+  }
 
   run.warmup = o.warmup >= 0 ? o.warmup : (cpu ? kCpuWarmup : kGpuWarmup);
   run.iters = o.iters > 0 ? o.iters : (cpu ? kCpuIters : kGpuIters);

@@ -740,6 +740,11 @@ TEST_F(Cli, BenchChecksWhatNeedsNoGpuFirst) {
   const Result prefill = run({"bench", "--op", "mla_prefill", "--context", "100", "--new-tokens", "200"});
   EXPECT_EQ(prefill.exit_code, 2);
   EXPECT_THAT(prefill.err, HasSubstr("argument '--new-tokens' = 200: expected at most --context (100)"));
+  // The default new tokens (4096) over a shorter --context: the message says which value was not typed.
+  const Result by_default = run({"bench", "--op", "mla_prefill", "--context", "2048"});
+  EXPECT_EQ(by_default.exit_code, 2);
+  EXPECT_THAT(by_default.err, HasSubstr("argument '--new-tokens' = 4096 (its default): expected at most --context "
+                                        "(2048): give --new-tokens, or a larger --context"));
 }
 
 TEST_F(Cli, FromJsonRefusesAnInconsistentReportNamingTheField) {

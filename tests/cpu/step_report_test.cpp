@@ -273,6 +273,24 @@ TEST(StepAnalysis, SharesRatesGapsAndTokensPerSecond) {
   }
 }
 
+// The speed-up is over the cast_full backend on the path the model's rule picks, whatever name ran
+// it: sparse_cast_full listed before cast_full runs it (and cast_full is then left out), while
+// dense_cast_full at a context the rule runs sparse is not what engines run, and is no yardstick.
+TEST(StepAnalysis, SpeedUpOverCastFullByWhatRanNotByName) {
+  StepReport r = measured_report();  // 32K: the rule picks sparse
+  ASSERT_FALSE(r.shape.dense_is_exact());
+  r.strategies[1].name = "sparse_cast_full";
+  analyze_step(r);
+  EXPECT_DOUBLE_EQ(r.strategies[0].speedup_vs_cast_full, 80.0);
+
+  r = measured_report();
+  r.strategies[1].name = "dense_cast_full";
+  r.strategies[1].dense = true;
+  analyze_step(r);
+  EXPECT_EQ(r.strategies[0].speedup_vs_cast_full, 0);
+  EXPECT_EQ(r.strategies[1].speedup_vs_cast_full, 0);
+}
+
 TEST(StepAnalysis, EveryOpOfEveryLayerCostsAtLeastOneChainedLaunch) {
   StepReport r = measured_report();
   r.launch_us = 0.5;

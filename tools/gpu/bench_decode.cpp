@@ -245,7 +245,9 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
         report.rows.push_back(row);
         continue;  // no timing for an output that failed its check
       }
-      row.status = "pass (" + std::to_string(checked) + " requests; o 1-cos " + std::to_string(c.one_minus_cos) + ")";
+      char status[96];
+      std::snprintf(status, sizeof status, "pass (%d requests; o 1-cos %.1e)", checked, c.one_minus_cos);
+      row.status = status;
     } else {
       row.status = "unchecked";
     }
@@ -253,11 +255,7 @@ BenchReport run_decode_bench(const BenchOptions& opt) {
     take_timing(row, time_calls(call, opt.warmup, opt.iters, stream, launch_of(opt)), report, opt);
     report.rows.push_back(row);
   }
-  for (BenchRow& row : report.rows) {
-    for (const BenchRow& base : report.rows) {
-      if (base.backend == "cast_full" && base.timed && row.timed) row.speedup = base.median_us / row.median_us;
-    }
-  }
+  set_speedups(report);
   return report;
 }
 

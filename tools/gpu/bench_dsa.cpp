@@ -375,11 +375,7 @@ BenchReport run_dsa_bench(const BenchOptions& opt) {
       }
     }
   }
-  for (BenchRow& row : report.rows) {
-    for (const BenchRow& base : report.rows) {
-      if (base.backend == "cast_full" && base.timed && row.timed && row.backend[0] != ' ') row.speedup = base.median_us / row.median_us;
-    }
-  }
+  set_speedups(report);
   return report;
 }
 

@@ -193,6 +193,7 @@ BenchReport run_prefill_bench(const BenchOptions& opt) {
                                       : "unchecked",
                call, opt, stream);
   }
+  set_speedups(report);
   return report;
 }
 
@@ -349,6 +350,7 @@ BenchReport run_dsa_prefill_bench(const BenchOptions& opt) {
                                   : "unchecked",
                call, opt, stream);
   }
+  set_speedups(report);
   return report;
 }
 

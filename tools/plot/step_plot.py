@@ -115,9 +115,16 @@ def draw_floors(ax, report, strategies):
     ax.set_yscale("log")
     ax.set_ylabel("us per step (log)")
     if has_floor:
-        ax.set_title("each op against its floor (black line: max(bytes / %.0f GB/s copy, FLOP / %.0f TFLOP/s bf16));"
-                     "\nlabels: strategy and gap = time / floor" % (report["copy_gbps"], report["matrix_tflops"]),
-                     fontsize=9)
+        # The floor's terms as the report measured them (a term it lacks is not in its floor either).
+        terms = []
+        if report.get("copy_gbps"):
+            terms.append("bytes / %.0f GB/s copy" % report["copy_gbps"])
+        if report.get("matrix_tflops"):
+            terms.append("FLOP / %.0f TFLOP/s bf16" % report["matrix_tflops"])
+        if report.get("launch_us"):
+            terms.append("%s x %.2f us chained launch" % (layers_text(report["shape"]["layers"]), report["launch_us"]))
+        ax.set_title("each op against its floor (black line): max(%s);\nlabels: strategy and gap = time / floor"
+                     % ", ".join(terms), fontsize=8)
     else:
         ax.set_title("each op's time (no floors: the CPU reference is not a speed claim)", fontsize=10)
     low, high = ax.get_ylim()
