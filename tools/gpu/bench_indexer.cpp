@@ -68,7 +68,11 @@ BenchReport run_indexer_bench(const BenchOptions& opt) {
     return p;
   };
   const double bytes = static_cast<double>(bytes_per_call) + q_elems + 4.0 * w_elems + 4.0 * out_elems;
-  const double flops = 2.0 * heads * 128.0 * static_cast<double>(out_elems);
+  // (query row, key) pairs: row i of a request sees L - q_len + i + 1 of its L keys (causal); the
+  // logits written past that (-inf) count as bytes, not as products.
+  const double visible = static_cast<double>(opt.batch) *
+                         (static_cast<double>(opt.q_len) * opt.context - opt.q_len * (opt.q_len - 1) / 2.0);
+  const double flops = 2.0 * heads * 128.0 * visible;
 
   for (const std::string& name : opt.backends) {
     BackendRow started = start_row(report, name, params_for(0), device, bytes, flops);
