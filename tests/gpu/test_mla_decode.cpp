@@ -677,6 +677,43 @@ TEST(GpuMlaDecodePlan, AskedSplitCountsAreKeptOrRefused) {
   EXPECT_TRUE(is_sentinel(d.lse_host));
 }
 
+// The cast baselines read the caller's fp8 cache and write their bf16 copy into the workspace in
+// 16-byte pieces, and their inner decode sees only the copy: so each baseline checks these itself.
+// A cache or a workspace that is not 16-byte aligned, or a null workspace, is refused naming it (not
+// the copy standing for it) before anything is queued, and the outputs stay sentinels.
+TEST(GpuMlaDecodePlan, CastBaselinesCheckWhatTheyCast) {
+  LKV_REQUIRE_GPU();
+  PlanCase c({70, 150});
+  for (const char* name : {"cast_full", "gather_cast"}) {
+    SCOPED_TRACE(name);
+    const Backend& backend = *find_backend(name);
+    const Plan plan = c.d.plan(backend, c.device);
+    const MlaDecodeParams good = c.d.params;
+    // Views only: a refused call reads and writes none of these bytes.
+    DeviceBuffer cache(static_cast<std::size_t>(good.cache.num_slots()) * kFp8TokenBytes + 16);
+    DeviceBuffer workspace(plan.workspace_bytes + 16);
+    MlaDecodeParams p = good;
+    p.cache.data = cache.get<std::uint8_t>() + 8;
+    EXPECT_TRUE(throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "cache.data", "not 16-byte aligned"));
+    p = good;
+    p.workspace = workspace.get<std::uint8_t>() + 8;
+    EXPECT_TRUE(throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "workspace", "not 16-byte aligned"));
+    p = good;
+    p.workspace = nullptr;
+    EXPECT_TRUE(throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "workspace", "null"));
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    c.d.download();
+    EXPECT_TRUE(is_sentinel(c.d.o_host));
+    EXPECT_TRUE(is_sentinel(c.d.lse_host));
+    // The call as planned runs.
+    run(backend, good, {}, c.device);
+    LKV_CUDA_OK(cudaDeviceSynchronize());
+    c.d.download();
+    EXPECT_FALSE(is_sentinel(c.d.o_host));
+    c.d.fill_sentinels();
+  }
+}
+
 // A block table of no pages (every length 0, which the validation and the reference accept): the
 // plan and the call run, and every row comes out empty (o 0, lse -inf), on the narrow and the
 // many-heads kernel. (The plan's short-split rule once divided by a split count of 0 here.)

@@ -90,20 +90,32 @@ class CastBaseline : public Backend {
   // The inner decode's parameters, after the checks of the call; with a stream, the cast queued.
   template <typename Params>
   Params with_copy(const Params& p, std::string_view op, const cudaStream_t* s) const {
-    detail::validate_shapes(p, cuda::launch_device(std::string(op).c_str()), detail::Outputs::kDeviceTypes);
+    const std::string op_name(op);
+    detail::validate_shapes(p, cuda::launch_device(op_name.c_str()), detail::Outputs::kDeviceTypes);
+    // What the cast reads, checked here: the inner decode's checks see only the bf16 copy. (A kernel
+    // kept from an fp8 selection may be handed a bf16 cache.)
+    if (p.cache.dtype != KvDtype::kFp8E4M3) {
+      throw Error(op_name, "cache.dtype", std::string(kv_dtype_name(p.cache.dtype)),
+                  "fp8_e4m3: the " + std::string(name()) + " baseline casts an fp8 cache");
+    }
+    cuda::check_aligned(op_name.c_str(), "cache.data", p.cache.data, 16);  // read as 16-byte pieces
     // The decode's own limit (a grid dimension), checked before the cast is queued: these baselines
     // do not slice a call as the cuda backend's prefill does.
     constexpr bool kSparse = std::is_same_v<Params, SparseMlaDecodeParams>;
     const std::int64_t queries = p.q.size(0) * (kSparse ? p.q.size(1) : 1);
     if (queries > cuda::kMaxDecodeBatch) {
-      throw Error(std::string(op), "q", std::to_string(queries) + (kSparse ? " query tokens" : " requests"),
+      throw Error(op_name, "q", std::to_string(queries) + (kSparse ? " query tokens" : " requests"),
                   "at most " + std::to_string(cuda::kMaxDecodeBatch) + " per call on the " + std::string(name()) +
                       " baseline");
     }
     const std::size_t copy = copy_bytes(p);  // 0 for gather_cast over no requests or no index entries
-    if (copy > 0 && (p.workspace == nullptr || p.workspace_bytes < copy)) {
-      throw Error(std::string(op), "workspace_bytes", std::to_string(p.workspace_bytes),
-                  ">= " + std::to_string(copy) + " for the " + std::string(name()) + " bf16 copy (see plan())");
+    if (copy > 0) {
+      const std::string what = " for the " + std::string(name()) + " bf16 copy (see plan())";
+      if (p.workspace == nullptr) throw Error(op_name, "workspace", "null", std::to_string(copy) + " bytes" + what);
+      if (p.workspace_bytes < copy) {
+        throw Error(op_name, "workspace_bytes", std::to_string(p.workspace_bytes), ">= " + std::to_string(copy) + what);
+      }
+      cuda::check_aligned(op_name.c_str(), "workspace", p.workspace, 16);  // the copy: 16-byte pieces
     }
     auto* scratch = static_cast<std::uint8_t*>(p.workspace);
     Params inner = cast(p, copy > 0 ? scratch : nullptr, s);  // nothing to cast: no launch

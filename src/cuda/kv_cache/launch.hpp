@@ -22,7 +22,8 @@ void launch_cast_pool(const LatentCache& src, std::uint8_t* dst, cudaStream_t st
 
 // Gathers and dequantizes request b's tokens t < seq_lens[b] into dst [batch, capacity, 1152] bytes,
 // capacity = max_pages * page_size, and writes an identity block table [batch, max_pages] so that
-// dst reads as a bf16 cache of batch * max_pages pages.
+// dst reads as a bf16 cache of batch * max_pages pages (-1 for a page outside the source pool, which
+// the decode then leaves unread, as the fp8 decode does).
 void launch_gather_cast(const LatentCache& src, const std::int32_t* block_table, const std::int32_t* seq_lens,
                         int batch, int max_pages, std::uint8_t* dst, std::int32_t* dst_block_table,
                         cudaStream_t stream);
