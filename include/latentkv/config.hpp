@@ -101,7 +101,9 @@ class ConfigError : public Error {
   // "config: <message>"
   ConfigError(std::string key, std::string message);
 
-  const std::string& key() const noexcept { return key_; }  // a config key, a slot name, or "config"
+  // A config key (an unknown one as it was given), a slot name or "slot", a supporting op's name
+  // ("append", "indexer_logits", "topk", "indexer_prefill"), or "config".
+  const std::string& key() const noexcept { return key_; }
 
  private:
   std::string key_;

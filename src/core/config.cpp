@@ -781,7 +781,8 @@ void apply_flags(AttentionConfig& config, const std::vector<FlagValue>& flags) {
     if (flag.key == kConfigFileKey) continue;
     const KeySpec* spec = find_key(flag.key);
     if (spec == nullptr) {
-      throw ConfigError(flag.key, "unknown setting " + quoted_value(flag.key) + "; expected one of: " + known_keys_text());
+      throw ConfigError(flag.key, "unknown setting " + quoted_value(flag.key) + " (a flag); expected one of: " +
+                                      known_keys_text());
     }
     set_from_text(updated, *spec, flag.value, Provenance{SourceKind::kFlag, flag_name(flag.key)});
   }

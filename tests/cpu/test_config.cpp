@@ -575,7 +575,7 @@ TEST(ConfigReject, BadNamesListWhatIsAccepted) {
   EXPECT_THAT(m, HasSubstr("'a\\x01\\xff'"));  // control bytes are escaped, not printed raw
   EXPECT_EQ(quoted_value("it's a\\b"), "'it\\'s a\\\\b'");  // the quote itself and backslashes too
   m = config_error([] { with_flags({{"frobnicate", "1"}}); }).what();
-  EXPECT_THAT(m, HasSubstr("unknown setting 'frobnicate'"));
+  EXPECT_THAT(m, HasSubstr("unknown setting 'frobnicate' (a flag); expected one of: "));  // the source named
 }
 
 TEST(ConfigReject, TomlErrorsNameFileLineKeyValueAndExpected) {

@@ -159,10 +159,16 @@ TEST(ConfigCommand, AnUnknownKernelOverrideIsAnError) {
                                                std::vector<std::string>{"config", "--explain", "--json"}}) {
     const CommandResult r = run_cli(args);
     EXPECT_EQ(r.exit_code, tools::kExitUsage);
-    EXPECT_THAT(r.err, HasSubstr("argument 'LATENTKV_MLA_KERNEL' = bogus: expected unset, \"auto\" or \"mma\""));
+    EXPECT_THAT(r.err, HasSubstr("argument 'LATENTKV_MLA_KERNEL' = 'bogus': expected unset, \"auto\" or \"mma\""));
     EXPECT_THAT(r.err, HasSubstr("configuration rejected"));
     EXPECT_EQ(r.out, "") << "no capability matrix narrowed by the override";
   }
+  // The value is shown as every user's value is: quoted, a control byte as \xNN, never raw.
+  const testing::ScopedEnv escape(kMlaKernelVariable, "a\x1b[31mb");
+  const CommandResult r = run_cli({"config", "--explain"});
+  EXPECT_EQ(r.exit_code, tools::kExitUsage);
+  EXPECT_THAT(r.err, HasSubstr("argument 'LATENTKV_MLA_KERNEL' = 'a\\x1b[31mb': expected"));
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err;
 }
 
 TEST(ConfigCommand, JsonIsTheResolvedConfiguration) {

@@ -78,7 +78,7 @@ bool wgmma_kernels_enabled(const char* op, const char* env, int sm) {
   const char* choice = std::getenv(env);
   if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
   if (choice != nullptr && choice[0] != '\0' && std::strcmp(choice, "auto") != 0) {
-    throw Error(op, env, choice, "unset, \"auto\" or \"mma\"");
+    throw Error(op, env, quoted_value(choice), "unset, \"auto\" or \"mma\"");
   }
   return sm == 90;
 #else
