@@ -126,6 +126,27 @@ struct DeviceMlaPrefill {
   }
 };
 
+// A sparse prefill of one new token on 8 heads over the index row `indices` [2048]: device copies of
+// a random q and the row, a device pool of the fixture's size (its bytes not copied: the calls made
+// with it are refused before they read it), sentinel outputs, and its parameters (no workspace yet).
+struct DeviceSparseToken {
+  HostTensor q;
+  DeviceBuffer d_q, d_idx, cache;
+  DeviceOutputs out;
+  SparseMlaPrefillParams p;
+
+  DeviceSparseToken(const PagedFixture& f, Rng& rng, const std::vector<std::int32_t>& indices)
+      : q(random_bf16(rng, {1, 8, kQkDim})), d_q(q.raw(), q.bytes()), d_idx(indices), cache(f.cache_bytes),
+        out(1, 8) {
+    p.q = q.view_of(d_q.get(), Device::cuda());
+    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
+    p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
+    p.o = out.o_view();
+    p.lse = out.lse_view();
+    p.softmax_scale = kScale;
+  }
+};
+
 // Dense prefill of q [T, H, 576] on the GPU over device copies of the fixture.
 GpuOutputs gpu_mla_prefill(const PagedFixture& f, const HostTensor& q, const std::vector<std::int32_t>& cu) {
   DeviceMlaPrefill d(f, q, cu);
@@ -501,24 +522,13 @@ TEST(GpuPrefillBadInput, WorkspaceShortOfThePlanIsRefused) {
   }
   {
     SCOPED_TRACE("sparse_mla_prefill");
-    const HostTensor one = random_bf16(rng, {1, 8, kQkDim});
-    DeviceBuffer d_one(one.raw(), one.bytes());
     std::vector<std::int32_t> slots(kMaxTopk);
     for (int i = 0; i < kMaxTopk; ++i) slots[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(f.slot(0, i));
-    DeviceBuffer d_idx(slots);
-    DeviceOutputs out(1, 8);
-    SparseMlaPrefillParams p;
-    p.q = one.view_of(d_one.get(), Device::cuda());
-    DeviceBuffer cache(f.cache_bytes);
-    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
-    p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
-    p.o = out.o_view();
-    p.lse = out.lse_view();
-    p.softmax_scale = kScale;
-    run_short(p, "sparse_mla_prefill");
-    out.download();
-    EXPECT_TRUE(is_sentinel(out.o));
-    EXPECT_TRUE(is_sentinel(out.lse));
+    DeviceSparseToken d(f, rng, slots);
+    run_short(d.p, "sparse_mla_prefill");
+    d.out.download();
+    EXPECT_TRUE(is_sentinel(d.out.o));
+    EXPECT_TRUE(is_sentinel(d.out.lse));
   }
 }
 
@@ -555,23 +565,11 @@ TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
   }
   {
     SCOPED_TRACE("sparse_mla_prefill");
-    const HostTensor one = random_bf16(rng, {1, 8, kQkDim});
-    DeviceBuffer d_one(one.raw(), one.bytes());
-    const std::vector<std::int32_t> none(kMaxTopk, -1);
-    DeviceBuffer d_idx(none);
-    DeviceOutputs out(1, 8);
-    SparseMlaPrefillParams p;
-    p.q = one.view_of(d_one.get(), Device::cuda());
-    DeviceBuffer cache(f.cache_bytes);
-    p.cache = f.cache(cache.get<std::uint8_t>(), Device::cuda());
-    p.indices = TensorView::contiguous(d_idx.get(), DType::kI32, {1, kMaxTopk}, Device::cuda());
-    p.o = out.o_view();
-    p.lse = out.lse_view();
-    p.softmax_scale = kScale;
-    run_misaligned(p, "sparse_mla_prefill");
-    out.download();
-    EXPECT_TRUE(is_sentinel(out.o));
-    EXPECT_TRUE(is_sentinel(out.lse));
+    DeviceSparseToken d(f, rng, std::vector<std::int32_t>(kMaxTopk, -1));
+    run_misaligned(d.p, "sparse_mla_prefill");
+    d.out.download();
+    EXPECT_TRUE(is_sentinel(d.out.o));
+    EXPECT_TRUE(is_sentinel(d.out.lse));
   }
 }
 
