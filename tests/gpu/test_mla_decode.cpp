@@ -714,6 +714,48 @@ TEST(GpuMlaDecodePlan, CastBaselinesCheckWhatTheyCast) {
   }
 }
 
+// The cast baselines size their bf16 copy from the pool (cast_full), the block table (gather_cast,
+// dense) or the index entries (gather_cast, sparse and sparse prefill). A copy of 2^64 bytes or more
+// is refused by plan(), naming the argument it comes from, rather than planned as a wrapped size; the
+// views are never read, and the refusal comes before any device is asked, so this runs without a GPU.
+TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
+  if (find_backend("cast_full") == nullptr) GTEST_SKIP() << "this build has no CUDA backends";
+  const Device gpu = Device::cuda();
+  const DeviceInfo device{.kind = DeviceKind::kCuda, .sm = 90, .name = "sm_90 by description", .multiprocessors = 132};
+  MlaDecodeParams dense;
+  dense.q = TensorView::contiguous(nullptr, DType::kBF16, {1, 1, 8, 576}, gpu);
+  dense.cache.num_pages = std::int64_t{1} << 50;  // 2^56 slots: 2^63 + 2^62 bytes as fp8, 1152 x 2^56 as bf16
+  dense.cache.page_size = 64;
+  dense.cache.device = gpu;
+  dense.block_table = TensorView::contiguous(nullptr, DType::kI32, {1, 4}, gpu);
+  dense.seq_lens = TensorView::contiguous(nullptr, DType::kI32, {1}, gpu);
+  const Backend& cast_full = *find_backend("cast_full");
+  const Backend& gather_cast = *find_backend("gather_cast");
+  EXPECT_TRUE(throws_error([&] { (void)cast_full.plan(dense, device); }, "mla_decode", "cache",
+                           "1125899906842624 pages of 64 slots"));
+  // gather_cast copies the requests' tables, not the pool: 2^20 requests of 2^20 pages of 2^20 tokens.
+  MlaDecodeParams tables = dense;
+  tables.cache.num_pages = 1000;
+  tables.cache.page_size = 1 << 20;
+  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {1 << 20, 1, 8, 576}, gpu);
+  tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {1 << 20, 1 << 20}, gpu);
+  EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
+                           "1048576 requests of 1048576 pages of 1048576 tokens"));
+  // 2^57 index entries (each extent below 2^31): 2^59 bytes of i32, 1152 x 2^57 bytes as bf16 tokens.
+  SparseMlaDecodeParams sparse;
+  sparse.q = dense.q;
+  sparse.cache = tables.cache;
+  sparse.indices = TensorView::contiguous(nullptr, DType::kI32, {1 << 28, 2, 1 << 28}, gpu);
+  EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(sparse, device); }, "sparse_mla_decode", "indices",
+                           "144115188075855872 entries"));
+  SparseMlaPrefillParams prefill;
+  prefill.q = TensorView::contiguous(nullptr, DType::kBF16, {1 << 30, 8, 576}, gpu);
+  prefill.cache = tables.cache;
+  prefill.indices = TensorView::contiguous(nullptr, DType::kI32, {1 << 30, 1 << 27}, gpu);
+  EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(prefill, device); }, "sparse_mla_prefill", "indices",
+                           "144115188075855872 entries"));
+}
+
 // A block table of no pages (every length 0, which the validation and the reference accept): the
 // plan and the call run, and every row comes out empty (o 0, lse -inf), on the narrow and the
 // many-heads kernel. (The plan's short-split rule once divided by a split count of 0 here.)

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -28,7 +29,10 @@ using cuda::device_problem;
 using cuda::rows_of;
 using cuda::stream_of;
 
-std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+// Byte counts of a bf16 copy, in a type no checked shape can make wrap: a view's extents and a page
+// size are below 2^31 and a pool has fewer than 2^63 slots, so no count here reaches 2^104.
+__extension__ typedef unsigned __int128 Bytes;  // (a GCC and Clang extension)
+Bytes align256(Bytes n) { return (n + 255) / 256 * 256; }
 
 class CastBaseline : public Backend {
  public:
@@ -60,25 +64,38 @@ class CastBaseline : public Backend {
 
   Plan plan(const OpArgs& args, const DeviceInfo& device) const override {
     // As the cuda backend's plan(): the shapes counted with checked first, and the planners read the
-    // current device, made `device` here.
+    // current device, made `device` here. The copy is sized before that: a copy too large for a
+    // 64-bit byte count is refused here, not planned as a wrapped size that the call would refuse.
     cuda::check_plan_extents(args, device);
-    const cuda::ScopedCurrentDevice on(device, std::string(op_name(op_of(args))).c_str());
-    if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
-      Plan plan = cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors);
-      plan.workspace_bytes += copy_bytes(*dense);
-      return plan;
+    const char* op = std::holds_alternative<MlaDecodeParams>(args)          ? "mla_decode"
+                     : std::holds_alternative<SparseMlaPrefillParams>(args) ? "sparse_mla_prefill"
+                                                                            : "sparse_mla_decode";
+    const auto* dense = std::get_if<MlaDecodeParams>(&args);
+    const SparseMlaDecodeParams sparse = dense != nullptr ? SparseMlaDecodeParams{} : sparse_of(args);
+    const std::size_t copy = dense != nullptr ? checked_copy_bytes(*dense, op) : checked_copy_bytes(sparse, op);
+    const cuda::ScopedCurrentDevice on(device, op);
+    Plan plan = dense != nullptr
+                    ? cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors)
+                    : cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors, op);
+    if (plan.workspace_bytes > std::numeric_limits<std::size_t>::max() - copy) {
+      throw Error(op, "workspace_bytes", "the bf16 copy's " + std::to_string(copy) + " bytes and the decode's " +
+                      std::to_string(plan.workspace_bytes),
+                  "a sum below 2^64 bytes");
     }
-    const SparseMlaDecodeParams sparse = sparse_of(args);
-    const char* op = std::holds_alternative<SparseMlaPrefillParams>(args) ? "sparse_mla_prefill" : "sparse_mla_decode";
-    Plan plan = cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors, op);
-    plan.workspace_bytes += copy_bytes(sparse);
+    plan.workspace_bytes += copy;
     return plan;
   }
 
  protected:
-  // Bytes of the bf16 copy (and its table or indices) at the start of the workspace.
-  virtual std::size_t copy_bytes(const MlaDecodeParams& p) const = 0;
-  virtual std::size_t copy_bytes(const SparseMlaDecodeParams& p) const = 0;
+  // Bytes of the bf16 copy (and its table or indices) at the start of the workspace, and the argument
+  // its size comes from (named when it is too large to count).
+  struct CopySize {
+    Bytes bytes;
+    const char* argument;
+    std::string value;
+  };
+  virtual CopySize copy_bytes(const MlaDecodeParams& p) const = 0;
+  virtual CopySize copy_bytes(const SparseMlaDecodeParams& p) const = 0;
   // The decode parameters that read the bf16 copy at `scratch`; with a stream (and scratch), the
   // cast that fills it is queued on it first (without one, only the parameters are computed, for
   // planning and checks).
@@ -87,6 +104,17 @@ class CastBaseline : public Backend {
                                      const cudaStream_t* s) const = 0;
 
  private:
+  // copy_bytes(p) as a byte count, or an Error naming `op` and the argument the copy's size comes from.
+  template <typename Params>
+  std::size_t checked_copy_bytes(const Params& p, std::string_view op) const {
+    const CopySize copy = copy_bytes(p);
+    if (copy.bytes > std::numeric_limits<std::size_t>::max()) {
+      throw Error(std::string(op), copy.argument, copy.value,
+                  "a bf16 copy (1152 B a token) of fewer than 2^64 bytes for the " + std::string(name()) + " baseline");
+    }
+    return static_cast<std::size_t>(copy.bytes);
+  }
+
   // The inner decode's parameters, after the checks of the call; with a stream, the cast queued.
   template <typename Params>
   Params with_copy(const Params& p, std::string_view op, const cudaStream_t* s) const {
@@ -108,7 +136,7 @@ class CastBaseline : public Backend {
                   "at most " + std::to_string(cuda::kMaxDecodeBatch) + " per call on the " + std::string(name()) +
                       " baseline");
     }
-    const std::size_t copy = copy_bytes(p);  // 0 for gather_cast over no requests or no index entries
+    const std::size_t copy = checked_copy_bytes(p, op);  // 0 for gather_cast over no requests or no index entries
     if (copy > 0) {
       const std::string what = " for the " + std::string(name()) + " bf16 copy (see plan())";
       if (p.workspace == nullptr) throw Error(op_name, "workspace", "null", std::to_string(copy) + " bytes" + what);
@@ -172,9 +200,12 @@ class CastFullBackend final : public CastBaseline {
   }
 
  protected:
-  static std::size_t pool_bytes(const LatentCache& c) { return align256(static_cast<std::size_t>(c.num_slots()) * kBf16TokenBytes); }
-  std::size_t copy_bytes(const MlaDecodeParams& p) const override { return pool_bytes(p.cache); }
-  std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override { return pool_bytes(p.cache); }
+  static CopySize pool_bytes(const LatentCache& c) {
+    return {align256(static_cast<Bytes>(std::max<std::int64_t>(c.num_slots(), 0)) * kBf16TokenBytes), "cache",
+            std::to_string(c.num_pages) + " pages of " + std::to_string(c.page_size) + " slots"};
+  }
+  CopySize copy_bytes(const MlaDecodeParams& p) const override { return pool_bytes(p.cache); }
+  CopySize copy_bytes(const SparseMlaDecodeParams& p) const override { return pool_bytes(p.cache); }
 
   static LatentCache cast_pool(const LatentCache& fp8, std::uint8_t* scratch, const cudaStream_t* s) {
     if (scratch != nullptr && s != nullptr) cuda::launch_cast_pool(fp8, scratch, *s);
@@ -209,14 +240,20 @@ class GatherCastBackend final : public CastBaseline {
 
  protected:
   // Dense: [batch, capacity] bf16 tokens, then an identity block table.
-  static std::size_t capacity(const MlaDecodeParams& p) {
-    return static_cast<std::size_t>(p.block_table.size(1)) * static_cast<std::size_t>(p.cache.page_size);
+  static Bytes extent(std::int64_t n) { return static_cast<Bytes>(std::max<std::int64_t>(n, 0)); }
+  // Tokens of the copy: batch x the block table's capacity.
+  static Bytes copy_tokens(const MlaDecodeParams& p) {
+    return extent(p.q.size(0)) * extent(p.block_table.size(1)) * extent(p.cache.page_size);
   }
+  // Where the identity block table starts (within the copy, whose size checked_copy_bytes bounds).
   static std::size_t table_offset(const MlaDecodeParams& p) {
-    return static_cast<std::size_t>(p.q.size(0)) * capacity(p) * kBf16TokenBytes;
+    return static_cast<std::size_t>(copy_tokens(p) * kBf16TokenBytes);
   }
-  std::size_t copy_bytes(const MlaDecodeParams& p) const override {
-    return align256(table_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.block_table.numel()));
+  CopySize copy_bytes(const MlaDecodeParams& p) const override {
+    return {align256(copy_tokens(p) * kBf16TokenBytes + sizeof(std::int32_t) * extent(p.block_table.numel())),
+            "block_table",
+            std::to_string(p.q.size(0)) + " requests of " + std::to_string(p.block_table.size(1)) + " pages of " +
+                std::to_string(p.cache.page_size) + " tokens"};
   }
   MlaDecodeParams cast(const MlaDecodeParams& p, std::uint8_t* scratch, const cudaStream_t* s) const override {
     MlaDecodeParams inner = p;
@@ -233,11 +270,12 @@ class GatherCastBackend final : public CastBaseline {
   }
 
   // Sparse: one bf16 token per index entry [B * q_len * topk], then the remapped indices.
-  static std::size_t indices_offset(const SparseMlaDecodeParams& p) {
-    return align256(static_cast<std::size_t>(p.indices.numel()) * kBf16TokenBytes);
+  static Bytes indices_offset(const SparseMlaDecodeParams& p) {
+    return align256(extent(p.indices.numel()) * kBf16TokenBytes);
   }
-  std::size_t copy_bytes(const SparseMlaDecodeParams& p) const override {
-    return align256(indices_offset(p) + sizeof(std::int32_t) * static_cast<std::size_t>(p.indices.numel()));
+  CopySize copy_bytes(const SparseMlaDecodeParams& p) const override {
+    return {align256(indices_offset(p) + sizeof(std::int32_t) * extent(p.indices.numel())), "indices",
+            std::to_string(p.indices.numel()) + " entries"};
   }
   SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch,
                              const cudaStream_t* s) const override {
@@ -246,7 +284,7 @@ class GatherCastBackend final : public CastBaseline {
     inner.cache.dtype = KvDtype::kBf16;
     inner.cache.page_size = 1;
     inner.cache.num_pages = std::max<std::int64_t>(p.indices.numel(), 1);
-    inner.indices.data = scratch ? scratch + indices_offset(p) : nullptr;
+    inner.indices.data = scratch ? scratch + static_cast<std::size_t>(indices_offset(p)) : nullptr;
     if (scratch != nullptr && s != nullptr) {
       cuda::launch_gather_cast_indices(p.cache, p.indices.as<const std::int32_t>(), p.indices.numel(), scratch,
                                        inner.indices.as<std::int32_t>(), *s);
