@@ -365,6 +365,24 @@ TEST(GpuTopkReuse, WorkspaceReusedAsLengthsGrow) {
   }
 }
 
+// Logits of no columns pass the view checks at any row count; rows whose workspace (about 40 KB a
+// row) has no 64-bit size are refused by plan(), naming the logits, rather than planned wrapped.
+TEST(GpuTopkPlan, RowsPastA64BitWorkspaceAreRefused) {
+  LKV_REQUIRE_GPU();
+  const Device gpu = Device::cuda();
+  TopkParams p;
+  p.page_size = 64;
+  p.logits = TensorView::contiguous(nullptr, DType::kF32, {std::int64_t{1} << 30, std::int64_t{1} << 30, 0}, gpu);
+  p.block_table = TensorView::contiguous(nullptr, DType::kI32, {std::int64_t{1} << 30, 1}, gpu);
+  p.seq_lens = TensorView::contiguous(nullptr, DType::kI32, {std::int64_t{1} << 30}, gpu);
+  p.slots = TensorView::contiguous(nullptr, DType::kI32, {std::int64_t{1} << 30, std::int64_t{1} << 30, 0}, gpu);
+  const Backend& backend = *find_backend("cuda");
+  EXPECT_TRUE(throws_error([&] { (void)backend.plan(p, detect_device()); }, "topk", "logits",
+                           "[1073741824, 1073741824, 0]"));
+  p.logits.shape[1] = 4;  // 2^32 rows: 176 TB, a size (no GPU holds it; the call refuses that)
+  EXPECT_NO_THROW((void)backend.plan(p, detect_device()));
+}
+
 // Bad lengths and pages, one at a time: given a fault record, the top-k checks them (a kernel of its
 // own) and the record throws the reference's own Error for the same input. Its pages may be any id
 // whose slots fit int32 (the top-k knows no pool). The block tables keep their spare -1 column: a

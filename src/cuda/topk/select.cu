@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "cuda/common/chained_launch.cuh"
@@ -644,6 +645,13 @@ Grid grid_for(std::int64_t rows, std::int64_t max_len, int sms) {
 }  // namespace
 
 Plan plan_topk(const TopkParams& p) {
+  // Each row's state and candidate list; rows whose workspace has no 64-bit size (logits of no
+  // columns pass the view checks at any row count) are refused rather than planned wrapped.
+  constexpr std::size_t kRowBytes = kStateWords * sizeof(std::uint32_t) + kCandidates * sizeof(uint2);
+  if (static_cast<std::uint64_t>(rows_of(p)) > std::numeric_limits<std::size_t>::max() / kRowBytes) {
+    throw Error("topk", "logits", p.logits.shape_string(),
+                "fewer rows (B x q_len) than 2^64 bytes of workspace hold at " + std::to_string(kRowBytes) + " a row");
+  }
   Plan plan;
   plan.workspace_bytes = state_bytes(p) + static_cast<std::size_t>(rows_of(p)) * kCandidates * sizeof(uint2);
   plan.cleared_bytes = state_bytes(p);  // the row states, at the start
