@@ -60,8 +60,8 @@ inline constexpr std::int64_t kMaxTableTokens = std::int64_t{1} << 30;
 
 // Quantize n new tokens and write them at their slots (a slot of -1 skips the token). A GPU backend
 // leaves a token with a slot outside the pool or a NaN or inf in its latent or key unwritten in both
-// caches and writes the others. The slots of one call must be distinct (a slot given twice: the
-// reference keeps the last token, a GPU may mix the two).
+// caches and writes the others. The slots of one call must be distinct: the reference refuses a slot
+// given twice; a GPU backend does not look, and may leave such a slot with bytes of both tokens.
 struct AppendParams {
   LatentCache cache;            // written at `slots`
   TensorView latent;            // [n, 576] bf16: 512 latent values, then 64 rope values (RoPE already applied)

@@ -93,7 +93,7 @@ void check_workspace(std::string_view op, std::string_view planner, const void* 
   const bool gpu = device.kind == DeviceKind::kCuda;
   const std::size_t want = gpu ? align : std::min<std::size_t>(align, 16);
   if (reinterpret_cast<std::uintptr_t>(workspace) % want != 0) {
-    throw Error(std::string(op), "workspace", "an address not " + std::to_string(want) + "-byte aligned",
+    throw Error(std::string(op), "workspace", detail::misaligned_address(workspace, want),
                 std::to_string(want) + "-byte aligned " +
                     (gpu ? "device memory (cudaMalloc gives 256)" : "memory (operator new and malloc give 16)"));
   }

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "latentkv/error.hpp"
@@ -132,6 +133,12 @@ bool same_device(Device have, Device want) {
 std::string describe(const TensorView& v) {
   if (!v.present() && !empty_view(v)) return "absent";
   return std::string(dtype_name(v.dtype)) + " " + v.shape_string() + " on " + device_text(v.device);
+}
+
+std::string misaligned_address(const void* pointer, std::size_t bytes) {
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", pointer);
+  return "an address not " + std::to_string(bytes) + "-byte aligned (" + address + ")";
 }
 
 MemorySpan span_of(std::string_view name, const TensorView& v, bool written) {
@@ -433,6 +440,33 @@ void check_slots(std::string_view op, std::string_view arg, const TensorView& sl
   }
 }
 
+// The slots an append writes (-1 aside) are distinct: two tokens at one slot have no defined entry.
+// Names the first element, in the call's order, whose slot an earlier element has.
+void check_distinct_slots(std::string_view op, std::string_view arg, const TensorView& slots) {
+  const auto* s = slots.as<const std::int32_t>();
+  std::vector<std::pair<std::int32_t, std::int64_t>> order;  // (slot, element)
+  order.reserve(static_cast<std::size_t>(slots.numel()));
+  for (std::int64_t i = 0; i < slots.numel(); ++i) {
+    if (s[i] >= 0) order.emplace_back(s[i], i);
+  }
+  std::sort(order.begin(), order.end());
+  std::int64_t later = -1, earlier = -1;  // the earliest repeat, and the first element of its slot
+  std::size_t run = 0;                    // where the current slot's elements start, in call order
+  for (std::size_t k = 1; k < order.size(); ++k) {
+    if (order[k].first != order[run].first) {
+      run = k;
+    } else if (later < 0 || order[k].second < later) {
+      later = order[k].second;
+      earlier = order[run].second;
+    }
+  }
+  if (later >= 0) {
+    fail(op, std::string(arg) + " element " + std::to_string(later), std::to_string(s[later]),
+         "a slot no other token of the call has (element " + std::to_string(earlier) +
+             " has it too; the slots of one append must be distinct)");
+  }
+}
+
 }  // namespace
 
 void expect_chunk_tokens(std::string_view op, std::int64_t chunk_tokens) {
@@ -533,7 +567,7 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
     if (p.clear == nullptr) fail(op, "clear", "null", std::to_string(p.clear_bytes) + " bytes to zero (clear_bytes)");
     if (p.clear_bytes % 16 != 0) fail(op, "clear_bytes", std::to_string(p.clear_bytes), "a multiple of 16");
     if (reinterpret_cast<std::uintptr_t>(p.clear) % 16 != 0) {
-      fail(op, "clear", "address " + std::to_string(reinterpret_cast<std::uintptr_t>(p.clear)), "16-byte aligned");
+      fail(op, "clear", misaligned_address(p.clear, 16), "16-byte aligned");
     }
   }
   expect_apart(op, {span_of("logits", p.logits, true), MemorySpan{"clear", p.clear, p.clear_bytes, true},
@@ -624,6 +658,7 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
 void validate_values(const AppendParams& p) {
   constexpr std::string_view op = "append";
   check_slots(op, "slots", p.slots, p.cache.num_slots());
+  check_distinct_slots(op, "slots", p.slots);
   const bool pow2 = p.scale_mode == ScaleMode::kPow2;
   const bool fp8 = p.cache.dtype == KvDtype::kFp8E4M3;
   check_storable_bf16(op, "latent", p.latent, kQkDim, fp8 ? kLatentDim : 0, pow2);

@@ -40,6 +40,10 @@ void validate_values(const SparseMlaDecodeParams& p);
 void validate_values(const SparseMlaPrefillParams& p);
 void validate_values(const IndexerPrefillParams& p);
 
+// A pointer that is not `bytes`-aligned, as an error's value shows it: "an address not 16-byte
+// aligned (0x7f12a0000008)".
+std::string misaligned_address(const void* pointer, std::size_t bytes);
+
 // The memory a call touches, as byte ranges named for messages: what a call writes (outputs, caches
 // it appends to, workspaces, the fault record) shares no byte with anything else it reads or writes.
 // Every validate_shapes() checks its op's arguments so; a call of several steps (dsa.cpp) checks its

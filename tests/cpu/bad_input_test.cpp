@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <iterator>
 #include <limits>
 #include <span>
@@ -100,6 +101,28 @@ TEST(BadInput, AppendSlotOutsideThePool) {
   p = c.params();
   EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 2", "-2"));
   EXPECT_TRUE(c.unchanged());
+}
+
+// Two tokens of one append at one slot have no defined entry (a GPU may mix their bytes): the
+// reference refuses the call, naming the first repeat in the call's order and the element it
+// repeats, before writing anything. Skipped tokens (-1) may repeat.
+TEST(BadInput, AppendSlotGivenTwice) {
+  AppendCase c(KvDtype::kFp8E4M3);
+  c.latent = random_bf16(c.rng, {5, kQkDim});
+  c.keys = random_bf16(c.rng, {5, kIndexerDim});
+  const std::int32_t a = c.slots.data<std::int32_t>()[0], b = c.slots.data<std::int32_t>()[1];
+  c.slots = HostTensor(DType::kI32, {5});
+  auto set = [&](std::initializer_list<std::int32_t> slots) {
+    std::copy(slots.begin(), slots.end(), c.slots.data<std::int32_t>());
+  };
+  set({b, a, -1, a, b});  // element 3 repeats element 1 (and 4 repeats 0, later in the call)
+  AppendParams p = c.params();
+  EXPECT_TRUE(throws_error([&] { cpu::append(p); }, "append", "slots element 3", std::to_string(a)));
+  EXPECT_NE(error_of([&] { cpu::append(p); }).find("(element 1 has it too;"), std::string::npos);
+  EXPECT_TRUE(c.unchanged());
+  set({a, -1, b, -1, -1});
+  p = c.params();
+  EXPECT_NO_THROW(cpu::append(p));
 }
 
 TEST(BadInput, AppendNanOrInfLatentOrKeys) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <ostream>
@@ -391,9 +392,13 @@ TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
   EXPECT_EQ(d.o.byte_vector(), o.byte_vector());
   EXPECT_EQ(d.lse.byte_vector(), lse.byte_vector());
 
-  // On the CPU 16 bytes are asked for: the steps' float and int32 views are carved from it.
+  // On the CPU 16 bytes are asked for: the steps' float and int32 views are carved from it. The
+  // message gives the address.
   d.params.workspace = at + 4;
-  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace", "not 16-byte aligned"));
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", static_cast<void*>(at + 4));
+  EXPECT_TRUE(throws_error([&] { d.run(); }, "dsa_prefill", "workspace",
+                           std::string("an address not 16-byte aligned (") + address + ")"));
 
   d.params.workspace = at;
   d.params.q.device = Device::cuda();

@@ -177,7 +177,8 @@ void expect_misaligned_workspace_refused(Dsa& d, std::string_view op, std::size_
   d.fill_sentinels();
   check_cuda(cudaDeviceSynchronize());
   d.move_workspace(shifted.template get<std::uint8_t>() + offset);
-  EXPECT_TRUE(throws_error([&] { d.run(); }, op, "workspace", "not " + std::to_string(align) + "-byte aligned"));
+  EXPECT_TRUE(
+      throws_error([&] { d.run(); }, op, "workspace", "not " + std::to_string(align) + "-byte aligned (0x"));
   check_cuda(cudaDeviceSynchronize());
   const auto r = d.download();
   EXPECT_TRUE(is_sentinel(r.o));

@@ -694,7 +694,8 @@ TEST(GpuMlaDecodePlan, CastBaselinesCheckWhatTheyCast) {
     DeviceBuffer workspace(plan.workspace_bytes + 16);
     MlaDecodeParams p = good;
     p.cache.data = cache.get<std::uint8_t>() + 8;
-    EXPECT_TRUE(throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "cache.data", "not 16-byte aligned"));
+    EXPECT_TRUE(
+        throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "cache.data", "not 16-byte aligned (0x"));
     p = good;
     p.workspace = workspace.get<std::uint8_t>() + 8;
     EXPECT_TRUE(throws_error([&] { run(backend, p, {}, c.device); }, "mla_decode", "workspace", "not 16-byte aligned"));

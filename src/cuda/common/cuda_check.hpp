@@ -11,6 +11,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/validate.hpp"
 #include "latentkv/backend.hpp"
 #include "latentkv/error.hpp"
 
@@ -43,7 +44,7 @@ const auto& once_per_key(const Key& key, Compute&& compute) {
 // Throws unless `pointer` is `bytes`-aligned: the kernels read and write such pieces of `arg`.
 inline void check_aligned(const char* op, const char* arg, const void* pointer, std::size_t bytes) {
   if (reinterpret_cast<std::uintptr_t>(pointer) % bytes != 0) {
-    throw Error(op, arg, "an address not " + std::to_string(bytes) + "-byte aligned",
+    throw Error(op, arg, detail::misaligned_address(pointer, bytes),
                 std::to_string(bytes) + "-byte aligned device memory");
   }
 }
