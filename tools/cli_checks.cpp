@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -198,13 +199,28 @@ void check_output_path(const std::string& command, const std::string& option, co
 OutputFile::OutputFile(std::string command, std::string option, std::string path, int suffix_length)
     : command_(std::move(command)), option_(std::move(option)), path_(std::move(path)) {
   namespace fs = std::filesystem;
-  const fs::path target = link_target(path_);
+  // This process's standard output or error (/dev/stdout, whatever it is: a pipe, a terminal, or a
+  // file the shell opened, which a renamed file would take the place of): written through the
+  // descriptor, after what the process has printed there. The links of /dev/stdout end in
+  // /proc/self/fd, whose targets (pipe:[N]) are no paths: the kernel, not link_target, follows them.
+  struct stat named {};
+  if (stat(path_.c_str(), &named) == 0) {
+    for (const int fd : {STDOUT_FILENO, STDERR_FILENO}) {
+      struct stat open_file {};
+      if (fstat(fd, &open_file) == 0 && open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino) {
+        own_fd_ = fd;
+        write_path_ = path_;
+        return;
+      }
+    }
+  }
   std::error_code ec;
-  const fs::file_status status = fs::status(target, ec);
-  if (fs::exists(status) && !fs::is_regular_file(status)) {  // a FIFO or a character device: written as it is
+  const fs::file_status named_status = fs::status(path_, ec);
+  if (fs::exists(named_status) && !fs::is_regular_file(named_status)) {  // a FIFO or a character device
     write_path_ = path_;
     return;
   }
+  const fs::path target = link_target(path_);
   target_ = target.string();
   const std::string name = target.filename().string();
   const std::string suffix = name.substr(name.size() - std::min<std::size_t>(name.size(), suffix_length));
@@ -236,19 +252,19 @@ OutputFile::~OutputFile() {
 }
 
 void OutputFile::write(const std::string& text) {
-  const int fd = open(write_path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  const bool own = own_fd_ >= 0;
+  if (own) std::fflush(nullptr);  // what the process printed there comes first
+  const int fd = own ? own_fd_ : open(write_path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
   if (fd < 0) fail(std::string("opening it failed: ") + std::strerror(errno));
-  for (std::size_t done = 0; done < text.size();) {
+  int error = 0;
+  for (std::size_t done = 0; done < text.size() && error == 0;) {
     const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int error = n < 0 ? errno : EIO;
-      close(fd);
-      fail(std::string("writing it failed: ") + std::strerror(error));
-    }
-    done += static_cast<std::size_t>(n);
+    if (n <= 0) error = n < 0 ? errno : EIO;
+    else done += static_cast<std::size_t>(n);
   }
-  if (close(fd) != 0) fail(std::string("writing it failed: ") + std::strerror(errno));
+  if (!own && close(fd) != 0 && error == 0) error = errno;
+  if (error != 0) fail(std::string("writing it failed: ") + std::strerror(error));
 }
 
 void OutputFile::commit() {

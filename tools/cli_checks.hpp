@@ -53,10 +53,11 @@ void check_output_path(const std::string& command, const std::string& option, co
 // An output file written whole or not at all. A regular file (or a new name) is written as a
 // temporary file beside the one `path` names once its links are followed, and renamed onto it by
 // commit(): a run that fails to write (a full disk) leaves no partial file and an earlier one in
-// place. A FIFO or character device is written as it is. Without commit() the temporary file is
-// removed. `suffix_length`: the last characters of the name that the temporary one keeps too (a
-// plot's ".png", which tells its writer the format). Failures throw latentkv::Error naming `option`,
-// with the system's reason.
+// place. A FIFO or character device is written as it is, and the process's own standard output or
+// error (/dev/stdout, also when the shell sent it to a file) through its descriptor, after what was
+// printed there. Without commit() the temporary file is removed. `suffix_length`: the last
+// characters of the name that the temporary one keeps too (a plot's ".png", which tells its writer
+// the format). Failures throw latentkv::Error naming `option`, with the system's reason.
 class OutputFile {
  public:
   OutputFile(std::string command, std::string option, std::string path, int suffix_length = 0);
@@ -70,6 +71,7 @@ class OutputFile {
  private:
   [[noreturn]] void fail(const std::string& why) const;
   std::string command_, option_, path_, target_, write_path_;
+  int own_fd_ = -1;  // STDOUT_FILENO or STDERR_FILENO when `path` names it
   bool committed_ = false;
 };
 

@@ -117,6 +117,30 @@ TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
   EXPECT_THAT(r.out, Not(HasSubstr("warning")));
 }
 
+// `--json /dev/stdout` puts the report after the table on the standard output, whatever that is:
+// a file the shell opened (which a renamed file would have taken the place of, losing the table) or
+// a pipe (whose link, /proc/self/fd/1 -> pipe:[N], names no path to put a file beside).
+TEST_F(Cli, JsonToStandardOutputFollowsTheTable) {
+  const Result to_file = run(kSmallStep, {"--json", "/dev/stdout"});
+  EXPECT_EQ(to_file.exit_code, 0) << to_file.err;
+  std::string line = shell_quote(LKV_CLI_PATH);
+  for (const std::string& a : kSmallStep) line += " " + shell_quote(a);
+  line += " --json /dev/stdout 2>" + shell_quote(path("stderr")) + " | cat >" + shell_quote(path("stdout"));
+  ASSERT_EQ(std::system(line.c_str()), 0);
+  const Result through_pipe{0, read_file(path("stdout")), read_file(path("stderr"))};
+  for (const Result& r : {to_file, through_pipe}) {
+    EXPECT_EQ(r.err, "");
+    const std::size_t repro = r.out.find("repro: latentkv step"), json = r.out.find("\n{\n") + 1;
+    ASSERT_NE(repro, std::string::npos) << r.out;
+    ASSERT_NE(json, 0u) << r.out;  // npos + 1
+    EXPECT_LT(repro, json);
+    const std::size_t end = r.out.rfind("}\n");
+    ASSERT_NE(end, std::string::npos);
+    const nlohmann::json report = nlohmann::json::parse(r.out.substr(json, end + 1 - json));
+    EXPECT_THAT(report.at("command").get<std::string>(), ::testing::StartsWith("latentkv step "));
+  }
+}
+
 // Output that could not be written (here to /dev/full, a device that is always full) is a failure,
 // said on stderr, not a success.
 TEST_F(Cli, OutputThatCannotBeWrittenFails) {
