@@ -196,23 +196,28 @@ void check_output_path(const std::string& command, const std::string& option, co
   unlink(file.c_str());
 }
 
+int standard_stream_named(const std::string& path) {
+  // stat() lets the kernel follow the links: those of /dev/stdout end in /proc/self/fd, whose targets
+  // (pipe:[N]) are no paths that link_target could follow.
+  struct stat named {};
+  if (stat(path.c_str(), &named) != 0) return -1;
+  for (const int fd : {STDOUT_FILENO, STDERR_FILENO}) {
+    struct stat open_file {};
+    if (fstat(fd, &open_file) == 0 && open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino) return fd;
+  }
+  return -1;
+}
+
 OutputFile::OutputFile(std::string command, std::string option, std::string path, int suffix_length)
     : command_(std::move(command)), option_(std::move(option)), path_(std::move(path)) {
   namespace fs = std::filesystem;
-  // This process's standard output or error (/dev/stdout, whatever it is: a pipe, a terminal, or a
-  // file the shell opened, which a renamed file would take the place of): written through the
-  // descriptor, after what the process has printed there. The links of /dev/stdout end in
-  // /proc/self/fd, whose targets (pipe:[N]) are no paths: the kernel, not link_target, follows them.
-  struct stat named {};
-  if (stat(path_.c_str(), &named) == 0) {
-    for (const int fd : {STDOUT_FILENO, STDERR_FILENO}) {
-      struct stat open_file {};
-      if (fstat(fd, &open_file) == 0 && open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino) {
-        own_fd_ = fd;
-        write_path_ = path_;
-        return;
-      }
-    }
+  // This process's standard output or error (whatever it is: a pipe, a terminal, or a file the shell
+  // opened, which a renamed file would take the place of): written through the descriptor, after
+  // what the process has printed there.
+  own_fd_ = standard_stream_named(path_);
+  if (own_fd_ >= 0) {
+    write_path_ = path_;
+    return;
   }
   std::error_code ec;
   const fs::file_status named_status = fs::status(path_, ec);

@@ -50,6 +50,10 @@ CLI::Validator seed_in_range();
 // behind.
 void check_output_path(const std::string& command, const std::string& option, const std::string& path);
 
+// STDOUT_FILENO or STDERR_FILENO when `path` names this process's standard output or error (a link
+// such as /dev/stdout, or the file the shell sent it to), else -1.
+int standard_stream_named(const std::string& path);
+
 // An output file written whole or not at all. A regular file (or a new name) is written as a
 // temporary file beside the one `path` names once its links are followed, and renamed onto it by
 // commit(): a run that fails to write (a full disk) leaves no partial file and an earlier one in

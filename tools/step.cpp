@@ -413,6 +413,9 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
       const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
       if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");
       check_output_path("step", "--plot", o.plot);
+      if (standard_stream_named(o.plot) >= 0) {
+        throw Error("step", "--plot", o.plot, "a file other than the standard output or error (the text goes there)");
+      }
       check_chosen_python();
       if (o.from_json.empty()) check_plot_python(o.plot);
     }

@@ -119,7 +119,8 @@ TEST_F(Cli, AMisspeltVariableIsNamedAndTheCommandStillRuns) {
 
 // `--json /dev/stdout` puts the report after the table on the standard output, whatever that is:
 // a file the shell opened (which a renamed file would have taken the place of, losing the table) or
-// a pipe (whose link, /proc/self/fd/1 -> pipe:[N], names no path to put a file beside).
+// a pipe (whose link, /proc/self/fd/1 -> pipe:[N], names no path to put a file beside). A --plot
+// there is refused.
 TEST_F(Cli, JsonToStandardOutputFollowsTheTable) {
   const Result to_file = run(kSmallStep, {"--json", "/dev/stdout"});
   EXPECT_EQ(to_file.exit_code, 0) << to_file.err;
@@ -139,6 +140,11 @@ TEST_F(Cli, JsonToStandardOutputFollowsTheTable) {
     const nlohmann::json report = nlohmann::json::parse(r.out.substr(json, end + 1 - json));
     EXPECT_THAT(report.at("command").get<std::string>(), ::testing::StartsWith("latentkv step "));
   }
+  // A picture there would overwrite the table: refused before the run.
+  fs::create_symlink("/dev/stdout", path("stdout.png"));
+  const Result plot = run(kSmallStep, {"--plot", path("stdout.png")});
+  EXPECT_EQ(plot.exit_code, 2);
+  EXPECT_THAT(plot.err, HasSubstr("expected a file other than the standard output or error"));
 }
 
 // Output that could not be written (here to /dev/full, a device that is always full) is a failure,
