@@ -265,9 +265,7 @@ void expect_view(std::string_view op, std::string_view arg, const TensorView& v,
   // multiple of the element's size is undefined behaviour on the CPU and a fault on the GPU.
   const std::size_t element = dtype_size(v.dtype);
   if (v.present() && reinterpret_cast<std::uintptr_t>(v.data) % element != 0) {
-    char address[32];
-    std::snprintf(address, sizeof address, "%p", v.data);
-    fail(op, arg, describe(v) + " at " + address,
+    fail(op, arg, describe(v) + ", " + misaligned_address(v.data, element),
          "an address aligned to " + std::to_string(element) + " bytes (the size of its elements)");
   }
 }

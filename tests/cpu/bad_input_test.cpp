@@ -414,7 +414,7 @@ TEST(BadInput, ViewsAtAddressesTheirElementsDoNotAlign) {
   };
   // The error names the view and its address, and asks for the element size's alignment.
   const auto refused = [&](auto call, const char* arg, int element) {
-    return throws_error(call, "mla_decode", arg, " at 0x") &&
+    return throws_error(call, "mla_decode", arg, "an address not " + std::to_string(element) + "-byte aligned (0x") &&
            error_of(call).find("an address aligned to " + std::to_string(element) + " bytes") != std::string::npos;
   };
   std::vector<std::uint8_t> q_bytes, o_bytes, lse_bytes;

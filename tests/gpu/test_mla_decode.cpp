@@ -725,7 +725,7 @@ TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
   const DeviceInfo device{.kind = DeviceKind::kCuda, .sm = 90, .name = "sm_90 by description", .multiprocessors = 132};
   MlaDecodeParams dense;
   dense.q = TensorView::contiguous(nullptr, DType::kBF16, {1, 1, 8, 576}, gpu);
-  dense.cache.num_pages = std::int64_t{1} << 50;  // 2^56 slots: 2^63 + 2^62 bytes as fp8, 1152 x 2^56 as bf16
+  dense.cache.num_pages = std::int64_t{1} << 50;  // 2^56 slots: 1152 x 2^56 bytes as bf16
   dense.cache.page_size = 64;
   dense.cache.device = gpu;
   dense.block_table = TensorView::contiguous(nullptr, DType::kI32, {1, 4}, gpu);
@@ -742,6 +742,13 @@ TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
   tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {1 << 20, 1 << 20}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
                            "1048576 requests of 1048576 pages of 1048576 tokens"));
+  // A table of no rows holds no bytes whatever its columns: about 2^31 requests of 2^60 pages of
+  // 2^30 tokens, whose bytes wrap even a 128-bit count, to a number below 2^64 for these.
+  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {2147483119, 1, 8, 576}, gpu);
+  tables.cache.page_size = 1 << 30;
+  tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {0, 1409126630525324803}, gpu);
+  EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
+                           "2147483119 requests of 1409126630525324803 pages of 1073741824 tokens"));
   // 2^57 index entries (each extent below 2^31): 2^59 bytes of i32, 1152 x 2^57 bytes as bf16 tokens.
   SparseMlaDecodeParams sparse;
   sparse.q = dense.q;
@@ -755,6 +762,15 @@ TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
   prefill.indices = TensorView::contiguous(nullptr, DType::kI32, {1 << 30, 1 << 27}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(prefill, device); }, "sparse_mla_prefill", "indices",
                            "144115188075855872 entries"));
+  if (detect_device().kind != DeviceKind::kCuda) return;
+  // On a GPU: a pool whose copy, 1024 bytes short of 2^64, fits alone but not with the decode's
+  // split partials after it (2 splits of 8 rows: 32,832 bytes).
+  MlaDecodeParams split = dense;
+  split.cache.page_size = 8;
+  split.cache.num_pages = ((std::int64_t{1} << 54) - 1) / 9;
+  split.num_splits = 2;
+  EXPECT_TRUE(throws_error([&] { (void)cast_full.plan(split, detect_device()); }, "mla_decode", "cache",
+                           "2001599834386887 pages of 8 slots"));
 }
 
 // A block table of no pages (every length 0, which the validation and the reference accept): the

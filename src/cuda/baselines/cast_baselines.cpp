@@ -29,9 +29,13 @@ using cuda::device_problem;
 using cuda::rows_of;
 using cuda::stream_of;
 
-// Byte counts of a bf16 copy, in a type no checked shape can make wrap: a view's extents and a page
-// size are below 2^31 and a pool has fewer than 2^63 slots, so no count here reaches 2^104.
+// Byte counts of a bf16 copy, in a type no shape can make wrap: every factor is at most 2^64 - 1 and
+// every product of counts is held to that too (capped_product), so a count times a token's 1152
+// bytes, plus an alignment, stays below 2^76.
 __extension__ typedef unsigned __int128 Bytes;  // (a GCC and Clang extension)
+constexpr Bytes kMostCount = std::numeric_limits<std::uint64_t>::max();
+Bytes count_of(std::int64_t n) { return static_cast<Bytes>(std::max<std::int64_t>(n, 0)); }
+Bytes capped_product(Bytes a, Bytes b) { return std::min(std::min(a, kMostCount) * std::min(b, kMostCount), kMostCount); }
 Bytes align256(Bytes n) { return (n + 255) / 256 * 256; }
 
 class CastBaseline : public Backend {
@@ -70,20 +74,19 @@ class CastBaseline : public Backend {
     const char* op = std::holds_alternative<MlaDecodeParams>(args)          ? "mla_decode"
                      : std::holds_alternative<SparseMlaPrefillParams>(args) ? "sparse_mla_prefill"
                                                                             : "sparse_mla_decode";
-    const auto* dense = std::get_if<MlaDecodeParams>(&args);
-    const SparseMlaDecodeParams sparse = dense != nullptr ? SparseMlaDecodeParams{} : sparse_of(args);
-    const std::size_t copy = dense != nullptr ? checked_copy_bytes(*dense, op) : checked_copy_bytes(sparse, op);
-    const cuda::ScopedCurrentDevice on(device, op);
-    Plan plan = dense != nullptr
-                    ? cuda::plan_mla_decode(cast(*dense, nullptr, nullptr), device.multiprocessors)
-                    : cuda::plan_sparse_mla_decode(cast(sparse, nullptr, nullptr), device.multiprocessors, op);
-    if (plan.workspace_bytes > std::numeric_limits<std::size_t>::max() - copy) {
-      throw Error(op, "workspace_bytes", "the bf16 copy's " + std::to_string(copy) + " bytes and the decode's " +
-                      std::to_string(plan.workspace_bytes),
-                  "a sum below 2^64 bytes");
+    const auto planned = [&](const auto& params, const auto& plan_decode) {
+      (void)checked_copy_bytes(params, op);
+      const cuda::ScopedCurrentDevice on(device, op);
+      Plan plan = plan_decode(cast(params, nullptr, nullptr));
+      plan.workspace_bytes += checked_copy_bytes(params, op, plan.workspace_bytes);
+      return plan;
+    };
+    if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
+      return planned(*dense, [&](const MlaDecodeParams& q) { return cuda::plan_mla_decode(q, device.multiprocessors); });
     }
-    plan.workspace_bytes += copy;
-    return plan;
+    return planned(sparse_of(args), [&](const SparseMlaDecodeParams& q) {
+      return cuda::plan_sparse_mla_decode(q, device.multiprocessors, op);
+    });
   }
 
  protected:
@@ -104,13 +107,17 @@ class CastBaseline : public Backend {
                                      const cudaStream_t* s) const = 0;
 
  private:
-  // copy_bytes(p) as a byte count, or an Error naming `op` and the argument the copy's size comes from.
+  // copy_bytes(p) as a byte count, or an Error naming `op` and the argument the copy's size comes from
+  // when it, with `beside` bytes of the decode's own scratch after it, has no 64-bit size.
   template <typename Params>
-  std::size_t checked_copy_bytes(const Params& p, std::string_view op) const {
+  std::size_t checked_copy_bytes(const Params& p, std::string_view op, std::size_t beside = 0) const {
     const CopySize copy = copy_bytes(p);
-    if (copy.bytes > std::numeric_limits<std::size_t>::max()) {
+    if (copy.bytes + beside > std::numeric_limits<std::size_t>::max()) {
       throw Error(std::string(op), copy.argument, copy.value,
-                  "a bf16 copy (1152 B a token) of fewer than 2^64 bytes for the " + std::string(name()) + " baseline");
+                  "a bf16 copy (1152 B a token)" +
+                      (beside > 0 ? " that with the decode's " + std::to_string(beside) + " bytes of scratch has"
+                                  : std::string(" of")) +
+                      " fewer than 2^64 bytes, for the " + std::string(name()) + " baseline");
     }
     return static_cast<std::size_t>(copy.bytes);
   }
@@ -201,7 +208,7 @@ class CastFullBackend final : public CastBaseline {
 
  protected:
   static CopySize pool_bytes(const LatentCache& c) {
-    return {align256(static_cast<Bytes>(std::max<std::int64_t>(c.num_slots(), 0)) * kBf16TokenBytes), "cache",
+    return {align256(count_of(c.num_slots()) * kBf16TokenBytes), "cache",
             std::to_string(c.num_pages) + " pages of " + std::to_string(c.page_size) + " slots"};
   }
   CopySize copy_bytes(const MlaDecodeParams& p) const override { return pool_bytes(p.cache); }
@@ -240,17 +247,18 @@ class GatherCastBackend final : public CastBaseline {
 
  protected:
   // Dense: [batch, capacity] bf16 tokens, then an identity block table.
-  static Bytes extent(std::int64_t n) { return static_cast<Bytes>(std::max<std::int64_t>(n, 0)); }
-  // Tokens of the copy: batch x the block table's capacity.
+  // Tokens of the copy: batch x the block table's capacity (capped: the block table's columns are
+  // bounded only by its bytes here).
   static Bytes copy_tokens(const MlaDecodeParams& p) {
-    return extent(p.q.size(0)) * extent(p.block_table.size(1)) * extent(p.cache.page_size);
+    return capped_product(capped_product(count_of(p.q.size(0)), count_of(p.block_table.size(1))),
+                          count_of(p.cache.page_size));
   }
   // Where the identity block table starts (within the copy, whose size checked_copy_bytes bounds).
   static std::size_t table_offset(const MlaDecodeParams& p) {
     return static_cast<std::size_t>(copy_tokens(p) * kBf16TokenBytes);
   }
   CopySize copy_bytes(const MlaDecodeParams& p) const override {
-    return {align256(copy_tokens(p) * kBf16TokenBytes + sizeof(std::int32_t) * extent(p.block_table.numel())),
+    return {align256(copy_tokens(p) * kBf16TokenBytes + sizeof(std::int32_t) * count_of(p.block_table.numel())),
             "block_table",
             std::to_string(p.q.size(0)) + " requests of " + std::to_string(p.block_table.size(1)) + " pages of " +
                 std::to_string(p.cache.page_size) + " tokens"};
@@ -271,10 +279,10 @@ class GatherCastBackend final : public CastBaseline {
 
   // Sparse: one bf16 token per index entry [B * q_len * topk], then the remapped indices.
   static Bytes indices_offset(const SparseMlaDecodeParams& p) {
-    return align256(extent(p.indices.numel()) * kBf16TokenBytes);
+    return align256(count_of(p.indices.numel()) * kBf16TokenBytes);
   }
   CopySize copy_bytes(const SparseMlaDecodeParams& p) const override {
-    return {align256(indices_offset(p) + sizeof(std::int32_t) * extent(p.indices.numel())), "indices",
+    return {align256(indices_offset(p) + sizeof(std::int32_t) * count_of(p.indices.numel())), "indices",
             std::to_string(p.indices.numel()) + " entries"};
   }
   SparseMlaDecodeParams cast(const SparseMlaDecodeParams& p, std::uint8_t* scratch,
