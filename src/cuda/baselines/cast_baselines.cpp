@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <string>
@@ -35,7 +36,9 @@ using cuda::stream_of;
 __extension__ typedef unsigned __int128 Bytes;  // (a GCC and Clang extension)
 constexpr Bytes kMostCount = std::numeric_limits<std::uint64_t>::max();
 Bytes count_of(std::int64_t n) { return static_cast<Bytes>(std::max<std::int64_t>(n, 0)); }
-Bytes capped_product(Bytes a, Bytes b) { return std::min(std::min(a, kMostCount) * std::min(b, kMostCount), kMostCount); }
+Bytes capped_product(Bytes a, Bytes b) {
+  return std::min(std::min(a, kMostCount) * std::min(b, kMostCount), kMostCount);
+}
 Bytes align256(Bytes n) { return (n + 255) / 256 * 256; }
 
 class CastBaseline : public Backend {
@@ -82,7 +85,8 @@ class CastBaseline : public Backend {
       return plan;
     };
     if (const auto* dense = std::get_if<MlaDecodeParams>(&args)) {
-      return planned(*dense, [&](const MlaDecodeParams& q) { return cuda::plan_mla_decode(q, device.multiprocessors); });
+      return planned(*dense,
+                     [&](const MlaDecodeParams& q) { return cuda::plan_mla_decode(q, device.multiprocessors); });
     }
     return planned(sparse_of(args), [&](const SparseMlaDecodeParams& q) {
       return cuda::plan_sparse_mla_decode(q, device.multiprocessors, op);
