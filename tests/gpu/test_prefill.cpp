@@ -74,6 +74,11 @@ struct DeviceOutputs {
     d_o.download(o.raw(), o.bytes());
     d_lse.download(lse.raw(), lse.bytes());
   }
+  // Downloads o and lse; whether both still hold their sentinels (a refused call wrote neither).
+  bool untouched() {
+    download();
+    return is_sentinel(o) && is_sentinel(lse);
+  }
 };
 
 // Plans `p` on `backend_name` (the cuda backend unless a cast baseline is asked for), hands it the
@@ -516,9 +521,7 @@ TEST(GpuPrefillBadInput, WorkspaceShortOfThePlanIsRefused) {
     const HostTensor q = random_bf16(rng, {cu.back(), heads, kQkDim});
     DeviceMlaPrefill d(f, q, cu);
     run_short(d.p, "mla_prefill");
-    d.out.download();
-    EXPECT_TRUE(is_sentinel(d.out.o));
-    EXPECT_TRUE(is_sentinel(d.out.lse));
+    EXPECT_TRUE(d.out.untouched());
   }
   {
     SCOPED_TRACE("sparse_mla_prefill");
@@ -526,9 +529,7 @@ TEST(GpuPrefillBadInput, WorkspaceShortOfThePlanIsRefused) {
     for (int i = 0; i < kMaxTopk; ++i) slots[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(f.slot(0, i));
     DeviceSparseToken d(f, rng, slots);
     run_short(d.p, "sparse_mla_prefill");
-    d.out.download();
-    EXPECT_TRUE(is_sentinel(d.out.o));
-    EXPECT_TRUE(is_sentinel(d.out.lse));
+    EXPECT_TRUE(d.out.untouched());
   }
 }
 
@@ -559,17 +560,13 @@ TEST(GpuPrefillBadInput, MisalignedWorkspaceIsRefused) {
     SCOPED_TRACE("mla_prefill");
     DeviceMlaPrefill d(f, q, cu);
     run_misaligned(d.p, "mla_prefill");
-    d.out.download();
-    EXPECT_TRUE(is_sentinel(d.out.o));
-    EXPECT_TRUE(is_sentinel(d.out.lse));
+    EXPECT_TRUE(d.out.untouched());
   }
   {
     SCOPED_TRACE("sparse_mla_prefill");
     DeviceSparseToken d(f, rng, std::vector<std::int32_t>(kMaxTopk, -1));
     run_misaligned(d.p, "sparse_mla_prefill");
-    d.out.download();
-    EXPECT_TRUE(is_sentinel(d.out.o));
-    EXPECT_TRUE(is_sentinel(d.out.lse));
+    EXPECT_TRUE(d.out.untouched());
   }
 }
 
