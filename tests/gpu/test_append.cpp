@@ -19,7 +19,9 @@
 namespace latentkv::testing {
 namespace {
 
-using AppendCase = std::tuple<KvDtype, ScaleMode, int /*page_size*/>;
+// pool_pages: 0 for the pages the lengths need; else the pool's (pages_past_2gib), with a request of
+// 20,000 tokens more, so that some land past 2 GiB of the main cache.
+using AppendCase = std::tuple<KvDtype, ScaleMode, int /*page_size*/, std::int64_t /*pool_pages*/>;
 
 // An append of n tokens (latents [n, 576], keys [n, 128], slots [n], all on the device) into the
 // fixture's caches held at `cache` and `indexer`.
@@ -39,14 +41,17 @@ class GpuAppend : public ::testing::TestWithParam<AppendCase> {};
 
 TEST_P(GpuAppend, BytesEqualTheReference) {
   LKV_REQUIRE_GPU();
-  const auto [dtype, mode, page_size] = GetParam();
+  const auto [dtype, mode, page_size, pool_pages] = GetParam();
   Rng rng = test_rng();
   PagedFixtureOptions o;
   o.page_size = page_size;
   o.lengths = {0, 1, page_size + 1, 77, 3 * page_size - 1};
+  if (pool_pages > 0) o.lengths.push_back(20000);
   o.kv_dtype = dtype;
   o.scale_mode = mode;
+  o.num_pages = pool_pages;
   PagedFixture f = make_paged_fixture(o, rng);
+  if (pool_pages > 0) EXPECT_GE(highest_held_offset(f), kTwoGiB) << "no token to write past 2 GiB of the pool";
 
   // The same tokens appended on the GPU into freshly poisoned caches.
   std::vector<std::uint8_t> fresh_cache(f.cache_bytes.size());
@@ -90,12 +95,16 @@ TEST_P(GpuAppend, BytesEqualTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GpuAppend,
-                         ::testing::Values(AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 64},
-                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 64},
-                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 1},
-                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 17},
-                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 64},
-                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 3}));
+                         ::testing::Values(AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 64, 0},
+                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 64, 0},
+                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 1, 0},
+                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 17, 0},
+                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 64, 0},
+                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 3, 0},
+                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 64,
+                                                      pages_past_2gib(64, KvDtype::kFp8E4M3)},
+                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 17,
+                                                      pages_past_2gib(17, KvDtype::kBf16)}));
 
 // Each bad token goes with the fixture's good ones, into a slot no request uses (or outside the
 // pool): the caches must come out as the reference writes the good tokens alone, and the record

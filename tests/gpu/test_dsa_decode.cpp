@@ -205,12 +205,14 @@ void check_stages(PagedFixture& f, const DsaInputs& in, const DsaResult& got, in
 }
 
 PagedFixture make_fixture(int page_size, const std::vector<std::int64_t>& lengths, Rng& rng,
-                          KvDtype kv_dtype = KvDtype::kFp8E4M3, ScaleMode scale_mode = ScaleMode::kPow2) {
+                          KvDtype kv_dtype = KvDtype::kFp8E4M3, ScaleMode scale_mode = ScaleMode::kPow2,
+                          std::int64_t num_pages = 0) {
   PagedFixtureOptions opt;
   opt.page_size = page_size;
   opt.lengths = lengths;
   opt.kv_dtype = kv_dtype;
   opt.scale_mode = scale_mode;
+  opt.num_pages = num_pages;
   return make_paged_fixture(opt, rng);
 }
 
@@ -226,6 +228,7 @@ struct DsaCase {
   int spare_columns = -1;  // logits columns past the longest request; -1: max_len 0 (the table's capacity)
   KvDtype kv_dtype = KvDtype::kFp8E4M3;  // the main cache's (the indexer cache is always fp8)
   ScaleMode scale_mode = ScaleMode::kPow2;  // both caches' fp8 scales (kExact: amax / 448)
+  std::int64_t pool_pages = 0;  // 0: the pages the lengths need; else the pool's (pages_past_2gib)
 };
 
 std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
@@ -234,6 +237,7 @@ std::ostream& operator<<(std::ostream& os, const DsaCase& c) {
   if (c.spare_columns >= 0) os << "_spare" << c.spare_columns;
   if (c.kv_dtype == KvDtype::kBf16) os << "_bf16";
   if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
+  if (c.pool_pages > 0) os << "_pool" << c.pool_pages;
   return os;
 }
 
@@ -243,7 +247,8 @@ TEST_P(GpuDsaDecode, StagesMatchReference) {
   LKV_REQUIRE_GPU();
   const DsaCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_fixture(c.page_size, c.lengths, rng, c.kv_dtype, c.scale_mode);
+  PagedFixture f = make_fixture(c.page_size, c.lengths, rng, c.kv_dtype, c.scale_mode, c.pool_pages);
+  if (c.pool_pages > 0) EXPECT_GE(highest_held_offset(f), kTwoGiB) << "no token past 2 GiB of the pool";
   const DsaInputs in = random_inputs(rng, f.batch(), c.q_len, c.heads, c.indexer_heads);
   const int max_len = c.spare_columns < 0 ? 0 : static_cast<int>(f.max_len()) + c.spare_columns;
 
@@ -579,6 +584,12 @@ std::vector<DsaCase> dsa_cases() {
       // narrow kernels), 33 heads (the sparse step on the wgmma kernel) under 31 indexer heads.
       {7, 2, 32, 64, 2048, {2, 63, 65, 3001}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
       {33, 1, 31, 64, 2048, {1, 4100}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
+      // A main pool of 1.5 x 2^31 bytes (test_mla_decode.cpp): the top-k's slots past 2 GiB read by
+      // the sparse step, glm5 at tp 8 and a 128-head layer.
+      {8, 1, 32, 64, 2048, {9000, 5000, 1}, -1, KvDtype::kFp8E4M3, ScaleMode::kPow2,
+       pages_past_2gib(64, KvDtype::kFp8E4M3)},
+      {128, 1, 64, 64, 2048, {7000, 2100}, -1, KvDtype::kFp8E4M3, ScaleMode::kPow2,
+       pages_past_2gib(64, KvDtype::kFp8E4M3)},
   };
 }
 

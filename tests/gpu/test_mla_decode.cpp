@@ -41,6 +41,7 @@ struct DecodeCase {
   int splits = 0;            // 0: the backend's plan
   bool fault_record = true;  // false: the kernels' instances without checks (a call given no record)
   ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448, no power of two)
+  std::int64_t pool_pages = 0;  // 0: the pages the lengths need; else the pool's (pages_past_2gib)
 };
 
 std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
@@ -49,6 +50,7 @@ std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
   if (c.splits) os << "_splits" << c.splits;
   if (!c.fault_record) os << "_norecord";
   if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
+  if (c.pool_pages > 0) os << "_pool" << c.pool_pages;
   return os;
 }
 
@@ -119,7 +121,9 @@ DecodeRun run_case(const DecodeCase& c, Rng& rng) {
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
   opt.scale_mode = c.scale_mode;
+  opt.num_pages = c.pool_pages;
   PagedFixture f = make_paged_fixture(opt, rng);
+  if (c.pool_pages > 0) EXPECT_GE(highest_held_offset(f), kTwoGiB) << "no token past 2 GiB of the pool to read";
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   const float scale = 0.0625f;
   DecodeRun r;
@@ -271,6 +275,25 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 33, 1, 64, mixed});
   v.push_back({"cuda", fp8, 127, 1, 64, {1, 200, 65}});
   v.push_back({"cuda", bf16, 5, 1, 64, mixed});
+  // Pools of 1.5 x 2^31 bytes, a third of their pages past 2 GiB, where an entry's byte offset needs
+  // 64 bits: the narrow kernel on bulk copies (pages of 64), a batch of 36 merged in the kernel (as
+  // `close` above) and one long request through the combine, and on cp.async (pages of 17); the
+  // wgmma kernel on bulk tensor copies (its tensor maps span the pool) and, pages of 32, cp.async;
+  // the bf16 kernel; both baselines (cast_full casts the whole pool).
+  const ScaleMode pow2 = ScaleMode::kPow2;
+  const auto past_2gib = [&](const char* backend, KvDtype dtype, int h, int q, int ps, std::vector<std::int64_t> lens) {
+    v.push_back({backend, dtype, h, q, ps, std::move(lens), 0, true, pow2, pages_past_2gib(ps, dtype)});
+  };
+  std::vector<std::int64_t> batch36;
+  for (int b = 0; b < 36; ++b) batch36.push_back(b == 5 ? 0 : 600 + 97 * b);
+  past_2gib("cuda", fp8, 8, 1, 64, batch36);
+  past_2gib("cuda", fp8, 16, 1, 64, {40000});
+  past_2gib("cuda", fp8, 8, 2, 17, {3000, 1700, 2});
+  past_2gib("cuda", fp8, 128, 1, 64, {6000, 100});
+  past_2gib("cuda", fp8, 64, 1, 32, {5000, 33});
+  past_2gib("cuda", bf16, 8, 1, 64, {9000, 5000});
+  past_2gib("cast_full", fp8, 8, 1, 64, {9000, 5000});
+  past_2gib("gather_cast", fp8, 8, 1, 64, {9000, 5000});
   return v;
 }
 

@@ -36,13 +36,15 @@ struct SparseCase {
   int splits = 0;                // 0: the backend's plan
   bool fault_record = true;      // false: the kernels' instances without checks (a call given no record)
   ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
+  std::int64_t pool_pages = 0;   // 0: the pages the lengths need; else the pool's (pages_past_2gib)
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   return os << c.backend << "_" << kv_dtype_name(c.dtype) << "_H" << c.heads << "_q" << c.q_len << "_k" << c.cols << "_ps" << c.page_size
             << "_B" << c.lengths.size() << (c.splits ? "_splits" + std::to_string(c.splits) : std::string())
             << (c.fault_record ? "" : "_norecord")
-            << (c.scale_mode == ScaleMode::kExact ? "_exactscales" : "");
+            << (c.scale_mode == ScaleMode::kExact ? "_exactscales" : "")
+            << (c.pool_pages > 0 ? "_pool" + std::to_string(c.pool_pages) : std::string());
 }
 
 // Index rows [B, q_len, cols]: each query token's visible slots shuffled, at most cols of them, one
@@ -120,9 +122,11 @@ TEST_P(GpuSparseMlaDecode, MatchesReference) {
   opt.kv_dtype = c.dtype;
   opt.with_indexer = false;
   opt.scale_mode = c.scale_mode;
+  opt.num_pages = c.pool_pages;
   PagedFixture f = make_paged_fixture(opt, rng);
   HostTensor q = random_bf16(rng, {f.batch(), c.q_len, c.heads, 576});
   HostTensor indices = make_indices(f, c.q_len, c.cols, rng);
+  if (c.pool_pages > 0) EXPECT_GE(highest_listed_offset(f, indices), kTwoGiB) << "no slot past 2 GiB of the pool listed";
   poison_unlisted_slots(f, indices);
   // A cast baseline with scales that are no powers of two: against the reference over its bf16 cast
   // (test_mla_decode.cpp).
@@ -243,6 +247,12 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 5, 3, 33, 17, {3, 16, 18, 500}},
       {fp8, 33, 1, 2047, 64, {2500, 63, 65}},
       {fp8, 8, 2, 1, 64, {2, 300}},
+      // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): index rows whose slots lie past 2 GiB on
+      // the narrow kernel (its gathered entries), the wgmma kernel, a bf16 cache and gather_cast.
+      {fp8, 8, 1, 2048, 64, {9000, 5000}, "cuda", 0, true, ScaleMode::kPow2, pages_past_2gib(64, fp8)},
+      {fp8, 128, 1, 2048, 17, {6000, 3000}, "cuda", 0, true, ScaleMode::kPow2, pages_past_2gib(17, fp8)},
+      {bf16, 8, 2, 512, 64, {9000, 5000}, "cuda", 0, true, ScaleMode::kPow2, pages_past_2gib(64, bf16)},
+      {fp8, 8, 1, 2048, 64, {9000, 5000}, "gather_cast", 0, true, ScaleMode::kPow2, pages_past_2gib(64, fp8)},
   };
 }
 

@@ -265,6 +265,33 @@ inline ::testing::AssertionResult unread_slots_poisoned(const PagedFixture& f) {
   return ::testing::AssertionSuccess() << poisoned << " poisoned slots";
 }
 
+// Pools past 2 GiB, whose slots past the mark have byte offsets that do not fit 32 bits:
+// pages_past_2gib() sizes a pool at 1.5 x 2^31 bytes, a third of its pages past the mark, so that a
+// batch holding a hundred pages or more holds some there all but surely (its test checks that it
+// does, with highest_held_offset or highest_listed_offset).
+inline constexpr std::int64_t kTwoGiB = std::int64_t{1} << 31;
+inline std::int64_t pages_past_2gib(int page_size, KvDtype dtype) {
+  const std::int64_t slots = 3 * (kTwoGiB / 2) / static_cast<std::int64_t>(kv_token_bytes(dtype)) + 1;
+  return (slots + page_size - 1) / page_size;
+}
+
+// The main-cache byte offset of the highest slot a request of `f` holds; -1 when none holds any.
+inline std::int64_t highest_held_offset(const PagedFixture& f) {
+  std::int64_t most = -1;
+  for (std::int64_t b = 0; b < f.batch(); ++b) {
+    for (std::int64_t t = 0; t < f.seq_lens[static_cast<std::size_t>(b)]; ++t) most = std::max(most, f.slot(b, t));
+  }
+  return most < 0 ? -1 : most * static_cast<std::int64_t>(kv_token_bytes(f.kv_dtype));
+}
+
+// The main-cache byte offset of the highest slot `indices` (int32 slots or -1, any shape) lists; -1
+// when it lists none.
+inline std::int64_t highest_listed_offset(const PagedFixture& f, const HostTensor& indices) {
+  const auto* idx = indices.data<std::int32_t>();
+  const std::int32_t most = indices.numel() > 0 ? *std::max_element(idx, idx + indices.numel()) : -1;
+  return most < 0 ? -1 : std::int64_t{most} * static_cast<std::int64_t>(kv_token_bytes(f.kv_dtype));
+}
+
 inline PagedFixture make_paged_fixture(const PagedFixtureOptions& o, Rng& rng) {
   const std::int64_t batch = static_cast<std::int64_t>(o.lengths.size());
   std::int64_t needed = 0, most_pages = 0;
