@@ -187,11 +187,13 @@ struct DenseCase {
   int page_size;
   Batch batch;
   ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
+  std::int64_t pool_pages = 0;  // 0: the pages the requests need; else the pool's (pages_past_2gib)
 };
 
 std::ostream& operator<<(std::ostream& os, const DenseCase& c) {
   os << kv_dtype_name(c.dtype) << "_H" << c.heads << "_ps" << c.page_size << "_" << c.batch;
-  return c.scale_mode == ScaleMode::kExact ? os << "_exactscales" : os;
+  if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
+  return c.pool_pages > 0 ? os << "_pool" << c.pool_pages : os;
 }
 
 class GpuMlaPrefill : public ::testing::TestWithParam<DenseCase> {};
@@ -200,7 +202,8 @@ TEST_P(GpuMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const DenseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode, c.pool_pages);
+  if (c.pool_pages > 0) EXPECT_GE(highest_held_offset(f), kTwoGiB) << "no token past 2 GiB of the pool";
   const std::vector<std::int32_t> cu = cumulative(c.batch.new_tokens);
   const HostTensor q = random_bf16(rng, {cu.back(), c.heads, kQkDim});
 
@@ -293,6 +296,11 @@ std::vector<DenseCase> dense_cases() {
   v.push_back({fp8, 8, 64, {{0, 30}, {1500, 561}}, exact});
   v.push_back({fp8, 32, 64, {{3000, 0}, {4, 33}}, exact});
   v.push_back({fp8, 3, 17, {{5, 200, 0}, {2041, 9, 1}}, exact});
+  // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): prefixes and new tokens past 2 GiB, in groups
+  // (H 8) and per token (H 64).
+  const ScaleMode pow2 = ScaleMode::kPow2;
+  v.push_back({fp8, 8, 64, {{4000, 2500}, {48, 24}}, pow2, pages_past_2gib(64, fp8)});
+  v.push_back({fp8, 64, 64, {{3000, 3000}, {8, 4}}, pow2, pages_past_2gib(64, fp8)});
   return v;
 }
 
@@ -402,6 +410,7 @@ struct SparseCase {
   int empty_every = 0;  // > 0: rows r with r % empty_every == empty_every - 1 become all -1
   std::string backend = "cuda";  // or a cast baseline: gather_cast, cast_full
   ScaleMode scale_mode = ScaleMode::kPow2;  // of the cache's fp8 scales (kExact: amax / 448)
+  std::int64_t pool_pages = 0;  // 0: the pages the requests need; else the pool's (pages_past_2gib)
 };
 
 std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
@@ -409,6 +418,7 @@ std::ostream& operator<<(std::ostream& os, const SparseCase& c) {
   if (c.empty_every) os << "_empty" << c.empty_every;
   if (c.backend != "cuda") os << "_" << c.backend;
   if (c.scale_mode == ScaleMode::kExact) os << "_exactscales";
+  if (c.pool_pages > 0) os << "_pool" << c.pool_pages;
   return os;
 }
 
@@ -418,10 +428,11 @@ TEST_P(GpuSparseMlaPrefill, MatchesReference) {
   LKV_REQUIRE_GPU();
   const SparseCase& c = GetParam();
   Rng rng = test_rng();
-  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode);
+  PagedFixture f = make_prefill_fixture(c.batch, c.page_size, rng, c.dtype, false, c.scale_mode, c.pool_pages);
   const std::int64_t rows = c.batch.rows();
   const HostTensor q = random_bf16(rng, {rows, c.heads, kQkDim});
   HostTensor indices = make_prefill_indices(f, c.batch.new_tokens, c.topk, rng);
+  if (c.pool_pages > 0) EXPECT_GE(highest_listed_offset(f, indices), kTwoGiB) << "no slot past 2 GiB of the pool listed";
   std::vector<std::int64_t> empty;
   for (std::int64_t r = 0; c.empty_every > 0 && r < rows; ++r) {
     if (r % c.empty_every != c.empty_every - 1) continue;
@@ -666,6 +677,10 @@ std::vector<SparseCase> sparse_cases() {
   v.push_back({fp8, 128, 2048, 64, {{500, 2100}, {1, 1}}, 0, "cuda", ScaleMode::kExact});
   v.push_back({fp8, 7, 33, 17, ragged, 3});
   v.push_back({fp8, 33, 2047, 64, long_ragged});
+  // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): selected slots past 2 GiB on the narrow and the
+  // wgmma kernels.
+  v.push_back({fp8, 8, 2048, 64, {{8000, 4000}, {40, 20}}, 0, "cuda", ScaleMode::kPow2, pages_past_2gib(64, fp8)});
+  v.push_back({fp8, 128, 2048, 64, {{8000, 4000}, {6, 3}}, 0, "cuda", ScaleMode::kPow2, pages_past_2gib(64, fp8)});
   return v;
 }
 

@@ -83,16 +83,18 @@ struct PrefillBatch {
 };
 
 // A fixture holding the batch's requests (prefix and new tokens, all appended) in shuffled pages of
-// `page_size`, with an indexer cache unless asked otherwise, its fp8 scales chosen by `scale_mode`.
+// `page_size`, with an indexer cache unless asked otherwise, its fp8 scales chosen by `scale_mode`,
+// in a pool of `num_pages` (0: the pages the requests need).
 inline PagedFixture make_prefill_fixture(const PrefillBatch& batch, int page_size, Rng& rng,
                                          KvDtype kv_dtype = KvDtype::kFp8E4M3, bool with_indexer = true,
-                                         ScaleMode scale_mode = ScaleMode::kPow2) {
+                                         ScaleMode scale_mode = ScaleMode::kPow2, std::int64_t num_pages = 0) {
   PagedFixtureOptions o;
   o.page_size = page_size;
   o.lengths = batch.lengths();
   o.kv_dtype = kv_dtype;
   o.with_indexer = with_indexer;
   o.scale_mode = scale_mode;
+  o.num_pages = num_pages;
   return make_paged_fixture(o, rng);
 }
 
