@@ -37,6 +37,14 @@ AppendParams device_append(const PagedFixture& f, const GuardedBuffer& cache, co
   return p;
 }
 
+std::string append_case_name(const ::testing::TestParamInfo<AppendCase>& info) {
+  const auto& [dtype, mode, page_size, pool_pages] = info.param;
+  std::string name = std::string(kv_dtype_name(dtype)) + (mode == ScaleMode::kExact ? "_exactscales" : "") + "_ps" +
+                     std::to_string(page_size);
+  if (pool_pages > 0) name += "_pool" + std::to_string(pool_pages);
+  return name;
+}
+
 class GpuAppend : public ::testing::TestWithParam<AppendCase> {};
 
 TEST_P(GpuAppend, BytesEqualTheReference) {
@@ -101,10 +109,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuAppend,
                                            AppendCase{KvDtype::kFp8E4M3, ScaleMode::kExact, 17, 0},
                                            AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 64, 0},
                                            AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 3, 0},
+                                           AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 1000, 0},
+                                           AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 4096, 0},
                                            AppendCase{KvDtype::kFp8E4M3, ScaleMode::kPow2, 64,
                                                       pages_past_2gib(64, KvDtype::kFp8E4M3)},
                                            AppendCase{KvDtype::kBf16, ScaleMode::kPow2, 17,
-                                                      pages_past_2gib(17, KvDtype::kBf16)}));
+                                                      pages_past_2gib(17, KvDtype::kBf16)}),
+                         append_case_name);
 
 // Each bad token goes with the fixture's good ones, into a slot no request uses (or outside the
 // pool): the caches must come out as the reference writes the good tokens alone, and the record

@@ -584,6 +584,9 @@ std::vector<DsaCase> dsa_cases() {
       // narrow kernels), 33 heads (the sparse step on the wgmma kernel) under 31 indexer heads.
       {7, 2, 32, 64, 2048, {2, 63, 65, 3001}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
       {33, 1, 31, 64, 2048, {1, 4100}, -1, KvDtype::kFp8E4M3, ScaleMode::kExact},
+      // Pages larger than a split: 4096 and 1000 tokens (no power of two).
+      {8, 1, 32, 4096, 2048, {1, 4097, 9000}},
+      {16, 2, 32, 1000, 2048, {2, 1001, 3000}},
       // A main pool of 1.5 x 2^31 bytes (test_mla_decode.cpp): the top-k's slots past 2 GiB read by
       // the sparse step, glm5 at tp 8 and a 128-head layer.
       {8, 1, 32, 64, 2048, {9000, 5000, 1}, -1, KvDtype::kFp8E4M3, ScaleMode::kPow2,

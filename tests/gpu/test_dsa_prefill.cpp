@@ -297,6 +297,7 @@ std::vector<DsaPrefillCase> dense_cases() {
       {"page1_k64", 8, 8, 1, 64, {{0, 3, 50}, {1, 2, 9}}},
       {"H64_Hi64_k136", 64, 64, 64, 136, {{0, 63, 129}, {20, 1, 7}}},  // exactly topk again
       {"H128_Hi64_k2048", 128, 64, 64, kMaxTopk, {{0, 30}, {2, 7}}},
+      {"page1000_k2048", 8, 32, 1000, kMaxTopk, {{0, 1500}, {30, 20}}},  // pages larger than a split
   };
 }
 

@@ -336,7 +336,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{8, 2, 64, long_lengths(16, 75000, 1601)},
                                            // key scales that are no powers of two, on both kernels
                                            LogitsCase{32, 1, 64, {0, 1, 63, 65, 1000}, ScaleMode::kExact},
-                                           LogitsCase{4, 2, 17, {2, 16, 18, 3001}, ScaleMode::kExact}),
+                                           LogitsCase{4, 2, 17, {2, 16, 18, 3001}, ScaleMode::kExact},
+                                           // pages larger than a turn: 256, 1000 and 4096 tokens
+                                           LogitsCase{8, 1, 256, long_lengths(8, 3000, 77)},
+                                           LogitsCase{64, 2, 1000, {2, 1001, 3000}},
+                                           LogitsCase{32, 1, 4096, {0, 1, 4097, 9000}}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"

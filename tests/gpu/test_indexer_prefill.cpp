@@ -313,6 +313,9 @@ std::vector<PrefillCase> prefill_cases() {
   v.push_back({"long_Hi1_k2048_ties", 1, 64, 2048, long_prompt, 0, 0.1});
   v.push_back({"long_Hi4_k2048", 4, 64, 2048, long_prompt});
   v.push_back({"long_Hi4_k2048_chunks7", 4, 17, 2048, long_prompt, 7});
+  // Pages larger than a turn: 1000 (no power of two) and 4096 tokens.
+  v.push_back({"page1000_Hi32_k2048", 32, 1000, 2048, {{3000, 10}, {40, 5}}});
+  v.push_back({"page4096_Hi8_k64", 8, 4096, 64, ragged});
   return v;
 }
 

@@ -235,6 +235,14 @@ std::vector<DecodeCase> cases() {
   v.push_back({"cuda", fp8, 64, 1, 128, {2, 127, 129, 3000}});
   v.push_back({"cuda", fp8, 64, 1, 96, {5, 95, 97, 2000}});
   v.push_back({"cuda", fp8, 128, 1, 32, {0, 31, 33, 1000}});
+  // Pages larger than a split: 256, 1000 (no power of two, so that 64-token tiles cross its ends),
+  // 1024 and 4096 tokens, on the narrow, wgmma and bf16 kernels and a baseline.
+  v.push_back({"cuda", fp8, 8, 1, 4096, {0, 1, 4095, 4097, 9000}});
+  v.push_back({"cuda", fp8, 16, 2, 1000, {2, 999, 1001, 5000}});
+  v.push_back({"cuda", fp8, 128, 1, 256, {1, 255, 257, 3000}});
+  v.push_back({"cuda", fp8, 64, 1, 1000, {5, 999, 2001}});
+  v.push_back({"cuda", bf16, 8, 1, 1024, {0, 1025, 3000}});
+  v.push_back({"gather_cast", fp8, 8, 1, 1000, {5, 999, 2001}});
   // Calls given no fault record run the kernels' instances without checks (and, in the narrow
   // kernel, with their own residency): each kernel family once, the combine kernel too.
   v.push_back({"cuda", fp8, 8, 1, 64, mixed, 0, false});

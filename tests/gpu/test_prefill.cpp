@@ -296,6 +296,9 @@ std::vector<DenseCase> dense_cases() {
   v.push_back({fp8, 8, 64, {{0, 30}, {1500, 561}}, exact});
   v.push_back({fp8, 32, 64, {{3000, 0}, {4, 33}}, exact});
   v.push_back({fp8, 3, 17, {{5, 200, 0}, {2041, 9, 1}}, exact});
+  // Pages larger than a split: 1000 (no power of two) and 4096 tokens, in groups and per token.
+  v.push_back({fp8, 8, 1000, {{0, 1500}, {30, 100}}});
+  v.push_back({fp8, 64, 4096, {{0, 5000}, {20, 7}}});
   // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): prefixes and new tokens past 2 GiB, in groups
   // (H 8) and per token (H 64).
   const ScaleMode pow2 = ScaleMode::kPow2;
@@ -677,6 +680,9 @@ std::vector<SparseCase> sparse_cases() {
   v.push_back({fp8, 128, 2048, 64, {{500, 2100}, {1, 1}}, 0, "cuda", ScaleMode::kExact});
   v.push_back({fp8, 7, 33, 17, ragged, 3});
   v.push_back({fp8, 33, 2047, 64, long_ragged});
+  // Pages larger than a split (1000 and 4096 tokens) on the narrow and the wgmma kernels.
+  v.push_back({fp8, 8, 2048, 1000, long_ragged});
+  v.push_back({fp8, 128, 256, 4096, {{0, 5000}, {4, 3}}});
   // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): selected slots past 2 GiB on the narrow and the
   // wgmma kernels.
   v.push_back({fp8, 8, 2048, 64, {{8000, 4000}, {40, 20}}, 0, "cuda", ScaleMode::kPow2, pages_past_2gib(64, fp8)});

@@ -247,6 +247,10 @@ std::vector<SparseCase> sparse_cases() {
       {fp8, 5, 3, 33, 17, {3, 16, 18, 500}},
       {fp8, 33, 1, 2047, 64, {2500, 63, 65}},
       {fp8, 8, 2, 1, 64, {2, 300}},
+      // Pages larger than a split (test_mla_decode.cpp): 4096, 1000 and 1024 tokens.
+      {fp8, 8, 1, 2048, 4096, {9000, 4097}},
+      {fp8, 128, 1, 256, 1000, {3000, 20}},
+      {bf16, 8, 1, 128, 1024, {77, 2000}},
       // Pools of 1.5 x 2^31 bytes (test_mla_decode.cpp): index rows whose slots lie past 2 GiB on
       // the narrow kernel (its gathered entries), the wgmma kernel, a bf16 cache and gather_cast.
       {fp8, 8, 1, 2048, 64, {9000, 5000}, "cuda", 0, true, ScaleMode::kPow2, pages_past_2gib(64, fp8)},

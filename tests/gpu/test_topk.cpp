@@ -304,7 +304,7 @@ std::vector<TopkCase> topk_cases() {
     const TopkCase c{"causal_q" + std::to_string(q_len), around_k, kMaxTopk, q_len};
     v.push_back(q_len == 3 ? nan_hidden(c) : c);
   }
-  for (int page : {1, 17, 64}) {
+  for (int page : {1, 17, 64, 1000, 4096}) {
     const TopkCase c{"page" + std::to_string(page), {0, 1, 16, 18, 63, 65, 2049, 9000}, kMaxTopk, 1, page};
     v.push_back(page == 17 ? nan_hidden(c) : c);
   }
