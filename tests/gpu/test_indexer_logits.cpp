@@ -158,10 +158,11 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
 
 // A block-table entry outside the pool below the length (which the host cannot check: the table lives
 // on the device) reads nothing: its positions get -inf, the rest match the reference. Pages of 64
-// (on sm_90 the wgmma kernel, whose copier then copies nothing) and of 17 (the mma.sync kernel).
+// (on sm_90 the wgmma kernel, whose copier then copies nothing), of 100 (the wgmma kernel's turns
+// across a page's end, with one of their two pages out, either one) and of 17 (the mma.sync kernel).
 TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   LKV_REQUIRE_GPU();
-  for (const int page_size : {64, 17}) {
+  for (const int page_size : {64, 100, 17}) {
     Rng rng = test_rng();
     PagedFixtureOptions opt;
     opt.page_size = page_size;
@@ -187,8 +188,8 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   }
 }
 
-// Bad lengths and pages, one at a time, on pages of 64 (on sm_90 the wgmma kernel) and 17 (the
-// mma.sync kernel): the record throws the reference's own Error for the same input. The block table
+// Bad lengths and pages, one at a time, on pages of 64 and 100 (on sm_90 the wgmma kernel) and 17
+// (the mma.sync kernel): the record throws the reference's own Error for the same input. The block table
 // has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold.
 // A request's pages are checked 128 to a CTA (CTA c of its grid takes pages 128 c .. 128 c + 127,
 // then those a grid further on): request 3's 300 pages span three CTAs' shares, and its bad page
@@ -213,7 +214,7 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       // (one past the longest request's length: the others' fit, so the record holds one fault)
       {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.max_len() - 1; }},
   };
-  for (const int page_size : {64, 17}) {
+  for (const int page_size : {64, 100, 17}) {
     for (const Bad& b : bad) {
       SCOPED_TRACE("page size " + std::to_string(page_size) + ": " + b.what);
       Rng rng = test_rng();
@@ -318,7 +319,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{8, 1, 64, long_lengths(48, 4000, 97)},
                                            LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
-                                           // pages a multiple of 4 tokens but not of 64: the mma.sync
+                                           // pages of a multiple of 4 tokens below 64: the mma.sync
                                            // kernel's 16-byte-aligned instance (also on sm_90)
                                            LogitsCase{32, 2, 16, {2, 17, 300, 1001}},
                                            LogitsCase{8, 1, 32, long_lengths(8, 3000, 77)},
@@ -340,7 +341,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            // pages larger than a turn: 256, 1000 and 4096 tokens
                                            LogitsCase{8, 1, 256, long_lengths(8, 3000, 77)},
                                            LogitsCase{64, 2, 1000, {2, 1001, 3000}},
-                                           LogitsCase{32, 1, 4096, {0, 1, 4097, 9000}}),
+                                           LogitsCase{32, 1, 4096, {0, 1, 4097, 9000}},
+                                           // on sm_90 the wgmma kernel's turns across a page's end
+                                           // (pages of 100, 68, 96: no multiple of 64), lengths
+                                           // ending before, at and after a page's end, in either part
+                                           // of such a turn; the ring's steady state; one request
+                                           // over the grid; claims; key scales no powers of two
+                                           LogitsCase{32, 1, 100, {0, 1, 99, 100, 101, 127, 128, 129, 163, 2000}},
+                                           LogitsCase{8, 2, 68, long_lengths(24, 3001, 131)},
+                                           LogitsCase{64, 4, 96, {3, 95, 97, 500}},
+                                           LogitsCase{16, 1, 68, {70001}},
+                                           LogitsCase{8, 1, 100, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{32, 1, 100, {1, 99, 101, 1000}, ScaleMode::kExact}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"

@@ -23,10 +23,13 @@ void check_indexer_logits_call(const IndexerLogitsParams& p);
 void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 
 // Whether indexer_logits runs its warpgroup (wgmma) kernel for caches of `page_size` tokens per
-// page on a device of compute capability `sm`: sm_90 with the library's sm_90a code, pages of a
-// multiple of 64 tokens, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the mma.sync
-// kernel.
+// page on a device of compute capability `sm`: sm_90 with the library's sm_90a code, pages as
+// kIndexerWgmmaPages says, unless the environment sets LATENTKV_INDEXER_KERNEL=mma. Else the
+// mma.sync kernel.
 bool indexer_uses_wgmma(int page_size, int sm);
+// The page sizes the wgmma kernel takes, for reports; kIndexerWgmmaPageSize is one of them.
+inline constexpr const char* kIndexerWgmmaPages = "pages of a multiple of 4 tokens and at least 64";
+inline constexpr int kIndexerWgmmaPageSize = 64;
 // The kernel's name for reports: "indexer_logits<...>"; the prefill's: "indexer_prefill = ...".
 std::string indexer_logits_kernel_name(int page_size, int sm);
 std::string indexer_prefill_kernel_name(int page_size, int sm);

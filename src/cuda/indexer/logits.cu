@@ -12,9 +12,10 @@
 //     queries and weights to a multiple of the heads one pass takes. A CTA owns a span of one
 //     request's positions; the grid is one wave of resident CTAs (one CTA per request beyond that).
 //   * Two kernels:
-//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 64 tokens): the CTA is one warpgroup and
-//         takes 64 tokens (a page's part) a turn. One thread streams the turns through a 3-stage ring
-//         in shared memory with bulk copies (the copy engine, an mbarrier per stage); per query row
+//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 4 tokens and at least 64): the CTA is
+//         one warpgroup and takes 64 positions a turn (inside one page, or across one page's end
+//         where the page size is no multiple of 64). One thread streams the turns through a 3-stage
+//         ring in shared memory with bulk copies (the copy engine, an mbarrier per stage); per query row
 //         and pass of 8, 16 or 32 heads, eight m64nNk16 wgmma with the keys from registers (each warp
 //         its 16 tokens) and the queries from shared memory (K-major, 128-byte swizzle, dims permuted
 //         the same way);
@@ -485,34 +486,98 @@ __device__ __forceinline__ int wgmma_q_offset(int row, int padded, int pass, int
          wgmma::swizzled_chunk_offset(head % pass, c % 8);
 }
 
-// The block-table entry of turn `turn` (a turn lies inside one page: pages of a multiple of 64
-// tokens). Needs no length: the caller keeps the turn below the row's capacity.
-__device__ __forceinline__ std::int32_t turn_page(const LogitsArgs& a, int b, int turn) {
-  return a.block_table[static_cast<std::int64_t>(b) * a.max_pages + page_index(a, kTurnTokens * turn)];
+// The block-table entries of turn `turn`: of the page holding its first position, and with
+// kCrossing (pages of no multiple of 64 tokens, whose turns may cross a page's end) of the page
+// holding its last (the next page where the turn crosses one: pages of 64 tokens or more, so a turn
+// touches two pages at most). Without kCrossing a turn lies inside one page, and `last` is not used.
+// Needs no length: the caller keeps the turn's first position below the row's capacity, and its last
+// is taken no further than the capacity's last.
+struct TurnPages {
+  std::int32_t first = -1;
+  std::int32_t last = -1;
+};
+template <bool kCrossing>
+__device__ __forceinline__ TurnPages turn_pages(const LogitsArgs& a, int b, int turn) {
+  const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
+  const int t = kTurnTokens * turn;
+  const int first = page_index(a, t);
+  TurnPages p;
+  p.first = row[first];
+  if constexpr (kCrossing) {
+    const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
+    const int last = page_index(a, static_cast<int>(min(static_cast<std::int64_t>(t) + kTurnTokens - 1, capacity - 1)));
+    p.last = last == first ? p.first : row[last];
+  }
+  return p;
 }
 
-// Run by one thread: the copies of turn `turn`'s keys (up to the length) and scales from page `page`
-// into `stage`, delivered to `full`; `present` says whether the page is inside the pool (else
-// nothing is copied, and `full` completes at once).
-__device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn, std::int32_t page, std::uint8_t* stage,
+// A stage's presence word: without kCrossing whether the turn's page is inside the pool; with it,
+// bit 0 whether the turn's first page is, bit 1 whether its second is (and copied), and the turn's
+// tokens in its first page from bit 2 on.
+__device__ __forceinline__ int presence(bool first, bool second, int in_first) {
+  return static_cast<int>(first) | static_cast<int>(second) << 1 | in_first << 2;
+}
+template <bool kCrossing>
+__device__ __forceinline__ bool token_present(int word, int token) {
+  if constexpr (kCrossing) return (word & (token < (word >> 2) ? 1 : 2)) != 0;
+  return word != 0;
+}
+
+// Run by one thread: the copies of turn `turn`'s keys (up to the length) and scales from its pages
+// into `stage`, delivered to `full`; `present` gets the stage's presence word. A page outside the
+// pool is not copied (its tokens are not present, and with no page copied `full` completes at once);
+// with kCrossing the turn's part in its second page is copied only when it holds a position below
+// the length. Every piece is a whole number of 16-byte units at 16-byte boundaries: pages of a
+// multiple of 4 tokens, turns starting at multiples of 64.
+template <bool kCrossing>
+__device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn, TurnPages pages, std::uint8_t* stage,
                                           std::uint64_t* full, int* present) {
-  const std::uint8_t* base = page_base(a, page);
-  *present = base != nullptr;
-  if (base == nullptr) {
-    bulk::arrive(full);
+  if constexpr (!kCrossing) {  // the page's keys up to the length, and its 64 scales
+    const std::uint8_t* base = page_base(a, pages.first);
+    *present = base != nullptr;
+    if (base == nullptr) {
+      bulk::arrive(full);
+      return;
+    }
+    const int t = kTurnTokens * turn, offset = page_offset(a, t, page_index(a, t));
+    const int tokens = min(kTurnTokens, len - t);  // >= 1: a live turn
+    bulk::arrive_expect(full, static_cast<std::uint32_t>(tokens * kDim + kTurnTokens * 4));
+    bulk::copy(stage, base + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(tokens * kDim), full);
+    bulk::copy(stage + kStageKeyBytes, base + static_cast<std::int64_t>(a.page_size) * kDim + 4 * offset,
+               kTurnTokens * 4, full);
     return;
   }
   const int t = kTurnTokens * turn, offset = page_offset(a, t, page_index(a, t));
-  const int tokens = min(kTurnTokens, len - t);  // >= 1: a live turn
-  bulk::arrive_expect(full, static_cast<std::uint32_t>(tokens * kDim + kTurnTokens * 4));
-  bulk::copy(stage, base + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(tokens * kDim), full);
-  bulk::copy(stage + kStageKeyBytes, base + static_cast<std::int64_t>(a.page_size) * kDim + 4 * offset, kTurnTokens * 4,
-             full);
+  const int tokens = min(kTurnTokens, len - t);                 // >= 1: a live turn
+  const int in_first = min(kTurnTokens, a.page_size - offset);  // the turn's tokens in its first page
+  const std::uint8_t* first = page_base(a, pages.first);
+  const std::uint8_t* second = tokens > in_first ? page_base(a, pages.last) : nullptr;
+  const int keys_first = min(tokens, in_first), keys_second = tokens - keys_first;
+  *present = presence(first != nullptr, second != nullptr, in_first);
+  const std::uint32_t bytes = (first != nullptr ? keys_first * kDim + in_first * 4 : 0) +
+                              (second != nullptr ? keys_second * kDim + (kTurnTokens - in_first) * 4 : 0);
+  if (bytes == 0) {
+    bulk::arrive(full);
+    return;
+  }
+  bulk::arrive_expect(full, bytes);
+  const std::int64_t scales_at = static_cast<std::int64_t>(a.page_size) * kDim;  // a page's scales, after its keys
+  if (first != nullptr) {
+    bulk::copy(stage, first + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(keys_first * kDim),
+               full);
+    bulk::copy(stage + kStageKeyBytes, first + scales_at + 4 * offset, static_cast<std::uint32_t>(in_first * 4), full);
+  }
+  if (second != nullptr) {
+    bulk::copy(stage + in_first * kDim, second, static_cast<std::uint32_t>(keys_second * kDim), full);
+    bulk::copy(stage + kStageKeyBytes + 4 * in_first, second + scales_at,
+               static_cast<std::uint32_t>((kTurnTokens - in_first) * 4), full);
+  }
 }
 
 // Warp `warp`'s 16 tokens of a landed stage as this lane's tile (rows past the copied tokens hold
-// stale bytes: positions past the length, written -inf).
-__device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, bool present, int warp, int g, int tig,
+// stale bytes: positions past the length or in a page outside the pool, written -inf).
+template <bool kCrossing>
+__device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, int present, int warp, int g, int tig,
                                                 Tile& t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -521,7 +586,7 @@ __device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, bool 
     t.keys[r][0] = *reinterpret_cast<const uint4*>(key);
     t.keys[r][1] = *reinterpret_cast<const uint4*>(key + kDim / 2);
     t.scales[r] = reinterpret_cast<const float*>(stage + kStageKeyBytes)[token];
-    t.cached[r] = present;
+    t.cached[r] = token_present<kCrossing>(present, token);
   }
 }
 
@@ -579,16 +644,17 @@ __device__ __forceinline__ void store_query_batch(const QueryRows& rows, int pad
   }
 }
 
-// Grid (CTAs per request, B), one warpgroup per CTA, pages of a multiple of 64 tokens. Thread 0
-// copies whole turns (a page's 64 keys and scales, two bulk copies) through a ring of kStages
-// stages, each completing on its own mbarrier. The prologue puts every independent load in flight
-// at once (the length, the first kStages + 1 block-table entries, the queries and weights), then
-// sends the first kStages turns, so that at one turn per CTA (one request over the whole GPU) the
-// CTA waits for two round trips, the block table and then the keys. Each later turn goes out at
-// the top of a turn, after the CTA barrier that says every warp is done with the stage the turn
-// before read; its block-table entry was looked up a turn earlier. The 4 warps compute each turn
-// together (tile_logits). (Per-stage "empty" mbarriers in place of that CTA barrier, one arrival
-// per thread, measured slower: B 16 x 128K 83.9 us against 80.9.)
+// Grid (CTAs per request, B), one warpgroup per CTA, pages of a multiple of 4 tokens, 64 or more.
+// Thread 0 copies whole turns (64 positions' keys and scales: two bulk copies from each page the
+// turn touches, one or two) through a ring of kStages stages, each completing on its own mbarrier.
+// The prologue puts every independent load in flight at once (the length, the block-table entries
+// of the first kStages + 1 turns, the queries and weights), then sends the first kStages turns, so
+// that at one turn per CTA (one request over the whole GPU) the CTA waits for two round trips, the
+// block table and then the keys. Each later turn goes out at the top of a turn, after the CTA
+// barrier that says every warp is done with the stage the turn before read; its block-table entries
+// were looked up a turn earlier. The 4 warps compute each turn together (tile_logits). (Per-stage
+// "empty" mbarriers in place of that CTA barrier, one arrival per thread, measured slower: B 16 x
+// 128K 83.9 us against 80.9.)
 // With claims (a.claimed), a CTA's static span is only part of its share: once it is done, the
 // copier claims turns past every static span ([claim_from, min(the length, max_len))) one at a time
 // from the request's counter, three turns before it sends them, so that CTAs on SMs that stream
@@ -599,7 +665,10 @@ __device__ __forceinline__ void store_query_batch(const QueryRows& rows, int pad
 // past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
 // so that every call leaves the counters as it needs them.
 // kGrouped: the requests are groups of an indexer prefill's new tokens (spans, launch.hpp).
-template <int kPass, bool kChecks, bool kGrouped>
+// kCrossing: pages of no multiple of 64 tokens, whose turns may cross a page's end (turn_pages,
+// send_turn). The pages of a multiple of 64 take the instance without it: the crossing code in it
+// slowed them by 2-6% (H100, glm5 Hi 32, B 1 and 16 x 128K, seventy-first session).
+template <int kPass, bool kChecks, bool kGrouped, bool kCrossing>
 __global__ void __launch_bounds__(kThreads, 6)
     logits_wgmma_kernel(const LogitsArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the indexer (prefill_rows.hpp)");
@@ -625,7 +694,7 @@ __global__ void __launch_bounds__(kThreads, 6)
   const int live = (len + kTurnTokens - 1) / kTurnTokens;  // turns holding positions below the length
   const int live_end = min(end, live);                     // this CTA's static turns: [first, live_end)
   // The copier's block-table entries of the first kStages + 1 turns (the last: the first refill's).
-  std::int32_t pages[kStages + 1];
+  TurnPages pages[kStages + 1];
   if (copier) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) bulk::init(&full[s], 1);
@@ -633,11 +702,8 @@ __global__ void __launch_bounds__(kThreads, 6)
     const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
 #pragma unroll
     for (int k = 0; k <= kStages; ++k) {
-      pages[k] = first + k < end && kTurnTokens * (first + k) < capacity ? turn_page(a, b, first + k) : -1;
+      if (first + k < end && kTurnTokens * (first + k) < capacity) pages[k] = turn_pages<kCrossing>(a, b, first + k);
     }
-  } else {
-#pragma unroll
-    for (int k = 0; k <= kStages; ++k) pages[k] = -1;  // used by the copier only
   }
   QueryBatch batch;
   load_query_batch(a, rows, padded, 0, batch);
@@ -680,19 +746,19 @@ __global__ void __launch_bounds__(kThreads, 6)
     if (turn == a.claim_from + static_cast<int>(claims_made) - 1) atomicExch(&a.claimed[b], 0u);
     return -1;
   };
-  // Stage `stage` gets turn `turn` (page `page`), or with -1 the end of the walk.
-  const auto fill = [&](int stage, int turn, std::int32_t page) {
+  // Stage `stage` gets turn `turn` (its block-table entries), or with -1 the end of the walk.
+  const auto fill = [&](int stage, int turn, TurnPages entries) {
     turn_s[stage] = turn;
     if (turn >= 0) {
-      send_turn(a, len, turn, page, ring + stage * kStageBytes, &full[stage], &present[stage]);
+      send_turn<kCrossing>(a, len, turn, entries, ring + stage * kStageBytes, &full[stage], &present[stage]);
     } else {
       bulk::arrive(&full[stage]);
     }
   };
-  // The walk's three turns after those in the ring: the next to send (its page known), the next
-  // whose page is looked up, and the next claimed (unchecked).
+  // The walk's three turns after those in the ring: the next to send (its pages known), the next
+  // whose pages are looked up, and the next claimed (unchecked).
   int send_next = -1, look_next = -1, claim_next = -1;
-  std::int32_t send_page = -1;
+  TurnPages send_pages;
   bool ended = false;  // the copier has filled a stage with -1
   if (copier && first < live_end) {
 #pragma unroll
@@ -703,7 +769,7 @@ __global__ void __launch_bounds__(kThreads, 6)
       ended = turn < 0;
     }
     send_next = checked(next_turn());
-    send_page = send_next >= 0 ? pages[kStages] : -1;
+    if (send_next >= 0) send_pages = pages[kStages];
     look_next = checked(next_turn());
     claim_next = next_turn();
   }
@@ -740,10 +806,10 @@ __global__ void __launch_bounds__(kThreads, 6)
       if (copier && !ended) {
         const int refill = stage == 0 ? kStages - 1 : stage - 1;
         bulk::fence_for_copy();  // the stage's reads before the copy engine's writes
-        fill(refill, send_next, send_page);
+        fill(refill, send_next, send_pages);
         ended = send_next < 0;
         send_next = look_next;
-        send_page = look_next >= 0 ? turn_page(a, b, look_next) : -1;
+        send_pages = look_next >= 0 ? turn_pages<kCrossing>(a, b, look_next) : TurnPages{};
         look_next = checked(claim_next);  // the claim made a turn ago has long come back
         claim_next = next_turn();
       }
@@ -752,7 +818,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     const int turn = turn_s[stage];
     if (turn < 0) break;
     Tile t;
-    tile_from_stage(ring + stage * kStageBytes, present[stage] != 0, warp, g, tig, t);
+    tile_from_stage<kCrossing>(ring + stage * kStageBytes, present[stage], warp, g, tig, t);
     tile_logits<kPass>(a, t, kTurnTokens * turn + 16 * warp, l);
     if (++stage == kStages) {
       stage = 0;
@@ -827,7 +893,8 @@ static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's pro
 template <int kPass, bool kChecks, bool kGrouped = false>
 void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
                   cudaStream_t stream, const int2* spans = nullptr) {
-  const auto kernel = logits_wgmma_kernel<kPass, kChecks, kGrouped>;
+  const auto kernel = a.page_size % kTurnTokens == 0 ? logits_wgmma_kernel<kPass, kChecks, kGrouped, false>
+                                                     : logits_wgmma_kernel<kPass, kChecks, kGrouped, true>;
   // Alignment slack, the ring, its barriers, presence flags and turns.
   constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
@@ -873,13 +940,16 @@ void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, u
 }  // namespace
 
 bool indexer_uses_wgmma(int page_size, int sm) {
-  return page_size % kTurnTokens == 0 && wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
+  // Pages of at least a turn, so that a turn touches two pages at most; of a multiple of 4 tokens
+  // (132 x page_size bytes, a multiple of 16), so that every bulk copy is of whole 16-byte units.
+  return page_size >= kTurnTokens && page_size % 4 == 0 &&
+         wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
 }
 
 std::string indexer_logits_kernel_name(int page_size, int sm) {
-  if (page_size == 0 && indexer_uses_wgmma(kTurnTokens, sm)) {  // pages not known yet
-    return "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring, for pages of a multiple of 64 tokens; else f16 mma "
-           "m16n8k16>";
+  if (page_size == 0 && indexer_uses_wgmma(kIndexerWgmmaPageSize, sm)) {  // pages not known yet
+    return std::string("indexer_logits<f16 wgmma m64nNk16, bulk-copy ring, for ") + kIndexerWgmmaPages +
+           "; else f16 mma m16n8k16>";
   }
   return page_size > 0 && indexer_uses_wgmma(page_size, sm) ? "indexer_logits<f16 wgmma m64nNk16, bulk-copy ring>"
                                                             : "indexer_logits<f16 mma m16n8k16>";

@@ -36,7 +36,6 @@ using detail::align_up;
 using detail::kWorkspaceAlign;
 
 constexpr const char* kOp = "indexer_prefill";
-constexpr int kWgmmaPageTokens = 64;  // the wgmma indexer takes pages of a multiple of this many tokens
 constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{256} << 20;
 
 // New tokens per group on the wgmma indexer: the most query rows a request of it stages (decode's
@@ -155,9 +154,9 @@ std::string indexer_prefill_kernel_name(int page_size, int sm) {
     return "indexer_prefill = " + groups + indexer_logits_kernel_name(page_size, sm) + topk +
            " (per token when the groups would be less than half full)";
   }
-  if (page_size == 0 && indexer_uses_wgmma(kWgmmaPageTokens, sm)) {  // pages not known yet
-    return "indexer_prefill = " + groups + indexer_logits_kernel_name(kWgmmaPageTokens, sm) +
-           " for pages of a multiple of " + std::to_string(kWgmmaPageTokens) + " tokens, else " + per_token + topk;
+  if (page_size == 0 && indexer_uses_wgmma(kIndexerWgmmaPageSize, sm)) {  // pages not known yet
+    return "indexer_prefill = " + groups + indexer_logits_kernel_name(kIndexerWgmmaPageSize, sm) + " for " +
+           kIndexerWgmmaPages + ", else " + per_token + topk;
   }
   return "indexer_prefill = " + per_token + topk;
 }
