@@ -159,10 +159,11 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
 // A block-table entry outside the pool below the length (which the host cannot check: the table lives
 // on the device) reads nothing: its positions get -inf, the rest match the reference. Pages of 64
 // (on sm_90 the wgmma kernel, whose copier then copies nothing), of 100 (the wgmma kernel's turns
-// across a page's end, with one of their two pages out, either one) and of 17 (the mma.sync kernel).
+// across a page's end, with one of their two pages out, either one; 48 likewise, below a turn) and
+// of 17 (the mma.sync kernel).
 TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   LKV_REQUIRE_GPU();
-  for (const int page_size : {64, 100, 17}) {
+  for (const int page_size : {64, 100, 48, 17}) {
     Rng rng = test_rng();
     PagedFixtureOptions opt;
     opt.page_size = page_size;
@@ -188,7 +189,7 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   }
 }
 
-// Bad lengths and pages, one at a time, on pages of 64 and 100 (on sm_90 the wgmma kernel) and 17
+// Bad lengths and pages, one at a time, on pages of 64, 100 and 48 (on sm_90 the wgmma kernel) and 17
 // (the mma.sync kernel): the record throws the reference's own Error for the same input. The block table
 // has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold.
 // A request's pages are checked 128 to a CTA (CTA c of its grid takes pages 128 c .. 128 c + 127,
@@ -214,7 +215,7 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       // (one past the longest request's length: the others' fit, so the record holds one fault)
       {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.max_len() - 1; }},
   };
-  for (const int page_size : {64, 100, 17}) {
+  for (const int page_size : {64, 100, 48, 17}) {
     for (const Bad& b : bad) {
       SCOPED_TRACE("page size " + std::to_string(page_size) + ": " + b.what);
       Rng rng = test_rng();
@@ -319,10 +320,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{8, 1, 64, long_lengths(48, 4000, 97)},
                                            LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
-                                           // pages of a multiple of 4 tokens below 64: the mma.sync
-                                           // kernel's 16-byte-aligned instance (also on sm_90)
+                                           // pages of a multiple of 4 tokens on which a turn of 64
+                                           // touches more than two pages: the mma.sync kernel's
+                                           // 16-byte-aligned instance (also on sm_90)
                                            LogitsCase{32, 2, 16, {2, 17, 300, 1001}},
-                                           LogitsCase{8, 1, 32, long_lengths(8, 3000, 77)},
+                                           LogitsCase{8, 1, 40, {3, 39, 41, 1000}},
                                            LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}},
                                            // on sm_90 the wgmma kernel (pages of 64 or 128): passes of 16 heads,
                                            // two of 32 with padded heads in the second, the largest queries
@@ -352,7 +354,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{64, 4, 96, {3, 95, 97, 500}},
                                            LogitsCase{16, 1, 68, {70001}},
                                            LogitsCase{8, 1, 100, long_lengths(16, 70000, 2001)},
-                                           LogitsCase{32, 1, 100, {1, 99, 101, 1000}, ScaleMode::kExact}),
+                                           LogitsCase{32, 1, 100, {1, 99, 101, 1000}, ScaleMode::kExact},
+                                           // pages below a turn on which a turn touches two pages at
+                                           // most (on sm_90 the wgmma kernel): 32 (every turn two
+                                           // whole pages), 48 (turns from 0, 16 and 32 tokens into a
+                                           // page), 56 and 60 (every offset a multiple of 8, of 4)
+                                           LogitsCase{8, 1, 32, long_lengths(8, 3000, 77)},
+                                           LogitsCase{32, 1, 48, {0, 1, 47, 48, 49, 63, 64, 65, 95, 96, 97, 143, 144, 2000}},
+                                           LogitsCase{16, 2, 56, long_lengths(24, 3001, 131)},
+                                           LogitsCase{64, 4, 60, {3, 59, 61, 500}},
+                                           LogitsCase{32, 1, 48, {70001}},
+                                           LogitsCase{8, 1, 60, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{32, 1, 56, {1, 55, 57, 1000}, ScaleMode::kExact}),
                          [](const ::testing::TestParamInfo<LogitsCase>& info) {
                            std::ostringstream os;
                            os << "Hi" << info.param.heads << "_q" << info.param.q_len << "_ps" << info.param.page_size << "_B"

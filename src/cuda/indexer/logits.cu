@@ -12,7 +12,8 @@
 //     queries and weights to a multiple of the heads one pass takes. A CTA owns a span of one
 //     request's positions; the grid is one wave of resident CTAs (one CTA per request beyond that).
 //   * Two kernels:
-//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 4 tokens and at least 64): the CTA is
+//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 4 tokens from 64, and of 32, 48, 56, 60
+//         tokens: indexer_uses_wgmma): the CTA is
 //         one warpgroup and takes 64 positions a turn (inside one page, or across one page's end
 //         where the page size is no multiple of 64). One thread streams the turns through a 3-stage
 //         ring in shared memory with bulk copies (the copy engine, an mbarrier per stage); per query row
@@ -43,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <string>
 
 #include "cuda/common/bulk_copy.cuh"
@@ -488,8 +490,8 @@ __device__ __forceinline__ int wgmma_q_offset(int row, int padded, int pass, int
 
 // The block-table entries of turn `turn`: of the page holding its first position, and with
 // kCrossing (pages of no multiple of 64 tokens, whose turns may cross a page's end) of the page
-// holding its last (the next page where the turn crosses one: pages of 64 tokens or more, so a turn
-// touches two pages at most). Without kCrossing a turn lies inside one page, and `last` is not used.
+// holding its last (the next page where the turn crosses one: on the pages indexer_uses_wgmma takes,
+// a turn touches two pages at most). Without kCrossing a turn lies inside one page, and `last` is not used.
 // Needs no length: the caller keeps the turn's first position below the row's capacity, and its last
 // is taken no further than the capacity's last.
 struct TurnPages {
@@ -644,7 +646,7 @@ __device__ __forceinline__ void store_query_batch(const QueryRows& rows, int pad
   }
 }
 
-// Grid (CTAs per request, B), one warpgroup per CTA, pages of a multiple of 4 tokens, 64 or more.
+// Grid (CTAs per request, B), one warpgroup per CTA, pages as indexer_uses_wgmma takes them.
 // Thread 0 copies whole turns (64 positions' keys and scales: two bulk copies from each page the
 // turn touches, one or two) through a ring of kStages stages, each completing on its own mbarrier.
 // The prologue puts every independent load in flight at once (the length, the block-table entries
@@ -940,9 +942,12 @@ void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, u
 }  // namespace
 
 bool indexer_uses_wgmma(int page_size, int sm) {
-  // Pages of at least a turn, so that a turn touches two pages at most; of a multiple of 4 tokens
-  // (132 x page_size bytes, a multiple of 16), so that every bulk copy is of whole 16-byte units.
-  return page_size >= kTurnTokens && page_size % 4 == 0 &&
+  // Pages of a multiple of 4 tokens (132 x page_size bytes, a multiple of 16), so that every bulk
+  // copy is of whole 16-byte units, on which a turn touches two pages at most (turn_pages). Turns
+  // start at multiples of 64, so their offsets in a page are the multiples of gcd(64, page_size)
+  // below it; the largest leaves 64 - gcd tokens of the turn past the page's end, which the next page
+  // holds when page_size >= 64 - gcd: every page of 64 or more, and of 32, 48, 56 and 60 below it.
+  return page_size > 0 && page_size % 4 == 0 && page_size >= kTurnTokens - std::gcd(kTurnTokens, page_size) &&
          wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
 }
 
