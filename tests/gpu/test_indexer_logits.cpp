@@ -159,11 +159,11 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
 // A block-table entry outside the pool below the length (which the host cannot check: the table lives
 // on the device) reads nothing: its positions get -inf, the rest match the reference. Pages of 64
 // (on sm_90 the wgmma kernel, whose copier then copies nothing), of 100 (the wgmma kernel's turns
-// across a page's end, with one of their two pages out, either one; 48 likewise, below a turn) and
-// of 17 (the mma.sync kernel).
+// across a page's end, with one of their two pages out, either one; 48 likewise, below a turn; 16,
+// a turn over four pages with its second or fourth out) and of 17 (the mma.sync kernel).
 TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   LKV_REQUIRE_GPU();
-  for (const int page_size : {64, 100, 48, 17}) {
+  for (const int page_size : {64, 100, 48, 16, 17}) {
     Rng rng = test_rng();
     PagedFixtureOptions opt;
     opt.page_size = page_size;
@@ -189,7 +189,7 @@ TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   }
 }
 
-// Bad lengths and pages, one at a time, on pages of 64, 100 and 48 (on sm_90 the wgmma kernel) and 17
+// Bad lengths and pages, one at a time, on pages of 64, 100, 48 and 16 (on sm_90 the wgmma kernel) and 17
 // (the mma.sync kernel): the record throws the reference's own Error for the same input. The block table
 // has its spare -1 column: a length past the capacity is one fault, whatever the pages past it hold.
 // A request's pages are checked 128 to a CTA (CTA c of its grid takes pages 128 c .. 128 c + 127,
@@ -215,7 +215,7 @@ TEST(GpuIndexerLogitsFaults, RecordTheReferencesError) {
       // (one past the longest request's length: the others' fit, so the record holds one fault)
       {"a length past the logits' columns", [](PagedFixture& f, std::int64_t& max_len) { max_len = f.max_len() - 1; }},
   };
-  for (const int page_size : {64, 100, 48, 17}) {
+  for (const int page_size : {64, 100, 48, 16, 17}) {
     for (const Bad& b : bad) {
       SCOPED_TRACE("page size " + std::to_string(page_size) + ": " + b.what);
       Rng rng = test_rng();
@@ -321,10 +321,22 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{4, 2, 17, long_lengths(24, 3001, 131)},
                                            LogitsCase{64, 2, 17, {2, 300, 40}},
                                            // pages of a multiple of 4 tokens on which a turn of 64
-                                           // touches more than two pages: the mma.sync kernel's
-                                           // 16-byte-aligned instance (also on sm_90)
+                                           // touches more than two pages (on sm_90 the wgmma kernel,
+                                           // a lane of the copier warp per page; elsewhere the
+                                           // mma.sync kernel's 16-byte-aligned instance): 16 (four
+                                           // whole pages a turn), 4 (sixteen), 12 (five or six),
+                                           // 20, 28, 40, 44, 52 (two or three)
                                            LogitsCase{32, 2, 16, {2, 17, 300, 1001}},
                                            LogitsCase{8, 1, 40, {3, 39, 41, 1000}},
+                                           LogitsCase{16, 1, 4, {0, 1, 3, 5, 63, 64, 65, 2001}},
+                                           LogitsCase{8, 2, 12, long_lengths(24, 3001, 131)},
+                                           LogitsCase{64, 4, 20, {3, 19, 21, 500}},
+                                           LogitsCase{32, 1, 28, {27, 29, 63, 65, 1000}},
+                                           LogitsCase{4, 3, 44, {43, 45, 129, 700}},
+                                           LogitsCase{32, 1, 52, {0, 51, 53, 104, 105, 2000}},
+                                           LogitsCase{32, 1, 16, {70001}},
+                                           LogitsCase{8, 1, 16, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{32, 1, 12, {1, 11, 13, 1000}, ScaleMode::kExact},
                                            LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}},
                                            // on sm_90 the wgmma kernel (pages of 64 or 128): passes of 16 heads,
                                            // two of 32 with padded heads in the second, the largest queries

@@ -318,6 +318,7 @@ std::vector<PrefillCase> prefill_cases() {
   // Pages of no multiple of 64 tokens: on sm_90a the wgmma indexer's groups, turns across page ends.
   v.push_back({"page100_Hi32_k64", 32, 100, 64, ragged});
   v.push_back({"page48_Hi16_k2048", 16, 48, 2048, ragged});
+  v.push_back({"page16_Hi32_k2048", 32, 16, 2048, ragged});
   v.push_back({"page4096_Hi8_k64", 8, 4096, 64, ragged});
   return v;
 }

@@ -28,7 +28,7 @@ void launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
 // mma.sync kernel.
 bool indexer_uses_wgmma(int page_size, int sm);
 // The page sizes the wgmma kernel takes, for reports; kIndexerWgmmaPageSize is one of them.
-inline constexpr const char* kIndexerWgmmaPages = "pages of 32, 48, 56 or 60 tokens, or of a multiple of 4 tokens from 64";
+inline constexpr const char* kIndexerWgmmaPages = "pages of a multiple of 4 tokens";
 inline constexpr int kIndexerWgmmaPageSize = 64;
 // The kernel's name for reports: "indexer_logits<...>"; the prefill's: "indexer_prefill = ...".
 std::string indexer_logits_kernel_name(int page_size, int sm);

@@ -12,10 +12,9 @@
 //     queries and weights to a multiple of the heads one pass takes. A CTA owns a span of one
 //     request's positions; the grid is one wave of resident CTAs (one CTA per request beyond that).
 //   * Two kernels:
-//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 4 tokens from 64, and of 32, 48, 56, 60
-//         tokens: indexer_uses_wgmma): the CTA is
-//         one warpgroup and takes 64 positions a turn (inside one page, or across one page's end
-//         where the page size is no multiple of 64). One thread streams the turns through a 3-stage
+//       - sm_90 (logits_wgmma_kernel, pages of a multiple of 4 tokens): the CTA is one warpgroup
+//         and takes 64 positions a turn (inside one page, across one page's end, or over several
+//         pages: TurnWalk). One thread (over several pages, warp 0) streams the turns through a 3-stage
 //         ring in shared memory with bulk copies (the copy engine, an mbarrier per stage); per query row
 //         and pass of 8, 16 or 32 heads, eight m64nNk16 wgmma with the keys from registers (each warp
 //         its 16 tokens) and the queries from shared memory (K-major, 128-byte swizzle, dims permuted
@@ -488,53 +487,102 @@ __device__ __forceinline__ int wgmma_q_offset(int row, int padded, int pass, int
          wgmma::swizzled_chunk_offset(head % pass, c % 8);
 }
 
+// How a turn of 64 positions meets the pages (indexer_uses_wgmma): inside one page (pages of a
+// multiple of 64 tokens); across one page's end at most (kTwoPages: pages of 32, 48, 56, 60, and
+// every other multiple of 4 from 64); across several (kManyPages: the other multiples of 4, down to
+// 4, whose turns touch up to 16 pages, each looked up and copied by its own lane of warp 0).
+enum class TurnWalk { kOnePage, kTwoPages, kManyPages };
+
 // The block-table entries of turn `turn`: of the page holding its first position, and with
-// kCrossing (pages of no multiple of 64 tokens, whose turns may cross a page's end) of the page
-// holding its last (the next page where the turn crosses one: on the pages indexer_uses_wgmma takes,
-// a turn touches two pages at most). Without kCrossing a turn lies inside one page, and `last` is not used.
+// kTwoPages of the page holding its last (the next page where the turn crosses one). With
+// kManyPages `first` is the entry of this lane's page of the turn: the turn's lane-th page, -1 past
+// its last. With kOnePage a turn lies inside one page, and `last` is not used.
 // Needs no length: the caller keeps the turn's first position below the row's capacity, and its last
 // is taken no further than the capacity's last.
 struct TurnPages {
   std::int32_t first = -1;
   std::int32_t last = -1;
 };
-template <bool kCrossing>
+template <TurnWalk kWalk>
 __device__ __forceinline__ TurnPages turn_pages(const LogitsArgs& a, int b, int turn) {
   const std::int32_t* row = a.block_table + static_cast<std::int64_t>(b) * a.max_pages;
   const int t = kTurnTokens * turn;
   const int first = page_index(a, t);
   TurnPages p;
-  p.first = row[first];
-  if constexpr (kCrossing) {
+  if constexpr (kWalk != TurnWalk::kManyPages) p.first = row[first];
+  if constexpr (kWalk != TurnWalk::kOnePage) {
     const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
     const int last = page_index(a, static_cast<int>(min(static_cast<std::int64_t>(t) + kTurnTokens - 1, capacity - 1)));
-    p.last = last == first ? p.first : row[last];
+    if constexpr (kWalk == TurnWalk::kTwoPages) {
+      p.last = last == first ? p.first : row[last];
+    } else {
+      const int mine = first + static_cast<int>(threadIdx.x % 32);
+      p.first = mine <= last ? row[mine] : -1;
+    }
   }
   return p;
 }
 
-// A stage's presence word: without kCrossing whether the turn's page is inside the pool; with it,
-// bit 0 whether the turn's first page is, bit 1 whether its second is (and copied), and the turn's
-// tokens in its first page from bit 2 on.
+// A stage's presence word: with kOnePage whether the turn's page is inside the pool; with
+// kTwoPages bit 0 whether the turn's first page is, bit 1 whether its second is (and copied), and the
+// turn's tokens in its first page from bit 2 on; with kManyPages bit i whether the turn's position
+// i was copied (its page inside the pool and holding a position below the length).
+template <TurnWalk kWalk>
+using PresenceWord = std::conditional_t<kWalk == TurnWalk::kManyPages, std::uint64_t, int>;
 __device__ __forceinline__ int presence(bool first, bool second, int in_first) {
   return static_cast<int>(first) | static_cast<int>(second) << 1 | in_first << 2;
 }
-template <bool kCrossing>
-__device__ __forceinline__ bool token_present(int word, int token) {
-  if constexpr (kCrossing) return (word & (token < (word >> 2) ? 1 : 2)) != 0;
+template <TurnWalk kWalk>
+__device__ __forceinline__ bool token_present(PresenceWord<kWalk> word, int token) {
+  if constexpr (kWalk == TurnWalk::kManyPages) return (word >> token & 1u) != 0;
+  if constexpr (kWalk == TurnWalk::kTwoPages) return (word & (token < (word >> 2) ? 1 : 2)) != 0;
   return word != 0;
 }
 
-// Run by one thread: the copies of turn `turn`'s keys (up to the length) and scales from its pages
-// into `stage`, delivered to `full`; `present` gets the stage's presence word. A page outside the
-// pool is not copied (its tokens are not present, and with no page copied `full` completes at once);
-// with kCrossing the turn's part in its second page is copied only when it holds a position below
-// the length. Every piece is a whole number of 16-byte units at 16-byte boundaries: pages of a
-// multiple of 4 tokens, turns starting at multiples of 64.
-template <bool kCrossing>
+// Run by one thread (kManyPages: by the 32 lanes of warp 0 together, each its own page's part): the
+// copies of turn `turn`'s keys (up to the length) and scales from its pages into `stage`, delivered
+// to `full`; `present` gets the stage's presence word. A page outside the pool is not copied (its
+// tokens are not present, and with no page copied `full` completes at once); a turn's part in a
+// page after its first is copied only when it holds a position below the length. Every piece is a
+// whole number of 16-byte units at 16-byte boundaries: pages of a multiple of 4 tokens, turns
+// starting at multiples of 64.
+template <TurnWalk kWalk>
 __device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn, TurnPages pages, std::uint8_t* stage,
-                                          std::uint64_t* full, int* present) {
-  if constexpr (!kCrossing) {  // the page's keys up to the length, and its 64 scales
+                                          std::uint64_t* full, PresenceWord<kWalk>* present) {
+  const std::int64_t scales_at = static_cast<std::int64_t>(a.page_size) * kDim;  // a page's scales, after its keys
+  if constexpr (kWalk == TurnWalk::kManyPages) {
+    // This lane's page of the turn: the turn's positions [lo, hi) in it.
+    const int t = kTurnTokens * turn, lane = static_cast<int>(threadIdx.x % 32);
+    const std::int64_t start = static_cast<std::int64_t>(page_index(a, t) + lane) * a.page_size;  // the page's first
+    const int lo = static_cast<int>(min(max(static_cast<std::int64_t>(t), start), static_cast<std::int64_t>(t) + kTurnTokens));
+    const int hi = static_cast<int>(min(static_cast<std::int64_t>(t) + kTurnTokens, start + a.page_size));
+    const std::uint8_t* base = lo < hi && lo < len ? page_base(a, pages.first) : nullptr;
+    const int keys = base != nullptr ? min(hi, len) - lo : 0;
+    const std::uint32_t bytes = base != nullptr ? static_cast<std::uint32_t>(keys * kDim + (hi - lo) * 4) : 0u;
+    const std::uint64_t mine = base != nullptr ? (~0ull >> (kTurnTokens - (hi - lo))) << (lo - t) : 0ull;
+    const std::uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+    const std::uint64_t word = static_cast<std::uint64_t>(__reduce_or_sync(0xffffffffu, static_cast<std::uint32_t>(mine))) |
+                               static_cast<std::uint64_t>(__reduce_or_sync(0xffffffffu, static_cast<std::uint32_t>(mine >> 32)))
+                                   << 32;
+    if (lane == 0) {
+      *present = word;
+      if (total == 0) {
+        bulk::arrive(full);
+      } else {
+        bulk::arrive_expect(full, total);
+      }
+    }
+    __syncwarp();  // the expected bytes before any lane's copy can complete them
+    if (base != nullptr) {
+      const int offset = static_cast<int>(lo - start);
+      bulk::copy(stage + (lo - t) * kDim, base + static_cast<std::int64_t>(offset) * kDim,
+                 static_cast<std::uint32_t>(keys * kDim), full);
+      bulk::copy(stage + kStageKeyBytes + 4 * (lo - t), base + scales_at + 4 * offset, static_cast<std::uint32_t>((hi - lo) * 4),
+                 full);
+    }
+    return;
+  }
+  if constexpr (kWalk == TurnWalk::kOnePage) {  // the page's keys up to the length, and its 64 scales
     const std::uint8_t* base = page_base(a, pages.first);
     *present = base != nullptr;
     if (base == nullptr) {
@@ -545,8 +593,7 @@ __device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn
     const int tokens = min(kTurnTokens, len - t);  // >= 1: a live turn
     bulk::arrive_expect(full, static_cast<std::uint32_t>(tokens * kDim + kTurnTokens * 4));
     bulk::copy(stage, base + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(tokens * kDim), full);
-    bulk::copy(stage + kStageKeyBytes, base + static_cast<std::int64_t>(a.page_size) * kDim + 4 * offset,
-               kTurnTokens * 4, full);
+    bulk::copy(stage + kStageKeyBytes, base + scales_at + 4 * offset, kTurnTokens * 4, full);
     return;
   }
   const int t = kTurnTokens * turn, offset = page_offset(a, t, page_index(a, t));
@@ -563,7 +610,6 @@ __device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn
     return;
   }
   bulk::arrive_expect(full, bytes);
-  const std::int64_t scales_at = static_cast<std::int64_t>(a.page_size) * kDim;  // a page's scales, after its keys
   if (first != nullptr) {
     bulk::copy(stage, first + static_cast<std::int64_t>(offset) * kDim, static_cast<std::uint32_t>(keys_first * kDim),
                full);
@@ -578,9 +624,9 @@ __device__ __forceinline__ void send_turn(const LogitsArgs& a, int len, int turn
 
 // Warp `warp`'s 16 tokens of a landed stage as this lane's tile (rows past the copied tokens hold
 // stale bytes: positions past the length or in a page outside the pool, written -inf).
-template <bool kCrossing>
-__device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, int present, int warp, int g, int tig,
-                                                Tile& t) {
+template <TurnWalk kWalk>
+__device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, PresenceWord<kWalk> present, int warp, int g,
+                                                int tig, Tile& t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int token = 16 * warp + g + 8 * r;
@@ -588,7 +634,7 @@ __device__ __forceinline__ void tile_from_stage(const std::uint8_t* stage, int p
     t.keys[r][0] = *reinterpret_cast<const uint4*>(key);
     t.keys[r][1] = *reinterpret_cast<const uint4*>(key + kDim / 2);
     t.scales[r] = reinterpret_cast<const float*>(stage + kStageKeyBytes)[token];
-    t.cached[r] = token_present<kCrossing>(present, token);
+    t.cached[r] = token_present<kWalk>(present, token);
   }
 }
 
@@ -648,7 +694,8 @@ __device__ __forceinline__ void store_query_batch(const QueryRows& rows, int pad
 
 // Grid (CTAs per request, B), one warpgroup per CTA, pages as indexer_uses_wgmma takes them.
 // Thread 0 copies whole turns (64 positions' keys and scales: two bulk copies from each page the
-// turn touches, one or two) through a ring of kStages stages, each completing on its own mbarrier.
+// turn touches, one or two; with kManyPages the 32 lanes of warp 0, a page each) through a ring of
+// kStages stages, each completing on its own mbarrier.
 // The prologue puts every independent load in flight at once (the length, the block-table entries
 // of the first kStages + 1 turns, the queries and weights), then sends the first kStages turns, so
 // that at one turn per CTA (one request over the whole GPU) the CTA waits for two round trips, the
@@ -662,15 +709,16 @@ __device__ __forceinline__ void store_query_batch(const QueryRows& rows, int pad
 // from the request's counter, three turns before it sends them, so that CTAs on SMs that stream
 // faster take more turns. A claim's answer is first read a turn after the claim (checked), so the
 // copier, a thread of warp 0, does not wait for the atomic's round trip (unless it takes longer
-// than a turn's compute). Each stage carries its turn
+// than a turn's compute; with kManyPages the copier warp walks the same turns, thread 0 claiming,
+// and its answer reaches the other lanes when it is checked). Each stage carries its turn
 // (turn_s); -1 ends the CTA's walk. Every CTA of the request ends its claims with exactly one claim
 // past the claimable turns; the CTA whose claim is the last of those sets the counter back to zero,
 // so that every call leaves the counters as it needs them.
 // kGrouped: the requests are groups of an indexer prefill's new tokens (spans, launch.hpp).
-// kCrossing: pages of no multiple of 64 tokens, whose turns may cross a page's end (turn_pages,
-// send_turn). The pages of a multiple of 64 take the instance without it: the crossing code in it
-// slowed them by 2-6% (H100, glm5 Hi 32, B 1 and 16 x 128K, seventy-first session).
-template <int kPass, bool kChecks, bool kGrouped, bool kCrossing>
+// kWalk: how a turn meets the pages (TurnWalk, turn_pages, send_turn). The pages of a multiple of
+// 64 take kOnePage: the crossing code in their instance slowed them by 2-6% (H100, glm5 Hi 32, B 1
+// and 16 x 128K, seventy-first session).
+template <int kPass, bool kChecks, bool kGrouped, TurnWalk kWalk>
 __global__ void __launch_bounds__(kThreads, 6)
     logits_wgmma_kernel(const LogitsArgs a, const FaultSink fault, const int2* spans) {
   static_assert(!(kChecks && kGrouped), "grouped prefills are checked before the indexer (prefill_rows.hpp)");
@@ -682,11 +730,13 @@ __global__ void __launch_bounds__(kThreads, 6)
   float* w_s = reinterpret_cast<float*>(q_s + a.q_len * padded * kDim * 2);
   std::uint8_t* ring = reinterpret_cast<std::uint8_t*>(w_s + a.q_len * padded);  // 16-byte aligned: padded % 8 == 0
   auto* full = reinterpret_cast<std::uint64_t*>(ring + kStages * kStageBytes);
-  auto* present = reinterpret_cast<int*>(full + kStages);
-  int* turn_s = present + kStages;
+  auto* present = reinterpret_cast<PresenceWord<kWalk>*>(full + kStages);
+  auto* turn_s = reinterpret_cast<int*>(present + kStages);
   const int b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const bool copier = threadIdx.x == 0;
+  constexpr bool kWarpSends = kWalk == TurnWalk::kManyPages;
+  const bool sender = kWarpSends ? warp == 0 : copier;  // the threads that look up pages and send turns
   wait_for_previous_kernels();
   const QueryRows rows = query_rows<kGrouped>(a, spans, b);
   const int len = request_length(a, b);
@@ -701,10 +751,13 @@ __global__ void __launch_bounds__(kThreads, 6)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) bulk::init(&full[s], 1);
     bulk::fence_init();
+  }
+  if constexpr (kWarpSends) __syncwarp();  // the barriers' inits before the other lanes' copies
+  if (sender) {
     const std::int64_t capacity = static_cast<std::int64_t>(a.max_pages) * a.page_size;
 #pragma unroll
     for (int k = 0; k <= kStages; ++k) {
-      if (first + k < end && kTurnTokens * (first + k) < capacity) pages[k] = turn_pages<kCrossing>(a, b, first + k);
+      if (first + k < end && kTurnTokens * (first + k) < capacity) pages[k] = turn_pages<kWalk>(a, b, first + k);
     }
   }
   QueryBatch batch;
@@ -735,7 +788,10 @@ __global__ void __launch_bounds__(kThreads, 6)
   // the claims early (wrong logits), never give a turn outside [claim_from, claim_end].
   const auto next_turn = [&]() -> int {
     if (next_static < live_end) return next_static++;
-    if (claims && !exhausted) return a.claim_from + static_cast<int>(min(atomicAdd(&a.claimed[b], 1u), claims_made));
+    if (claims && !exhausted) {  // with kWarpSends the other lanes' answer is taken from thread 0's when checked
+      const unsigned claim = !kWarpSends || copier ? atomicAdd(&a.claimed[b], 1u) : 0u;
+      return a.claim_from + static_cast<int>(min(claim, claims_made));
+    }
     exhausted = true;
     return -1;
   };
@@ -745,15 +801,15 @@ __global__ void __launch_bounds__(kThreads, 6)
   const auto checked = [&](int turn) -> int {
     if (turn < claim_end) return turn;  // static turns and -1 too
     exhausted = true;
-    if (turn == a.claim_from + static_cast<int>(claims_made) - 1) atomicExch(&a.claimed[b], 0u);
+    if ((!kWarpSends || copier) && turn == a.claim_from + static_cast<int>(claims_made) - 1) atomicExch(&a.claimed[b], 0u);
     return -1;
   };
   // Stage `stage` gets turn `turn` (its block-table entries), or with -1 the end of the walk.
   const auto fill = [&](int stage, int turn, TurnPages entries) {
-    turn_s[stage] = turn;
+    if (!kWarpSends || copier) turn_s[stage] = turn;
     if (turn >= 0) {
-      send_turn<kCrossing>(a, len, turn, entries, ring + stage * kStageBytes, &full[stage], &present[stage]);
-    } else {
+      send_turn<kWalk>(a, len, turn, entries, ring + stage * kStageBytes, &full[stage], &present[stage]);
+    } else if (!kWarpSends || copier) {
       bulk::arrive(&full[stage]);
     }
   };
@@ -762,7 +818,7 @@ __global__ void __launch_bounds__(kThreads, 6)
   int send_next = -1, look_next = -1, claim_next = -1;
   TurnPages send_pages;
   bool ended = false;  // the copier has filled a stage with -1
-  if (copier && first < live_end) {
+  if (sender && first < live_end) {
 #pragma unroll
     for (int k = 0; k < kStages; ++k) {
       if (ended) break;
@@ -805,13 +861,14 @@ __global__ void __launch_bounds__(kThreads, 6)
     if (k > 0) {
       __syncthreads();  // every warp is done with the stage the turn before read
       // The walk's turn k + kStages - 1 into that stage.
-      if (copier && !ended) {
+      if (sender && !ended) {
         const int refill = stage == 0 ? kStages - 1 : stage - 1;
         bulk::fence_for_copy();  // the stage's reads before the copy engine's writes
         fill(refill, send_next, send_pages);
         ended = send_next < 0;
         send_next = look_next;
-        send_pages = look_next >= 0 ? turn_pages<kCrossing>(a, b, look_next) : TurnPages{};
+        send_pages = look_next >= 0 ? turn_pages<kWalk>(a, b, look_next) : TurnPages{};
+        if constexpr (kWarpSends) claim_next = __shfl_sync(0xffffffffu, claim_next, 0);  // thread 0's claim
         look_next = checked(claim_next);  // the claim made a turn ago has long come back
         claim_next = next_turn();
       }
@@ -820,7 +877,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     const int turn = turn_s[stage];
     if (turn < 0) break;
     Tile t;
-    tile_from_stage<kCrossing>(ring + stage * kStageBytes, present[stage], warp, g, tig, t);
+    tile_from_stage<kWalk>(ring + stage * kStageBytes, present[stage], warp, g, tig, t);
     tile_logits<kPass>(a, t, kTurnTokens * turn + 16 * warp, l);
     if (++stage == kStages) {
       stage = 0;
@@ -888,6 +945,16 @@ void launch_mma(LogitsArgs a, const FaultSink& fault, int batch, cudaStream_t st
 constexpr int kClaimFromSpan = 24;
 static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
 
+// Whether every turn on pages of `page_size` tokens (a multiple of 4) touches two pages at most
+// (TurnWalk::kTwoPages). Turns start at multiples of 64, so their offsets in a page are the
+// multiples of gcd(64, page_size) below it; the largest leaves 64 - gcd tokens of the turn past the
+// page's end, which the next page holds when page_size >= 64 - gcd: every page of 64 or more, and of
+// 32, 48, 56 and 60 below it. (Pages of 4 tokens: 16 a turn; of 12 up to 6.)
+constexpr bool turn_touches_two_pages_at_most(int page_size) {
+  return page_size >= kTurnTokens - std::gcd(kTurnTokens, page_size);
+}
+static_assert(turn_touches_two_pages_at_most(32) && turn_touches_two_pages_at_most(60) && !turn_touches_two_pages_at_most(52));
+
 // `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a launch that
 // claims zeroes them first with a memset (a kernel that claims leaves them zero, one that does not
 // leaves them alone).
@@ -895,10 +962,11 @@ static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's pro
 template <int kPass, bool kChecks, bool kGrouped = false>
 void launch_wgmma(LogitsArgs a, const FaultSink& fault, int batch, unsigned* claimed, bool cleared,
                   cudaStream_t stream, const int2* spans = nullptr) {
-  const auto kernel = a.page_size % kTurnTokens == 0 ? logits_wgmma_kernel<kPass, kChecks, kGrouped, false>
-                                                     : logits_wgmma_kernel<kPass, kChecks, kGrouped, true>;
-  // Alignment slack, the ring, its barriers, presence flags and turns.
-  constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 4 + 4);
+  const auto kernel = a.page_size % kTurnTokens == 0       ? logits_wgmma_kernel<kPass, kChecks, kGrouped, TurnWalk::kOnePage>
+                      : turn_touches_two_pages_at_most(a.page_size) ? logits_wgmma_kernel<kPass, kChecks, kGrouped, TurnWalk::kTwoPages>
+                                                                  : logits_wgmma_kernel<kPass, kChecks, kGrouped, TurnWalk::kManyPages>;
+  // Alignment slack, the ring, its barriers, presence words (8 bytes with kManyPages) and turns.
+  constexpr int kFixed = 1024 + kStages * (kStageBytes + 8 + 8 + 4);
   const std::size_t smem = static_cast<std::size_t>(a.q_len) * padded_heads(a.heads, kPass) * kBytesPerHead + kFixed;
   static_assert(padded_heads(kMaxIndexerHeads, kPass) == kMaxIndexerHeads);
   constexpr int kMaxSmem = kMaxDecodeQLen * kMaxIndexerHeads * kBytesPerHead + kFixed;  // 90.8 KB
@@ -943,12 +1011,8 @@ void launch_for_device(const LogitsArgs& a, const FaultSink& fault, int batch, u
 
 bool indexer_uses_wgmma(int page_size, int sm) {
   // Pages of a multiple of 4 tokens (132 x page_size bytes, a multiple of 16), so that every bulk
-  // copy is of whole 16-byte units, on which a turn touches two pages at most (turn_pages). Turns
-  // start at multiples of 64, so their offsets in a page are the multiples of gcd(64, page_size)
-  // below it; the largest leaves 64 - gcd tokens of the turn past the page's end, which the next page
-  // holds when page_size >= 64 - gcd: every page of 64 or more, and of 32, 48, 56 and 60 below it.
-  return page_size > 0 && page_size % 4 == 0 && page_size >= kTurnTokens - std::gcd(kTurnTokens, page_size) &&
-         wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
+  // copy is of whole 16-byte units.
+  return page_size > 0 && page_size % 4 == 0 && wgmma_kernels_enabled("indexer_logits", kIndexerKernelVariable, sm);
 }
 
 std::string indexer_logits_kernel_name(int page_size, int sm) {
