@@ -160,10 +160,12 @@ TEST_P(GpuIndexerLogits, MatchesReference) {
 // on the device) reads nothing: its positions get -inf, the rest match the reference. Pages of 64
 // (on sm_90 the wgmma kernel, whose copier then copies nothing), of 100 (the wgmma kernel's turns
 // across a page's end, with one of their two pages out, either one; 48 likewise, below a turn; 16,
-// a turn over four pages with its second or fourth out) and of 17 (the mma.sync kernel).
+// a turn over four pages with its second or fourth out; 4, 12, 20, 28, 44 and 52, turns over several
+// pages whose parts are not whole pages, where a presence mask that reaches past a part's end shows)
+// and of 17 (the mma.sync kernel).
 TEST(GpuIndexerLogitsBadPage, PositionsOfAPageOutsideThePoolAreMinusInf) {
   LKV_REQUIRE_GPU();
-  for (const int page_size : {64, 100, 48, 16, 17}) {
+  for (const int page_size : {64, 100, 48, 16, 4, 12, 20, 28, 44, 52, 17}) {
     Rng rng = test_rng();
     PagedFixtureOptions opt;
     opt.page_size = page_size;
@@ -336,6 +338,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            LogitsCase{32, 1, 52, {0, 51, 53, 104, 105, 2000}},
                                            LogitsCase{32, 1, 16, {70001}},
                                            LogitsCase{8, 1, 16, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{8, 1, 52, long_lengths(16, 70000, 2001)},
+                                           LogitsCase{8, 1, 12, long_lengths(16, 70000, 2001)},
                                            LogitsCase{32, 1, 12, {1, 11, 13, 1000}, ScaleMode::kExact},
                                            LogitsCase{1, 4, 1, {4, 50}}, LogitsCase{7, 3, 64, {3, 129, 700}},
                                            // on sm_90 the wgmma kernel (pages of 64 or 128): passes of 16 heads,

@@ -526,7 +526,9 @@ __device__ __forceinline__ TurnPages turn_pages(const LogitsArgs& a, int b, int 
 // A stage's presence word: with kOnePage whether the turn's page is inside the pool; with
 // kTwoPages bit 0 whether the turn's first page is, bit 1 whether its second is (and copied), and the
 // turn's tokens in its first page from bit 2 on; with kManyPages bit i whether the turn's position
-// i was copied (its page inside the pool and holding a position below the length).
+// i lies in a part that was copied (its page inside the pool and holding a position below the
+// length; positions at or past the length in such a part have their scales copied, not their keys,
+// and are written -inf by tile_logits as every position past the length is).
 template <TurnWalk kWalk>
 using PresenceWord = std::conditional_t<kWalk == TurnWalk::kManyPages, std::uint64_t, int>;
 __device__ __forceinline__ int presence(bool first, bool second, int in_first) {
@@ -942,6 +944,9 @@ void launch_mma(LogitsArgs a, const FaultSink& fault, int batch, cudaStream_t st
 // Hi 32, claims from 8 turns against 24, the counters taken cleared (no memset): B 16 x 128K (spans
 // of 42 turns) 77.8 / 77.6 us; dsa_decode's indexer at B 64 x 8K (11) 26.4 / 26.3. (With the memset,
 // which also breaks the chained launch: B 64 x 8K 27.9 / 28.0 against 27.0 / 27.0 without claims.)
+// The prologue's turns must be static ones for two reasons: the claims' bookkeeping, and with
+// TurnWalk::kManyPages the copier warp's lanes, which take those turns straight from next_turn (only
+// thread 0 claims; the others learn a claim's answer from it when the claim is checked, a turn later).
 constexpr int kClaimFromSpan = 24;
 static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's prologue takes are static ones");
 
