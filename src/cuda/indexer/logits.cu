@@ -958,7 +958,21 @@ static_assert(kClaimFromSpan * 3 / 4 >= kStages + 3, "the turns the kernel's pro
 constexpr bool turn_touches_two_pages_at_most(int page_size) {
   return page_size >= kTurnTokens - std::gcd(kTurnTokens, page_size);
 }
-static_assert(turn_touches_two_pages_at_most(32) && turn_touches_two_pages_at_most(60) && !turn_touches_two_pages_at_most(52));
+// The rule against a walk over the turns: whether some turn (from a multiple of 64; their offsets in
+// a page repeat after page_size turns) touches three pages or more.
+constexpr bool some_turn_touches_three_pages(int page_size) {
+  for (int t = 0; t < kTurnTokens * page_size; t += kTurnTokens) {
+    if ((t + kTurnTokens - 1) / page_size - t / page_size >= 2) return true;
+  }
+  return false;
+}
+constexpr bool rule_matches_the_walk(int largest_page) {
+  for (int page_size = 4; page_size <= largest_page; page_size += 4) {
+    if (turn_touches_two_pages_at_most(page_size) == some_turn_touches_three_pages(page_size)) return false;
+  }
+  return true;
+}
+static_assert(rule_matches_the_walk(512) && turn_touches_two_pages_at_most(32) && !turn_touches_two_pages_at_most(52));
 
 // `claimed`: a counter per request, or null; `cleared`: they are zero on entry, else a launch that
 // claims zeroes them first with a memset (a kernel that claims leaves them zero, one that does not
