@@ -326,8 +326,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuIndexerLogits,
                                            // touches more than two pages (on sm_90 the wgmma kernel,
                                            // a lane of the copier warp per page; elsewhere the
                                            // mma.sync kernel's 16-byte-aligned instance): 16 (four
-                                           // whole pages a turn), 4 (sixteen), 12 (five or six),
-                                           // 20, 28, 40, 44, 52 (two or three)
+                                           // whole pages a turn), 4 (sixteen), 12 (six), 20 (four),
+                                           // 28 (three or four), 40, 44, 52 (two or three)
                                            LogitsCase{32, 2, 16, {2, 17, 300, 1001}},
                                            LogitsCase{8, 1, 40, {3, 39, 41, 1000}},
                                            LogitsCase{16, 1, 4, {0, 1, 3, 5, 63, 64, 65, 2001}},
