@@ -102,7 +102,8 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan);
 
 // Runs the layer: logits into the workspace, top-k slots into the workspace, sparse decode into
 // o and lse. Throws Error on bad input, naming the step and its argument (dsa_decode and the
-// argument, for the call's own shapes, workspace and memory shared with the workspace). A call that
+// argument, for the call's own shapes, workspace and memory shared with the workspace, and for what
+// the indexer step refuses of q_idx and the indexer cache, its q and cache). A call that
 // a step refuses without reading the data queues nothing: every step's backend selects a kernel and
 // that kernel's own checks pass (Kernel::check: alignment, grid limits, the planned splits) before
 // the first step is queued. Bad values are each step's to find as it runs (on the GPU, in the

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "core/selection.hpp"
 #include "core/validate.hpp"
@@ -39,6 +40,27 @@ void check_workspace_apart(std::string_view op, const Params& p, detail::MemoryS
                             detail::span_of("indexer.data", p.indexer, false),
                             detail::span_of("block_table", p.block_table, false),
                             detail::span_of("seq_lens", p.seq_lens, false), extra});
+}
+
+// The indexer step's q and cache are the call's q_idx and indexer: the step's refusal of either
+// (null data, strides, device, the pool) is named as the caller gave it, under the call's name, not
+// as "indexer_logits: argument 'q'". Its other arguments share the call's names and keep the step's.
+template <typename Check>
+void named_as_given(std::string_view op, const Check& check) {
+  try {
+    check();
+  } catch (const Error& e) {
+    static constexpr std::pair<std::string_view, std::string_view> kRenamed[] = {{"q", "q_idx"}, {"cache", "indexer"}};
+    const std::string_view arg = e.argument();
+    for (const auto& [step, caller] : kRenamed) {
+      // "q", "q.shape[2] (indexer heads)", "cache.data"; not "q_len"
+      const std::string_view rest = arg.substr(std::min(arg.size(), step.size()));
+      if (arg.starts_with(step) && (rest.empty() || rest.front() == '.' || rest.front() == '[' || rest.front() == ' ')) {
+        throw Error(std::string(op), std::string(caller) + std::string(rest), e.value(), e.expected());
+      }
+    }
+    throw;
+  }
 }
 
 // Where each intermediate lives in the workspace. The indexer's scratch comes first: it is the one
@@ -125,6 +147,8 @@ void check_table_capacity(std::string_view op, const TensorView& block_table, st
 void check_shapes(const DsaDecodeParams& p) {
   if (p.q.rank != 4) throw Error(std::string(kOp), "q", p.q.shape_string(), "[B, q_len, H, 576] bf16");
   detail::expect_descriptor(kOp, "q", p.q);
+  // Its dtype before the workspace is checked apart from it (its bytes counted in it).
+  if (p.q.dtype != DType::kBF16) throw Error(std::string(kOp), "q", detail::describe(p.q), "[B, q_len, H, 576] bf16");
   detail::expect_range(kOp, "q.shape[2] (heads)", p.q.size(2), 1, kMaxHeads);  // the plans count rows of H
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
   const std::string rows = " with B = " + std::to_string(b) + ", q_len = " + std::to_string(q_len) + " (q's)";
@@ -136,8 +160,8 @@ void check_shapes(const DsaDecodeParams& p) {
     throw Error(std::string(kOp), "q_idx", detail::describe(p.q_idx), "[B, q_len, Hi, 128] fp8" + rows);
   }
   detail::expect_range(kOp, "q_idx.shape[2] (indexer heads)", p.q_idx.size(2), 1, kMaxIndexerHeads);
-  if (p.weights.rank != 3 || p.weights.size(0) != b || p.weights.size(1) != q_len) {
-    throw Error(std::string(kOp), "weights", p.weights.shape_string(), "[B, q_len, Hi] f32" + rows);
+  if (p.weights.rank != 3 || p.weights.size(0) != b || p.weights.size(1) != q_len || p.weights.dtype != DType::kF32) {
+    throw Error(std::string(kOp), "weights", detail::describe(p.weights), "[B, q_len, Hi] f32" + rows);
   }
   if (p.block_table.rank != 2 || p.block_table.size(0) != b) {
     throw Error(std::string(kOp), "block_table", p.block_table.shape_string(),
@@ -178,7 +202,7 @@ Layout layout_of(const DsaDecodeParams& p, const DsaPlan& plan) {
 // The steps with views at `base` (null while planning).
 DsaSteps steps_at(const DsaDecodeParams& p, const Layout& l, std::uint8_t* base) {
   const std::int64_t b = p.q.size(0), q_len = p.q.size(1);
-  const Device device = p.q.device;
+  const Device device = p.cache.device;  // the call's, as run() takes it (by_cache)
   const auto at = [base](std::size_t offset) -> void* { return base ? base + offset : nullptr; };
 
   DsaSteps s;
@@ -290,7 +314,7 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
                     "): with topk_cleared_by_indexer the indexer step clears that much of the top-k's scratch");
   }
   const Layout l = layout_of(p, plan);
-  check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end, p.q.device, 16);
+  check_workspace(kOp, "plan_dsa_decode", p.workspace, p.workspace_bytes, l.end, p.cache.device, 16);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaSteps s = steps_at(p, l, base);
   s.indexer.workspace = plan.indexer.workspace_bytes ? base + l.indexer : nullptr;
@@ -311,9 +335,9 @@ DsaSteps dsa_steps(const DsaDecodeParams& p, const DsaPlan& plan) {
   // argument inside the workspace is named as the caller passed it (a step would name the view of
   // its own it meets there: logits, slots, indices).
   check_workspace_apart(kOp, p);
-  detail::validate_shapes(s.indexer, p.q.device);
-  detail::validate_shapes(s.topk, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  named_as_given(kOp, [&] { detail::validate_shapes(s.indexer, p.cache.device); });
+  detail::validate_shapes(s.topk, p.cache.device);
+  detail::validate_shapes(s.sparse, p.cache.device, outputs_on(p.cache.device));
   return s;
 }
 
@@ -362,6 +386,7 @@ void check_prefill_backends(const DsaBackends& b) {
 void check_prefill_shapes(const DsaPrefillParams& p) {
   if (p.q.rank != 3) throw Error(std::string(kPrefillOp), "q", p.q.shape_string(), "[T, H, 576] bf16");
   detail::expect_descriptor(kPrefillOp, "q", p.q);  // its rows size the workspace
+  if (p.q.dtype != DType::kBF16) throw Error(std::string(kPrefillOp), "q", detail::describe(p.q), "[T, H, 576] bf16");
   detail::expect_range(kPrefillOp, "q.shape[1] (heads)", p.q.size(1), 1, kMaxHeads);  // the plans count rows of H
   if (p.q_idx.rank != 3 || p.q_idx.size(0) != p.q.size(0)) {
     throw Error(std::string(kPrefillOp), "q_idx", p.q_idx.shape_string(),
@@ -372,8 +397,8 @@ void check_prefill_shapes(const DsaPrefillParams& p) {
                 "[T, Hi, 128] fp8 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
   detail::expect_range(kPrefillOp, "q_idx.shape[1] (indexer heads)", p.q_idx.size(1), 1, kMaxIndexerHeads);
-  if (p.weights.rank != 2 || p.weights.size(0) != p.q.size(0)) {
-    throw Error(std::string(kPrefillOp), "weights", p.weights.shape_string(),
+  if (p.weights.rank != 2 || p.weights.size(0) != p.q.size(0) || p.weights.dtype != DType::kF32) {
+    throw Error(std::string(kPrefillOp), "weights", detail::describe(p.weights),
                 "[T, Hi] f32 with T = " + std::to_string(p.q.size(0)) + " (the rows of q)");
   }
   check_caches_and_topk(kPrefillOp, p.indexer, p.cache, p.topk);
@@ -413,7 +438,7 @@ DsaPrefillSteps prefill_steps_at(const DsaPrefillParams& p, std::uint8_t* base) 
   s.indexer.block_table = p.block_table;
   s.indexer.seq_lens = p.seq_lens;
   s.indexer.k = p.topk;
-  s.indexer.slots = TensorView::contiguous(base, DType::kI32, {t, p.topk}, p.q.device);  // layout offset 0
+  s.indexer.slots = TensorView::contiguous(base, DType::kI32, {t, p.topk}, p.cache.device);  // layout offset 0
   s.indexer.chunk_tokens = p.chunk_tokens;
 
   s.sparse.q = p.q;
@@ -462,7 +487,7 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   check_plan_scratch(kPrefillOp, "plan.indexer.workspace_bytes", plan.indexer.workspace_bytes);
   check_plan_scratch(kPrefillOp, "plan.sparse.workspace_bytes", plan.sparse.workspace_bytes);
   const PrefillLayout l = prefill_layout_of(p, plan);
-  check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end, p.q.device,
+  check_workspace(kPrefillOp, "plan_dsa_prefill", p.workspace, p.workspace_bytes, l.end, p.cache.device,
                   kWorkspaceAlign);
   auto* base = static_cast<std::uint8_t*>(p.workspace);
   DsaPrefillSteps s = prefill_steps_at(p, base);
@@ -476,8 +501,8 @@ DsaPrefillSteps dsa_prefill_steps(const DsaPrefillParams& p, const DsaPrefillPla
   // steps run without new tokens too: nothing to compute, but their offsets, lengths and pages are
   // checked.
   check_workspace_apart(kPrefillOp, p, detail::span_of("cu_new_tokens", p.cu_new_tokens, false));
-  detail::validate_shapes(s.indexer, p.q.device);
-  detail::validate_shapes(s.sparse, p.q.device, outputs_on(p.q.device));
+  named_as_given(kPrefillOp, [&] { detail::validate_shapes(s.indexer, p.cache.device); });
+  detail::validate_shapes(s.sparse, p.cache.device, outputs_on(p.cache.device));
   return s;
 }
 

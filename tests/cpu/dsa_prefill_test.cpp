@@ -341,6 +341,33 @@ TEST(DsaPrefillBadInput, IndexerQueriesNamedAsTheCallerGaveThem) {
   }
 }
 
+// As dsa_decode: what only the indexer step checks of q_idx and the indexer cache is named as the
+// caller gave it, a q or weights of another dtype is refused before the workspace is checked apart
+// from them, and a q on another device than the main cache against the cache's.
+TEST(DsaPrefillBadInput, ArgumentsTheStepsCheckNamedAsTheCallerGaveThem) {
+  HostDsaPrefill d = small_case();
+  const DsaPrefillParams good = d.params;
+  const auto refused = [&](const char* op, const char* argument, const std::string& value) {
+    const ::testing::AssertionResult run = throws_error([&] { d.run(); }, op, argument, value);
+    const ::testing::AssertionResult steps =
+        throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, op, argument, value);
+    d.params = good;
+    return run && steps && d.untouched();
+  };
+  d.params.q_idx.data = nullptr;
+  EXPECT_TRUE(refused("dsa_prefill", "q_idx", "absent"));
+  d.params.q_idx.device = Device::cuda(0);
+  EXPECT_TRUE(refused("dsa_prefill", "q_idx", "on cuda:0"));
+  d.params.indexer.data = nullptr;
+  EXPECT_TRUE(refused("dsa_prefill", "indexer.data", "null"));
+  d.params.q.dtype = DType::kF32;
+  EXPECT_TRUE(refused("dsa_prefill", "q", "f32"));
+  d.params.weights.dtype = DType::kF64;
+  EXPECT_TRUE(refused("dsa_prefill", "weights", "f64"));
+  d.params.q.device = Device::cuda(1);
+  EXPECT_TRUE(refused("sparse_mla_prefill", "q", "on cuda:1"));
+}
+
 // A workspace (as long as the caller says) that also holds q at its start, where the index rows go:
 // q is read by the sparse step alone and the rows are written by the indexer step, so only the
 // call's own check sees both; it refuses before either step runs, and so do the steps run one by one.
@@ -375,8 +402,8 @@ TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
 }
 
 // The 256-byte alignment a GPU's indexer prefill wants of the workspace is asked only of a call on
-// a GPU, under dsa_prefill's own name (the views here are host memory marked as a GPU's, which the
-// shape checks after it would refuse; tests/gpu/test_dsa_prefill.cpp makes the real call). The
+// a GPU (the main cache's device, where the call runs), under dsa_prefill's own name (the cache here
+// is host memory marked as a GPU's, which the shape checks after it would refuse; tests/gpu/test_dsa_prefill.cpp makes the real call). The
 // reference takes a workspace 16 bytes past a 256-byte boundary and gives the same outputs; one 20
 // bytes past it is refused on the CPU too.
 TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
@@ -401,7 +428,7 @@ TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
                            std::string("an address not 16-byte aligned (") + address + ")"));
 
   d.params.workspace = at;
-  d.params.q.device = Device::cuda();
+  d.params.cache.device = Device::cuda();
   EXPECT_TRUE(throws_error([&] { dsa_prefill_steps(d.params, d.plan); }, "dsa_prefill", "workspace",
                            "not 256-byte aligned"));
 }

@@ -318,6 +318,40 @@ TEST(DsaDecodeBadInput, IndexerQueriesNamedAsTheCallerGaveThem) {
   }
 }
 
+// What only the indexer step checks of q_idx and the indexer cache (null data, strides, the
+// device, the pool's memory) is named as the caller gave it too, under the call's name; a q of
+// another dtype is refused as q before the workspace is checked apart from it (its bytes counted
+// by its dtype), and so are weights; a q on another device than the main cache, where the call
+// runs, is refused as q against the cache's device.
+TEST(DsaDecodeBadInput, ArgumentsTheStepsCheckNamedAsTheCallerGaveThem) {
+  HostDsa d = small_case();
+  const DsaDecodeParams good = d.params;
+  const auto refused = [&](const char* op, const char* argument, const std::string& value) {
+    const ::testing::AssertionResult run = throws_error([&] { d.run(); }, op, argument, value);
+    const ::testing::AssertionResult steps = throws_error([&] { dsa_steps(d.params, d.plan); }, op, argument, value);
+    d.params = good;
+    return run && steps && d.untouched();
+  };
+  d.params.q_idx.data = nullptr;
+  EXPECT_TRUE(refused("dsa_decode", "q_idx", "absent"));
+  d.params.q_idx.strides[0] = 1;
+  EXPECT_TRUE(refused("dsa_decode", "q_idx", "(strided)"));
+  d.params.q_idx.device = Device::cuda(0);
+  EXPECT_TRUE(refused("dsa_decode", "q_idx", "on cuda:0"));
+  d.params.indexer.data = nullptr;
+  EXPECT_TRUE(refused("dsa_decode", "indexer.data", "null"));
+  d.params.indexer.device = Device::cuda(0);
+  EXPECT_TRUE(refused("dsa_decode", "indexer.device", "cuda:0"));
+  d.params.q.dtype = DType::kF32;
+  EXPECT_TRUE(refused("dsa_decode", "q", "f32"));
+  d.params.weights.dtype = DType::kF64;
+  EXPECT_TRUE(refused("dsa_decode", "weights", "f64"));
+  d.params.q.device = Device::cuda(1);
+  const std::string message = error_of([&] { d.run(); });
+  EXPECT_NE(message.find("on cuda:1: expected bf16 [B, q_len, H, 576] on cpu"), std::string::npos) << message;
+  EXPECT_TRUE(refused("sparse_mla_decode", "q", "on cuda:1"));
+}
+
 // q without heads (or with more than 128) is refused by the plan as by the call: a GPU plan counts
 // the rows of H it schedules (and divided by them).
 TEST(DsaDecodeBadInput, QueriesWithoutHeads) {
