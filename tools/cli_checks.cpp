@@ -63,7 +63,8 @@ std::string integer_problem(std::string& text, T lo, T hi, const std::string& bo
   // A word that is not a number is echoed as `latentkv config` echoes a value (quoted_value: control
   // bytes escaped, cut at 80 characters); a number out of bounds, all digits, as typed, cut alike.
   const std::string shown = quoted_value(text);
-  if (text.starts_with("--")) return "no value was given (the word after it, " + shown + ", is an option)";
+  if (std::string problem = option_as_value_problem(text); !problem.empty()) return problem;
+  if (text.starts_with("+-")) return shown + " is not an integer";  // from_chars would take the '-' after the '+'
   const bool negative = first != last && *first == '-';
   if (first != last && (*first == '+' || (negative && std::is_unsigned_v<T>))) ++first;
   T value{};
@@ -91,6 +92,20 @@ std::filesystem::path link_target(const std::string& path) {
 }
 
 }  // namespace
+
+std::string option_as_value_problem(const std::string& text) {
+  if (!text.starts_with("--") || text.size() == 2) return "";
+  return "no value was given (the word after it, " + quoted_value(text) + ", is an option)";
+}
+
+void refuse_options_as_values(CLI::App& app) {
+  for (CLI::App* command : app.get_subcommands([](CLI::App*) { return true; })) {
+    for (CLI::Option* option : command->get_options()) {
+      if (option->get_type_size_max() == 0 || option->get_positional()) continue;  // a flag takes no value
+      option->check(CLI::Validator(option_as_value_problem, ""));
+    }
+  }
+}
 
 CLI::Validator integer_in(std::int64_t lo, std::int64_t hi, const std::string& why) {
   const std::string bounds = std::to_string(lo) + " .. " + std::to_string(hi);
@@ -141,6 +156,20 @@ CLI::Validator seed_in_range() {
         return integer_problem<std::uint64_t>(text, 0, kMost, bounds, negative ? " (a seed is not negative)" : "");
       },
       "[" + bounds + "]");
+}
+
+std::string controls_escaped(const std::string& message) {
+  std::string out;
+  for (const char ch : message) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if (byte < 0x20 || byte == 0x7F) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xF]};
+    } else {
+      out += ch;
+    }
+  }
+  return out;
 }
 
 void check_output_path(const std::string& command, const std::string& option, const std::string& path) {

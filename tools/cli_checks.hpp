@@ -22,6 +22,14 @@ inline constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
 inline constexpr std::int64_t kMaxSlots = std::numeric_limits<std::int32_t>::max();  // slots are int32
 inline constexpr const char* kPageSizeWhy = " (a block-table row holds at most 2^30 tokens)";  // for --page-size
 
+// CLI11 takes the word after an option as its value, whatever it is: `--model --tp 8` would give
+// --model the value "--tp" and leave "8" over, to be refused as a stray word. Every option of every
+// subcommand that takes a value is given this check (main.cpp, once the subcommands are added), and
+// the integer checks make it first: "--model: no value was given (the word after it, '--tp', is an
+// option)". (A file whose name starts with "--" is named ./--name.)
+std::string option_as_value_problem(const std::string& text);
+void refuse_options_as_values(CLI::App& app);
+
 // A CLI11 check that the value is a decimal integer in [lo, hi]; its failures read
 // "--batch: 'abc' is not an integer" or "--context: 0 is not in 1 .. 2147483647" (+ `why`). It
 // rewrites a value that passes in plain decimal, so it is registered with ->transform(), not
@@ -115,6 +123,11 @@ std::string why_no_gpu();
 // memory, and the address-space limit (ulimit -v) when one is set. `lower` names the options.
 void check_host_memory(const std::string& command, double needed, const std::string& what, const std::string& lower);
 
+// `message` with its control bytes shown as \xNN, as quoted_value shows them: every error the
+// program prints goes through it, so that a terminal escape sequence in a word typed (an option's
+// value, a path) is shown rather than obeyed.
+std::string controls_escaped(const std::string& message);
+
 // Runs `f`; a latentkv::Error from it is a usage error: printed (to `err` where one is given, else to
 // standard error), then exit code 2 (kExitUsage) through CLI::RuntimeError. For what is wrong with
 // the command line, checked before anything runs.
@@ -124,10 +137,10 @@ auto or_usage_error(F&& f, std::ostream* err = nullptr) -> decltype(f()) {
     return f();
   } catch (const Error& e) {
     if (err != nullptr) {
-      *err << "error: " << e.what() << "\n";
+      *err << "error: " << controls_escaped(e.what()) << "\n";
       err->flush();
     } else {
-      std::fprintf(stderr, "error: %s\n", e.what());
+      std::fprintf(stderr, "error: %s\n", controls_escaped(e.what()).c_str());
     }
     throw CLI::RuntimeError(kExitUsage);
   }

@@ -331,7 +331,7 @@ void run_config_command(const ConfigCommandState& state, const ConfigCommandIo& 
 
   if (state.explain && !state.as_json() && matrix_ok) out << matrix_text.str() << "\n";
   if (!resolved) {
-    err << "error: " << error << "\n"
+    err << "error: " << controls_escaped(error) << "\n"
         << "(configuration rejected before any kernel ran; `latentkv config --explain` prints what every backend "
            "supports)\n";
     err.flush();

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cli_checks.hpp"
 #include "commands.hpp"
 #include "help_format.hpp"
 #include "latentkv/environment.hpp"
@@ -99,22 +100,6 @@ std::string extras_message(const CLI::App& command, const std::string& what, con
   return (words.size() == 1 ? "argument not expected: " : "arguments not expected: ") + given;
 }
 
-// `message` with its control bytes shown as \xNN, as quoted_value shows them: CLI11's messages echo
-// the words typed, and a terminal escape sequence among them is shown rather than obeyed.
-std::string controls_escaped(const std::string& message) {
-  std::string out;
-  for (const char ch : message) {
-    const auto byte = static_cast<unsigned char>(ch);
-    if (byte < 0x20 || byte == 0x7F) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xF]};
-    } else {
-      out += ch;
-    }
-  }
-  return out;
-}
-
 // A command line CLI11 could not read, said as every other usage error is (docs/configuration.md,
 // "Exit codes"): "error: <subcommand>: <what>" on stderr, then where the options are listed; for
 // `latentkv config` the line in between says that the configuration was rejected, as its own errors
@@ -129,7 +114,7 @@ int parse_error(CLI::App& app, const CLI::ParseError& e, const std::vector<std::
     message = sub + ": " + extras_message(*parsed.back(), e.what(), args);
   }
   const std::string help = "latentkv" + (sub.empty() ? std::string() : " " + sub) + " --help";
-  std::fprintf(stderr, "error: %s\n", controls_escaped(message).c_str());
+  std::fprintf(stderr, "error: %s\n", latentkv::tools::controls_escaped(message).c_str());
   if (sub == "config") {
     std::fprintf(stderr, "(configuration rejected: the command line could not be read; `%s` lists the options)\n",
                  help.c_str());
@@ -187,6 +172,7 @@ int run(int argc, char** argv) {
   latentkv::tools::add_config_command(app);
   latentkv::tools::add_info_command(app);
   latentkv::tools::add_bench_command(app);
+  latentkv::tools::refuse_options_as_values(app);
   for (const char* name : {"step", "demo", "bench"}) {
     CLI::App* command = app.get_subcommand(name);
     command->preparse_callback([command](std::size_t) { warn_configuration_unread(*command); });
@@ -198,7 +184,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return parse_error(app, e, std::vector<std::string>(argv + 1, argv + argc));
   } catch (const latentkv::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", latentkv::tools::controls_escaped(e.what()).c_str());
     return latentkv::tools::kExitFailure;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,
@@ -206,7 +192,7 @@ int run(int argc, char** argv) {
                  "(--batch, --context, --pool, --layers)\n");
     return latentkv::tools::kExitFailure;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", latentkv::tools::controls_escaped(e.what()).c_str());
     return latentkv::tools::kExitFailure;
   }
   return 0;

@@ -410,7 +410,7 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
       throw Error("step", "--plot", o.plot, "another file than --json's (the picture would overwrite the report)");
     }
     if (!o.plot.empty()) {
-      const std::string ext = o.plot.size() > 4 ? o.plot.substr(o.plot.size() - 4) : "";
+      const std::string ext = o.plot.size() >= 4 ? o.plot.substr(o.plot.size() - 4) : "";
       if (ext != ".png" && ext != ".svg") throw Error("step", "--plot", o.plot, "a file name ending in .png or .svg");
       check_output_path("step", "--plot", o.plot);
       if (standard_stream_named(o.plot) >= 0) {

@@ -193,9 +193,13 @@ TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
     SCOPED_TRACE(command);
     const Result option = run({command, "--json", "--no-progress"});
     EXPECT_EQ(option.exit_code, 2);
-    EXPECT_THAT(option.err, HasSubstr("error: " + command + ": argument '--json' = --no-progress: expected a file name, "
-                                      "not an option (no file name was given after --json; to name a file that "
-                                      "starts with '-', write ./--no-progress)"));
+    EXPECT_THAT(option.err, HasSubstr("error: " + command + ": --json: no value was given (the word after it, "
+                                      "'--no-progress', is an option)"));
+    const Result dash_name = run({command, "--json", "-x.json"});
+    EXPECT_EQ(dash_name.exit_code, 2);
+    EXPECT_THAT(dash_name.err, HasSubstr("argument '--json' = -x.json: expected a file name, not an option (no file "
+                                         "name was given after --json; to name a file that starts with '-', write "
+                                         "./-x.json)"));
     const Result dash = run({command, "--json", "-"});
     EXPECT_EQ(dash.exit_code, 2);
     EXPECT_THAT(dash.err, HasSubstr("argument '--json' = -: expected a file name ('-' is no standard output here"));
@@ -203,10 +207,22 @@ TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
   }
   const Result plot = run(kSmallStep, {"--plot", "--json"});
   EXPECT_EQ(plot.exit_code, 2);
-  EXPECT_THAT(plot.err, HasSubstr("argument '--plot' = --json"));
+  EXPECT_THAT(plot.err, HasSubstr("--plot: no value was given (the word after it, '--json', is an option)"));
   const Result missing = run({"step", "--batch", "--tp", "8"});
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, '--tp', is an option)"));
+  // So every option that takes a value, not only the integers and file names: without the check the
+  // option took the next one's name as its value and the number after it was a stray word. (One with
+  // a list of values, as bench's --op, says first that "--batch" is none of them.)
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"step", "--model", "--tp", "8"}, {"step", "--strategies", "--no-progress"},
+           {"step", "--from-json", "--no-progress"}, {"bench", "--model", "--batch", "1"},
+           {"demo", "--model", "--batch", "1"}, {"config", "--model", "--tp", "8"}, {"config", "--config", "--explain"}}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << " " << args[1];
+    EXPECT_THAT(r.err, HasSubstr("error: " + args[0] + ": " + args[1] + ": no value was given (the word after it, '" +
+                                 args[2] + "', is an option)"));
+  }
 }
 
 // A flag given a value that is no boolean is said to be one; a long bad value is echoed in part.
@@ -397,6 +413,22 @@ TEST_F(Cli, IntegerOptionsPrintTheirBoundsOrSayNotAnInteger) {
     EXPECT_EQ(r.exit_code, 2) << args.back();
     EXPECT_THAT(r.err, HasSubstr("\\x1b[31m"));
     EXPECT_THAT(r.err, Not(HasSubstr("\x1b")));
+  }
+  // So in a path that cannot be written (its message comes from the library's Error), and in a
+  // file --from-json cannot read.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"step", "--json", "/nonexistent/\x1b[31mRED.json"}, {"step", "--from-json", "/nonexistent/\x1b[31m.json"},
+           {"bench", "--json", "/nonexistent/\x1b[31m.json"}, {"config", "--json", "/nonexistent/\x1b[31m.json"}}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << " " << args[1];
+    EXPECT_THAT(r.err, HasSubstr("\\x1b[31m"));
+    EXPECT_THAT(r.err, Not(HasSubstr("\x1b")));
+  }
+  // A sign of "+-" is no integer's (from_chars would read the '-' after a skipped '+').
+  for (const char* value : {"+-0", "+-1"}) {
+    const Result signs = run({"step", "--warmup", value});
+    EXPECT_EQ(signs.exit_code, 2) << value;
+    EXPECT_THAT(signs.err, HasSubstr("--warmup: '" + std::string(value) + "' is not an integer"));
   }
   const Result twice = run({"step", "--tp", "8", "--tp", "4"});
   EXPECT_EQ(twice.exit_code, 2);
@@ -960,6 +992,10 @@ TEST_F(Cli, FromJsonTakesSvgPlotsAndNoProgress) {
   EXPECT_EQ(svg.exit_code, 2);
   EXPECT_THAT(svg.err, HasSubstr("LATENTKV_PYTHON=/nonexistent/python3 cannot be run"));
   EXPECT_THAT(svg.err, Not(HasSubstr(".png or .svg")));
+  // ".png" alone is a name ending in .png (a hidden file's).
+  const Result bare = run({"step", "--from-json", report, "--plot", ".png"}, {}, {"LATENTKV_PYTHON=/nonexistent/python3"});
+  EXPECT_EQ(bare.exit_code, 2);
+  EXPECT_THAT(bare.err, HasSubstr("LATENTKV_PYTHON=/nonexistent/python3 cannot be run"));
   const Result other = run({"step", "--from-json", report, "--plot", path("p.jpg")});
   EXPECT_EQ(other.exit_code, 2);
   EXPECT_THAT(other.err, HasSubstr("expected a file name ending in .png or .svg"));

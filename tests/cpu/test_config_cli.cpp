@@ -107,7 +107,7 @@ TEST(ConfigCommand, ImpossibleCombinationsExitTwoWithOneActionableError) {
            {"config", "--sparse-decode", "nosuch"},
            {"config", "--tp", "3"},
            {"config", "--q-len", "5"},
-           {"config", "--config", "/nonexistent.toml"},
+           {"config", "--config", "/nonexistent/config.toml"},
        }) {
     const CommandResult r = run_cli(args);
     EXPECT_EQ(r.exit_code, 2) << args[1];
@@ -432,7 +432,7 @@ const std::vector<std::string> kFlags = {"--model",        "--tp",           "--
                                          "--model=glm5",   "--nosuch"};
 const std::vector<std::string> kValues = {
     "glm5", "deepseek-v3.2", "8", "1", "3", "64", "0", "-1", "129", "4", "5", "fp8_e4m3", "bf16", "fp16",
-    "reference", "auto", "nosuch", "", " ", "1e3", "99999999999999999999", "--tp", "/nonexistent.toml",
+    "reference", "auto", "nosuch", "", " ", "1e3", "99999999999999999999", "--tp", "missing/config.toml",
     std::string("\xff\xfe", 2), "a b", "=", "config"};
 
 std::string random_token(std::mt19937_64& rng) {
