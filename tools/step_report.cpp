@@ -450,7 +450,8 @@ namespace {
 
 // "shape.batch = 0: expected >= 1"
 [[noreturn]] void bad_field(const std::string& field, const nlohmann::json& value, const std::string& expected) {
-  throw std::invalid_argument(field + " = " + value.dump() + ": expected " + expected);
+  // ASCII only (\uXXXX beyond it): the value is the report's, and its C1 controls are not shown raw.
+  throw std::invalid_argument(field + " = " + value.dump(-1, ' ', true) + ": expected " + expected);
 }
 
 // A number of the report that may be null (never measured: 0), and is never negative.
@@ -486,12 +487,14 @@ T in_range(const nlohmann::json& parent, const char* key, std::int64_t least,
 }
 
 // A text field of the report, which is printed as it is: no control characters (a crafted report's
-// escape sequences or carriage returns would reach the terminal).
+// escape sequences or carriage returns would reach the terminal), the C1 ones (U+0080 .. U+009F,
+// "\xC2\x80" .. "\xC2\x9F" in the UTF-8 the parser has checked) included.
 std::string plain_text(const nlohmann::json& v, const std::string& field) {
   const auto text = v.get<std::string>();
-  for (const char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) bad_field(field, v, "text without control characters");
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto u = static_cast<unsigned char>(text[i]);
+    const bool c1 = u == 0xC2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) <= 0x9F;
+    if (u < 0x20 || u == 0x7f || c1) bad_field(field, v, "text without control characters");
   }
   return text;
 }

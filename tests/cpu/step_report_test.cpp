@@ -736,6 +736,11 @@ TEST(StepReportJson, RejectsAnInconsistentReportNamingTheField) {
             "notes[0] = \"a\\nb\": expected text without control characters");
   EXPECT_EQ(problem([](nlohmann::json& j) { j["strategies"][1]["ops"][0]["kernel"] = "k\x07"; }),
             "strategies[1].ops[0].kernel = \"k\\u0007\": expected text without control characters");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["command"] = "a\u009b31mRED"; }),
+            "command = \"a\\u009b31mRED\": expected text without control characters");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["notes"][0] = "next\u0085line"; }),
+            "notes[0] = \"next\\u0085line\": expected text without control characters");
+  EXPECT_EQ(problem([](nlohmann::json& j) { j["notes"][0] = "caf\u00e9 \u00a0"; }), "accepted");  // not controls
   EXPECT_THAT(problem([](nlohmann::json& j) { j["shape"]["model"] = "bogus"; }),
               ::testing::StartsWith("shape.model = \"bogus\": expected "));
   EXPECT_THAT(problem([](nlohmann::json& j) { j["strategies"][0]["step_us"] = 0.0; }),
