@@ -217,7 +217,8 @@ void check_bench_options(const BenchOptions& o, const std::set<std::string>& giv
   }
   if (given.contains("--check-requests") && o.check_requests > o.batch) {
     throw Error("bench", "--check-requests", std::to_string(o.check_requests),
-                "at most the batch, " + std::to_string(o.batch) + " (--batch)");
+                "at most the batch, " + std::to_string(o.batch) +
+                    (given.contains("--batch") ? " (--batch)" : " (--batch, its default)"));
   }
   shard_from_flags("bench", o.model, o.tp);
 }

@@ -684,7 +684,10 @@ TEST_F(Cli, CheckRequestsAboveTheBatchIsRefused) {
   EXPECT_THAT(small.out, HasSubstr("--check-requests 1 "));
   const Result bench = run({"bench", "--batch", "2", "--check-requests", "3"});
   EXPECT_EQ(bench.exit_code, 2);
-  EXPECT_THAT(bench.err, HasSubstr("argument '--check-requests' = 3: expected at most the batch, 2"));
+  EXPECT_THAT(bench.err, HasSubstr("argument '--check-requests' = 3: expected at most the batch, 2 (--batch)"));
+  const Result bench_default = run({"bench", "--check-requests", "5"});
+  EXPECT_EQ(bench_default.exit_code, 2);
+  EXPECT_THAT(bench_default.err, HasSubstr("expected at most the batch, 1 (--batch, its default)"));
 }
 
 TEST_F(Cli, ValuesNeverMeasuredAreNullInTheJson) {
