@@ -403,9 +403,9 @@ TEST(DsaPrefillBadInput, WorkspaceOneByteShort) {
 
 // The 256-byte alignment a GPU's indexer prefill wants of the workspace is asked only of a call on
 // a GPU (the main cache's device, where the call runs), under dsa_prefill's own name (the cache here
-// is host memory marked as a GPU's, which the shape checks after it would refuse; tests/gpu/test_dsa_prefill.cpp makes the real call). The
-// reference takes a workspace 16 bytes past a 256-byte boundary and gives the same outputs; one 20
-// bytes past it is refused on the CPU too.
+// is host memory marked as a GPU's, which the shape checks after it would refuse;
+// tests/gpu/test_dsa_prefill.cpp makes the real call). The reference takes a workspace 16 bytes past
+// a 256-byte boundary and gives the same outputs; one 20 bytes past it is refused on the CPU too.
 TEST(DsaPrefillBadInput, OnlyAGpuCallWantsA256ByteAlignedWorkspace) {
   HostDsaPrefill d = small_case();
   d.run();
