@@ -190,6 +190,13 @@ bool overlap(const MemorySpan& a, const MemorySpan& b) {
 
 MemorySpan fault_span(const DeviceFault* fault) { return {"fault", fault, sizeof(DeviceFault), true}; }
 
+// The caller's workspace, refused where it claims bytes at a null address (every op that takes one:
+// a plan that asks for none still does not make `workspace_bytes` of nothing a valid argument).
+MemorySpan workspace_span(std::string_view op, void* workspace, std::size_t bytes) {
+  if (bytes > 0 && workspace == nullptr) fail(op, "workspace", "null", std::to_string(bytes) + " bytes (workspace_bytes)");
+  return {"workspace", workspace, bytes, true};
+}
+
 }  // namespace
 
 void expect_apart(std::string_view op, std::initializer_list<MemorySpan> spans) {
@@ -519,7 +526,7 @@ void validate_shapes(const MlaDecodeParams& p, Device device, Outputs outputs) {
   expect_scale(op, p.softmax_scale);
   expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
-                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    workspace_span(op, p.workspace, p.workspace_bytes), fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
                     span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
@@ -540,7 +547,7 @@ void validate_shapes(const MlaPrefillParams& p, Device device, Outputs outputs) 
   expect_scale(op, p.softmax_scale);
   expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
-                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    workspace_span(op, p.workspace, p.workspace_bytes), fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
                     span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false),
                     span_of("cu_new_tokens", p.cu_new_tokens, false)});
@@ -558,9 +565,6 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
   expect_capacity(op, p.block_table, p.cache.page_size);
   expect_view(op, "logits", p.logits, {DType::kF32}, {b, q_len, kAny}, {"B", "q_len", "max_len"}, device);
   expect_columns(op, p.logits);
-  if (p.workspace_bytes > 0 && p.workspace == nullptr) {
-    fail(op, "workspace", "null", std::to_string(p.workspace_bytes) + " bytes (workspace_bytes)");
-  }
   if (p.clear_bytes > 0) {
     if (p.clear == nullptr) fail(op, "clear", "null", std::to_string(p.clear_bytes) + " bytes to zero (clear_bytes)");
     if (p.clear_bytes % 16 != 0) fail(op, "clear_bytes", std::to_string(p.clear_bytes), "a multiple of 16");
@@ -569,7 +573,7 @@ void validate_shapes(const IndexerLogitsParams& p, Device device) {
     }
   }
   expect_apart(op, {span_of("logits", p.logits, true), MemorySpan{"clear", p.clear, p.clear_bytes, true},
-                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    workspace_span(op, p.workspace, p.workspace_bytes), fault_span(p.fault),
                     span_of("q", p.q, false), span_of("weights", p.weights, false),
                     span_of("cache.data", p.cache, false),
                     span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
@@ -586,7 +590,7 @@ void validate_shapes(const TopkParams& p, Device device) {
   expect_capacity(op, p.block_table, p.page_size);
   expect_columns(op, p.logits);
   expect_view(op, "slots", p.slots, {DType::kI32}, {b, q_len, p.k}, {}, device);
-  expect_apart(op, {span_of("slots", p.slots, true), MemorySpan{"workspace", p.workspace, p.workspace_bytes, true},
+  expect_apart(op, {span_of("slots", p.slots, true), workspace_span(op, p.workspace, p.workspace_bytes),
                     fault_span(p.fault), span_of("logits", p.logits, false),
                     span_of("block_table", p.block_table, false), span_of("seq_lens", p.seq_lens, false)});
 }
@@ -605,7 +609,7 @@ void validate_shapes(const SparseMlaDecodeParams& p, Device device, Outputs outp
   expect_scale(op, p.softmax_scale);
   expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
-                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    workspace_span(op, p.workspace, p.workspace_bytes), fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
                     span_of("indices", p.indices, false)});
 }
@@ -623,7 +627,7 @@ void validate_shapes(const SparseMlaPrefillParams& p, Device device, Outputs out
   expect_scale(op, p.softmax_scale);
   expect_splits(op, p.num_splits);
   expect_apart(op, {span_of("o", p.o, true), span_of("lse", p.lse, true),
-                    MemorySpan{"workspace", p.workspace, p.workspace_bytes, true}, fault_span(p.fault),
+                    workspace_span(op, p.workspace, p.workspace_bytes), fault_span(p.fault),
                     span_of("q", p.q, false), span_of("cache.data", p.cache, false),
                     span_of("indices", p.indices, false)});
 }
@@ -643,7 +647,7 @@ void validate_shapes(const IndexerPrefillParams& p, Device device) {
   expect_range(op, "k", p.k, 1, kMaxTopk, " (the DSA index_topk limit)");
   expect_view(op, "slots", p.slots, {DType::kI32}, {t, p.k}, {}, device);
   expect_chunk_tokens(op, p.chunk_tokens);
-  expect_apart(op, {span_of("slots", p.slots, true), MemorySpan{"workspace", p.workspace, p.workspace_bytes, true},
+  expect_apart(op, {span_of("slots", p.slots, true), workspace_span(op, p.workspace, p.workspace_bytes),
                     fault_span(p.fault), span_of("q", p.q, false), span_of("weights", p.weights, false),
                     span_of("cu_new_tokens", p.cu_new_tokens, false),
                     span_of("cache.data", p.cache, false),

@@ -753,20 +753,6 @@ TEST(BadInput, IndexerClearRange) {
   for (int i = 0; i < 80; ++i) EXPECT_EQ(scratch[i], i >= 16 && i < 48 ? 0 : 0xA5) << "byte " << i;
 }
 
-// The indexer's optional workspace: bytes without a buffer are refused before anything is written;
-// a workspace the CPU reference does not use changes nothing.
-TEST(BadInput, IndexerWorkspace) {
-  IndexerCase t;
-  IndexerLogitsParams p = t.params();
-  p.workspace_bytes = 64;
-  EXPECT_TRUE(throws_error([&] { cpu::indexer_logits(p); }, "indexer_logits", "workspace", "null"));
-  EXPECT_TRUE(is_sentinel(t.logits));
-  alignas(16) std::uint8_t scratch[64] = {};
-  p.workspace = scratch;
-  cpu::indexer_logits(p);
-  EXPECT_FALSE(is_sentinel(t.logits));
-}
-
 // A view's descriptor is checked before anything reads its data or counts its elements: a count
 // that wraps past 2^64 must not pass null data as an empty view, nor a rank past the shape array.
 TEST(BadInput, ViewDescriptorsThatCannotBeRead) {
@@ -1560,6 +1546,82 @@ TEST(BadInput, AdjacentOutputsAndSharedReadsRun) {
   t.seq_lens.data = table.data() + 1;
   EXPECT_NO_THROW(cpu::topk(t));
   EXPECT_EQ(shared.byte_vector(), apart.byte_vector());
+}
+
+// Every op's workspace: bytes without a buffer are refused before anything is written, whether or
+// not the op would use them; a workspace the CPU reference does not use changes nothing.
+TEST(BadInput, WorkspaceBytesWithoutABuffer) {
+  constexpr std::size_t kBytes = 64;
+  alignas(16) std::uint8_t scratch[kBytes] = {};
+  // Refused while null, then run with `scratch` as the workspace.
+  const auto refused_then_run = [&](auto params, auto run, const char* op) {
+    params.workspace_bytes = kBytes;
+    params.workspace = nullptr;
+    const bool refused = throws_error([&] { run(params); }, op, "workspace", "null");
+    params.workspace = scratch;
+    run(params);
+    return refused;
+  };
+  IndexerCase t;
+  const std::vector<std::uint8_t> blank = t.logits.byte_vector();
+  EXPECT_TRUE(refused_then_run(t.params(), [&](const IndexerLogitsParams& p) {
+    EXPECT_EQ(t.logits.byte_vector(), blank);
+    cpu::indexer_logits(p);
+  }, "indexer_logits"));
+  EXPECT_FALSE(is_sentinel(t.logits));
+
+  DecodeCase c;
+  EXPECT_TRUE(refused_then_run(c.params(), [&](const MlaDecodeParams& p) {
+    EXPECT_TRUE(c.outputs_untouched());
+    cpu::mla_decode(p);
+  }, "mla_decode"));
+  EXPECT_FALSE(c.outputs_untouched());
+
+  fill_sentinel(c.o);
+  fill_sentinel(c.lse);
+  HostTensor idx = valid_indices(c);
+  EXPECT_TRUE(refused_then_run(c.sparse_params(idx), [&](const SparseMlaDecodeParams& p) {
+    EXPECT_TRUE(c.outputs_untouched());
+    cpu::sparse_mla_decode(p);
+  }, "sparse_mla_decode"));
+  EXPECT_FALSE(c.outputs_untouched());
+
+  HostTensor qp = random_bf16(c.rng, {2, 4, kQkDim});
+  HostTensor op = sentinel_tensor(DType::kBF16, {2, 4, kLatentDim}), lp = sentinel_tensor(DType::kF32, {2, 4});
+  HostTensor idxp = i32_tensor({2, 2}, {3, -1, -1, 5});
+  EXPECT_TRUE(refused_then_run(c.sparse_prefill_params(qp, idxp, op, lp), [&](const SparseMlaPrefillParams& p) {
+    EXPECT_TRUE(is_sentinel(op));
+    cpu::sparse_mla_prefill(p);
+  }, "sparse_mla_prefill"));
+  EXPECT_FALSE(is_sentinel(op));
+
+  PrefillCase pc;
+  EXPECT_TRUE(refused_then_run(pc.params(), [&](const MlaPrefillParams& p) {
+    EXPECT_TRUE(pc.outputs_untouched());
+    cpu::mla_prefill(p);
+  }, "mla_prefill"));
+  EXPECT_FALSE(pc.outputs_untouched());
+
+  HostTensor logits = random_f32(c.rng, {2, 1, 12}, -1, 1);
+  HostTensor slots = sentinel_tensor(DType::kI32, {2, 1, 4});
+  EXPECT_TRUE(refused_then_run(c.topk_params(logits, slots, 4), [&](const TopkParams& p) {
+    EXPECT_TRUE(is_sentinel(slots));
+    cpu::topk(p);
+  }, "topk"));
+  EXPECT_FALSE(is_sentinel(slots));
+
+  HostTensor q_idx = random_fp8(c.rng, {4, 4, kIndexerDim});
+  HostTensor w = random_f32(c.rng, {4, 4}, -1, 1);
+  HostTensor rows = sentinel_tensor(DType::kI32, {4, 2});
+  std::vector<std::int32_t> cu = {0, 4, 4};
+  EXPECT_TRUE(refused_then_run(
+      indexer_prefill_params(q_idx, w, cu, c.f.indexer(), c.f.block_table_view(), c.f.seq_lens_view(), rows),
+      [&](const IndexerPrefillParams& p) {
+        EXPECT_TRUE(is_sentinel(rows));
+        cpu::indexer_prefill(p);
+      },
+      "indexer_prefill"));
+  EXPECT_FALSE(is_sentinel(rows));
 }
 
 // The ops that write through other outputs than o: each refuses an overlap, naming both.
