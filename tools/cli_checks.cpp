@@ -102,7 +102,9 @@ void refuse_options_as_values(CLI::App& app) {
   for (CLI::App* command : app.get_subcommands([](CLI::App*) { return true; })) {
     for (CLI::Option* option : command->get_options()) {
       if (option->get_type_size_max() == 0 || option->get_positional()) continue;  // a flag takes no value
-      option->check(CLI::Validator(option_as_value_problem, ""));
+      // First of the option's checks (transform() puts it before them; it changes nothing), so that
+      // `--op --batch 4` says no value was given rather than that --batch is not an op.
+      option->transform(CLI::Validator(option_as_value_problem, "").non_modifying());
     }
   }
 }

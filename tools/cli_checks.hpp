@@ -24,9 +24,10 @@ inline constexpr const char* kPageSizeWhy = " (a block-table row holds at most 2
 
 // CLI11 takes the word after an option as its value, whatever it is: `--model --tp 8` would give
 // --model the value "--tp" and leave "8" over, to be refused as a stray word. Every option of every
-// subcommand that takes a value is given this check (main.cpp, once the subcommands are added), and
-// the integer checks make it first: "--model: no value was given (the word after it, '--tp', is an
-// option)". (A file whose name starts with "--" is named ./--name.)
+// subcommand that takes a value is given this check ahead of its own (main.cpp, once the subcommands
+// are added; the integer checks also make it first): "--model: no value was given (the word after
+// it, '--tp', is an option)", not "--tp not in {...}". (A file whose name starts with "--" is named
+// ./--name.)
 std::string option_as_value_problem(const std::string& text);
 void refuse_options_as_values(CLI::App& app);
 

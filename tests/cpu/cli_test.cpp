@@ -212,11 +212,13 @@ TEST_F(Cli, AnOptionWhereAFileNameGoesIsRefused) {
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_THAT(missing.err, HasSubstr("error: step: --batch: no value was given (the word after it, '--tp', is an option)"));
   // So every option that takes a value, not only the integers and file names: without the check the
-  // option took the next one's name as its value and the number after it was a stray word. (One with
-  // a list of values, as bench's --op, says first that "--batch" is none of them.)
+  // option took the next one's name as its value and the number after it was a stray word; one with
+  // a list of values (bench's --op and --kv-dtype, step's --device) said that "--batch" was none of them.
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"step", "--model", "--tp", "8"}, {"step", "--strategies", "--no-progress"},
            {"step", "--from-json", "--no-progress"}, {"bench", "--model", "--batch", "1"},
+           {"bench", "--op", "--batch", "1"}, {"bench", "--kv-dtype", "--batch", "1"},
+           {"step", "--device", "--batch", "1"}, {"config", "--device", "--tp", "8"},
            {"demo", "--model", "--batch", "1"}, {"config", "--model", "--tp", "8"}, {"config", "--config", "--explain"}}) {
     const Result r = run(args);
     EXPECT_EQ(r.exit_code, 2) << args[0] << " " << args[1];
