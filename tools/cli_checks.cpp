@@ -188,6 +188,9 @@ void check_output_path(const std::string& command, const std::string& option, co
   }
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
+  if (ec == std::errc::too_many_symbolic_link_levels) {
+    throw Error(command, option, path, "a file, or a link that ends at one (its links go round in a loop)");
+  }
   if (fs::exists(status)) {
     if (fs::is_directory(status)) throw Error(command, option, path, "a file name (this is a directory)");
     // A FIFO or a character device (/dev/stdout, /dev/null) takes the text as a file does; a disk

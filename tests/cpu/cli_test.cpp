@@ -562,6 +562,13 @@ TEST_F(Cli, UnwritableOutputPathsAreRefusedBeforeTheRun) {
   const Result link = run(kSmallStep, {"--json", path("link.json")});
   EXPECT_EQ(link.exit_code, 0) << link.err;
   EXPECT_TRUE(fs::is_regular_file(path("written-later.json")));
+  // Links that go round in a loop are said to, not that the name exists.
+  fs::create_symlink("loop-b.json", path("loop-a.json"));
+  fs::create_symlink("loop-a.json", path("loop-b.json"));
+  const Result loop = run(kSmallStep, {"--json", path("loop-a.json")});
+  EXPECT_EQ(loop.exit_code, 2);
+  EXPECT_THAT(loop.err, HasSubstr("argument '--json' = " + path("loop-a.json") +
+                                  ": expected a file, or a link that ends at one (its links go round in a loop)"));
   // The trial file of a new name is not left behind.
   const Result fresh = run(kSmallStep, {"--json", path("fresh.json"), "--check-requests", "5"});
   EXPECT_EQ(fresh.exit_code, 2);
