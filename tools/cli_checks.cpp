@@ -1,11 +1,14 @@
 #include "cli_checks.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -13,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <type_traits>
 
@@ -242,6 +246,68 @@ int standard_stream_named(const std::string& path) {
   return -1;
 }
 
+namespace {
+
+// The temporary files of the OutputFiles alive now, removed by a signal that ends the process
+// (Ctrl-C while a picture is drawn) before it ends it as it would have: a handler may only unlink
+// paths it finds ready, so each sits in a fixed slot, published once written.
+struct PendingFile {
+  std::atomic<bool> ready{false};
+  std::array<char, 4096> path{};
+};
+std::array<PendingFile, 8> pending_files;
+std::mutex pending_slots;  // taking and freeing slots (not the handler, which only reads them)
+
+extern "C" void remove_pending_files(int signal_number) {
+  for (PendingFile& file : pending_files) {
+    if (file.ready.load(std::memory_order_acquire)) unlink(file.path.data());
+  }
+  struct sigaction fallback {};
+  fallback.sa_handler = SIG_DFL;
+  sigemptyset(&fallback.sa_mask);
+  sigaction(signal_number, &fallback, nullptr);
+  raise(signal_number);
+}
+
+// Handlers for the signals that end a process from outside, once; a signal the process was started
+// ignoring (nohup's SIGHUP) stays ignored.
+void install_removal_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) {
+      struct sigaction current {};
+      if (sigaction(signal_number, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
+      struct sigaction removal {};
+      removal.sa_handler = remove_pending_files;
+      sigemptyset(&removal.sa_mask);
+      sigaction(signal_number, &removal, nullptr);
+    }
+  });
+}
+
+// A slot holding `path` (-1 when all are taken or the path is too long: the file is then only
+// removed by the destructor, as before a signal).
+int hold_pending_file(const std::string& path) {
+  install_removal_handlers();
+  const std::lock_guard lock(pending_slots);
+  for (std::size_t i = 0; i < pending_files.size(); ++i) {
+    PendingFile& file = pending_files[i];
+    if (file.ready.load(std::memory_order_relaxed) || path.size() >= file.path.size()) continue;
+    std::memcpy(file.path.data(), path.c_str(), path.size() + 1);
+    file.ready.store(true, std::memory_order_release);
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void release_pending_file(int slot) {
+  if (slot < 0) return;
+  const std::lock_guard lock(pending_slots);
+  pending_files[static_cast<std::size_t>(slot)].ready.store(false, std::memory_order_release);
+}
+
+}  // namespace
+
 OutputFile::OutputFile(std::string command, std::string option, std::string path, int suffix_length)
     : command_(std::move(command)), option_(std::move(option)), path_(std::move(path)) {
   namespace fs = std::filesystem;
@@ -284,10 +350,12 @@ OutputFile::OutputFile(std::string command, std::string option, std::string path
   fchmod(fd, mode);
   close(fd);
   write_path_ = temp;
+  pending_slot_ = hold_pending_file(temp);
 }
 
 OutputFile::~OutputFile() {
   if (!committed_ && write_path_ != path_) unlink(write_path_.c_str());
+  release_pending_file(pending_slot_);
 }
 
 void OutputFile::write(const std::string& text) {
@@ -311,6 +379,8 @@ void OutputFile::commit() {
     fail("renaming " + write_path_ + " onto it failed: " + std::strerror(errno));
   }
   committed_ = true;
+  release_pending_file(pending_slot_);
+  pending_slot_ = -1;
 }
 
 void OutputFile::fail(const std::string& why) const {

@@ -68,7 +68,8 @@ int standard_stream_named(const std::string& path);
 // commit(): a run that fails to write (a full disk) leaves no partial file and an earlier one in
 // place. A FIFO or character device is written as it is, and the process's own standard output or
 // error (/dev/stdout, also when the shell sent it to a file) through its descriptor, after what was
-// printed there. Without commit() the temporary file is removed. `suffix_length`: the last
+// printed there. Without commit() the temporary file is removed, also by SIGINT, SIGTERM, SIGHUP or
+// SIGQUIT ending the process (handlers installed by the first such file). `suffix_length`: the last
 // characters of the name that the temporary one keeps too (a plot's ".png", which tells its writer
 // the format). Failures throw latentkv::Error naming `option`, with the system's reason.
 class OutputFile {
@@ -84,7 +85,8 @@ class OutputFile {
  private:
   [[noreturn]] void fail(const std::string& why) const;
   std::string command_, option_, path_, target_, write_path_;
-  int own_fd_ = -1;  // STDOUT_FILENO or STDERR_FILENO when `path` names it
+  int own_fd_ = -1;        // STDOUT_FILENO or STDERR_FILENO when `path` names it
+  int pending_slot_ = -1;  // where a signal that ends the process finds the temporary file to remove
   bool committed_ = false;
 };
 

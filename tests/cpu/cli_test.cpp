@@ -666,6 +666,26 @@ TEST_F(Cli, ChosenPythonThatCannotRunIsNamedAndRefusedBeforeTheRun) {
   }
 }
 
+// A drawing ended by a signal (Ctrl-C, a kill) leaves neither its partial picture nor the earlier
+// one changed: the program removes the file it was drawing into before the signal ends it.
+TEST_F(Cli, ASignalWhileDrawingLeavesNoPartialPicture) {
+  const std::string report = saved_step();
+  const std::string plot = path("p.svg");
+  { std::ofstream(plot) << "an earlier run's picture"; }
+  for (const char* signal_name : {"INT", "TERM"}) {
+    SCOPED_TRACE(signal_name);
+    // The drawing has begun (its file holds bytes) when the interpreter signals the program that ran it.
+    const std::string python = script(std::string("python-signalled-") + signal_name,
+                                      "cat >/dev/null; echo '<svg' > \"$3\"; kill -" + std::string(signal_name) + " $PPID");
+    const Result r = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + python});
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_EQ(read_file(plot), "an earlier run's picture");
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+      EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+    }
+  }
+}
+
 TEST_F(Cli, NegativeSeedsAreRefused) {
   for (const std::string command : {"step", "demo", "bench"}) {
     for (const std::vector<std::string>& seed : std::vector<std::vector<std::string>>{{"--seed", "-1"}, {"--seed=-1"}}) {
