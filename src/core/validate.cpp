@@ -193,7 +193,9 @@ MemorySpan fault_span(const DeviceFault* fault) { return {"fault", fault, sizeof
 // The caller's workspace, refused where it claims bytes at a null address (every op that takes one:
 // a plan that asks for none still does not make `workspace_bytes` of nothing a valid argument).
 MemorySpan workspace_span(std::string_view op, void* workspace, std::size_t bytes) {
-  if (bytes > 0 && workspace == nullptr) fail(op, "workspace", "null", std::to_string(bytes) + " bytes (workspace_bytes)");
+  if (bytes > 0 && workspace == nullptr) {
+    fail(op, "workspace", "null", std::to_string(bytes) + " bytes (workspace_bytes)");
+  }
   return {"workspace", workspace, bytes, true};
 }
 
