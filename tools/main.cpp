@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -137,13 +138,14 @@ int checked_output(int code) {
 // The configuration's variables (LATENTKV_CONFIG, LATENTKV_MODEL, LATENTKV_PAGE_SIZE, ...) are read
 // by `latentkv config` and by programs that resolve a configuration, not by the commands that take
 // their shape from their own options (step, bench, demo): one set for such a command is said, with
-// the option that does the same where the command has one, rather than ignored without a word.
-// (The kernel overrides and LATENTKV_PYTHON are read by every command.)
+// the option that does the same where the command has one, rather than ignored without a word; an
+// empty one counts as unset, as the configuration reads it. (The kernel overrides and
+// LATENTKV_PYTHON are read by every command.)
 void warn_configuration_unread(const CLI::App& command) {
-  const std::vector<std::string> set = latentkv::process_environment_names();
   for (const std::string& name : latentkv::environment_variables()) {
+    const char* value = std::getenv(name.c_str());
     if (name == latentkv::kMlaKernelVariable || name == latentkv::kIndexerKernelVariable ||
-        name == latentkv::kPythonVariable || std::find(set.begin(), set.end(), name) == set.end()) {
+        name == latentkv::kPythonVariable || value == nullptr || *value == '\0') {
       continue;
     }
     std::string option = "--" + name.substr(std::string(latentkv::kEnvironmentPrefix).size());

@@ -283,7 +283,8 @@ TEST_F(Cli, ADefaultPoolTooSmallIsSaidToBeTheDefault) {
 }
 
 // The configuration's variables set for a command that takes its shape from its options are said,
-// with the option to use; the kernel overrides, read by every command, are not; `config` reads them.
+// with the option to use (empty ones, unset to the configuration, are not); the kernel overrides,
+// read by every command, are not; `config` reads them.
 TEST_F(Cli, ConfigurationVariablesACommandDoesNotReadAreSaid) {
   const std::vector<std::string> environment = {"LATENTKV_PAGE_SIZE=32", "LATENTKV_SPARSE_DECODE=reference",
                                                 "LATENTKV_MLA_KERNEL=auto"};
@@ -294,6 +295,10 @@ TEST_F(Cli, ConfigurationVariablesACommandDoesNotReadAreSaid) {
   EXPECT_THAT(step.err, HasSubstr("warning: LATENTKV_SPARSE_DECODE is set, but `latentkv step` does not read the "
                                   "configuration's variables (it is ignored here)"));
   EXPECT_THAT(step.err, Not(HasSubstr("LATENTKV_MLA_KERNEL")));
+  // An empty one is unset, as `config` reads it: nothing to say.
+  const Result empty = run(kSmallStep, {}, {"LATENTKV_TP=", "LATENTKV_CONFIG="});
+  EXPECT_EQ(empty.exit_code, 0) << empty.err;
+  EXPECT_EQ(empty.err, "");
   // For the CPU: on a machine with a GPU, sparse_decode = reference is refused for it.
   const Result config = run({"config", "--device", "cpu"}, {}, environment);
   EXPECT_EQ(config.exit_code, 0) << config.err;
