@@ -266,8 +266,10 @@ DsaPlan plan_decode(const DsaBackends& backends, const DsaDecodeParams& p, const
   detail::select_or_throw(*backends.topk, s.topk, device, chosen);
   detail::select_or_throw(*backends.sparse_decode, s.sparse, device, chosen);
   // For the most requests a call takes, not this call's B (Layout says why).
-  plan.indexer =
-      backends.indexer_logits->plan(with_requests(s.indexer, std::max(p.q.size(0), kMaxGpuRequests)), device);
+  named_as_given(kOp, [&] {
+    plan.indexer =
+        backends.indexer_logits->plan(with_requests(s.indexer, std::max(p.q.size(0), kMaxGpuRequests)), device);
+  });
   plan.topk = backends.topk->plan(s.topk, device);
   plan.sparse = backends.sparse_decode->plan(s.sparse, device);
   plan.workspace_bytes = layout_of(p, plan).end;
@@ -465,7 +467,7 @@ DsaPrefillPlan plan_prefill(const DsaBackends& backends, const DsaPrefillParams&
   detail::select_or_throw(*backends.indexer_prefill, s.indexer, device, chosen);  // as plan_decode
   detail::select_or_throw(*backends.sparse_prefill, s.sparse, device, chosen);
   DsaPrefillPlan plan;
-  plan.indexer = backends.indexer_prefill->plan(s.indexer, device);
+  named_as_given(kPrefillOp, [&] { plan.indexer = backends.indexer_prefill->plan(s.indexer, device); });
   plan.sparse = backends.sparse_prefill->plan(s.sparse, device);
   plan.workspace_bytes = prefill_layout_of(p, plan).end;
   return plan;

@@ -332,6 +332,30 @@ TEST(GpuDsaDecodeDevice, APlanWithoutADeviceIsTheCurrentGpus) {
             "no device runs where its cache.device is (cpu)");
 }
 
+// More requests than an indexer call takes are refused by the plan, naming the caller's q_idx under
+// dsa_decode as the call would (shapes only: the views hold no data; no device is asked, so this
+// runs without a GPU).
+TEST(GpuDsaDecodeDevice, RequestsPastWhatACallTakesAreRefusedByThePlan) {
+  if (find_backend("cuda") == nullptr) GTEST_SKIP() << "this build has no CUDA backends";
+  const DeviceInfo device{.kind = DeviceKind::kCuda, .sm = 90, .name = "sm_90 by description", .multiprocessors = 132};
+  const Device gpu = Device::cuda();
+  const std::int64_t b = kMaxGpuRequests + 1;
+  DsaDecodeParams p;
+  p.q = TensorView::contiguous(nullptr, DType::kBF16, {b, 1, 8, kQkDim}, gpu);
+  p.q_idx = TensorView::contiguous(nullptr, DType::kFP8E4M3, {b, 1, 32, kIndexerDim}, gpu);
+  p.weights = TensorView::contiguous(nullptr, DType::kF32, {b, 1, 32}, gpu);
+  p.cache = LatentCache{nullptr, KvDtype::kFp8E4M3, 1024, 64, gpu};
+  p.indexer = IndexerCache{nullptr, 1024, 64, gpu};
+  p.block_table = TensorView::contiguous(nullptr, DType::kI32, {b, 4}, gpu);
+  p.seq_lens = TensorView::contiguous(nullptr, DType::kI32, {b}, gpu);
+  p.o = TensorView::contiguous(nullptr, DType::kBF16, {b, 1, 8, kLatentDim}, gpu);
+  p.lse = TensorView::contiguous(nullptr, DType::kF32, {b, 1, 8}, gpu);
+  p.softmax_scale = kScale;
+  const DsaBackends backends = same_backend(*find_backend("cuda"));
+  EXPECT_TRUE(throws_error([&] { plan_dsa_decode(backends, p, device); }, "dsa_decode", "q_idx",
+                           "65536 requests (B)"));
+}
+
 // A page outside the pool in the block table that all three steps read: the indexer notes it first,
 // and the record throws the reference indexer's own Error (the reference's dsa_decode runs it first).
 TEST(GpuDsaDecodeFaults, ABadPageIsTheIndexersError) {

@@ -677,6 +677,81 @@ TEST(GpuMlaDecodePlan, ShapesThePlannersCountWithAreCheckedFirst) {
   EXPECT_TRUE(throws_error([&] { (void)c.backend.plan(prefill, c.device); }, "mla_prefill", "q.shape[1] (heads)", "0"));
 }
 
+// The requests a call takes at most kMaxGpuRequests of (a grid dimension each; a sparse decode's
+// query tokens), and a prefill's requests past INT32_MAX, are refused by plan() as by the call,
+// rather than planned with a count cut down to an int (shapes only: the views hold no data). The
+// refusals come before any device is asked, so they run without a GPU; the plans at the limit run on one.
+TEST(GpuMlaDecodePlan, RequestsPastWhatACallTakesAreRefused) {
+  if (find_backend("cuda") == nullptr) GTEST_SKIP() << "this build has no CUDA backends";
+  const Backend& cuda = *find_backend("cuda");
+  const bool on_gpu = detect_device().kind == DeviceKind::kCuda;
+  const DeviceInfo device = on_gpu ? detect_device()
+                                   : DeviceInfo{.kind = DeviceKind::kCuda, .sm = 90, .name = "sm_90 by description",
+                                                .multiprocessors = 132};
+  const Device gpu = Device::cuda(device.index);
+  const auto shaped = [&](DType dtype, std::initializer_list<std::int64_t> dims) {
+    return TensorView::contiguous(nullptr, dtype, dims, gpu);
+  };
+  const LatentCache cache{nullptr, KvDtype::kFp8E4M3, 1024, 64, gpu};
+  const IndexerCache indexer{nullptr, 1024, 64, gpu};
+  const auto plan = [&](const OpArgs& args) { (void)cuda.plan(args, device); };
+  const auto plans = [&](const OpArgs& args) { return !on_gpu || (plan(args), true); };  // at the limit
+  constexpr std::int64_t most = kMaxGpuRequests;
+
+  const auto decode = [&](std::int64_t b) {
+    MlaDecodeParams p;
+    p.q = shaped(DType::kBF16, {b, 1, 8, kQkDim});
+    p.cache = cache;
+    p.block_table = shaped(DType::kI32, {b, 4});
+    p.seq_lens = shaped(DType::kI32, {b});
+    return p;
+  };
+  EXPECT_TRUE(plans(decode(most)));
+  EXPECT_TRUE(throws_error([&] { plan(decode(most + 1)); }, "mla_decode", "q", "65536 requests (B)"));
+
+  const auto sparse = [&](std::int64_t b, std::int64_t q_len) {
+    SparseMlaDecodeParams p;
+    p.q = shaped(DType::kBF16, {b, q_len, 8, kQkDim});
+    p.cache = cache;
+    p.indices = shaped(DType::kI32, {b, q_len, 64});
+    return p;
+  };
+  EXPECT_TRUE(plans(sparse(most / 3, 3)));
+  EXPECT_TRUE(throws_error([&] { plan(sparse(most / 2 + 1, 2)); }, "sparse_mla_decode", "q",
+                           "65536 query tokens (B x q_len)"));
+
+  const auto logits = [&](std::int64_t b) {
+    IndexerLogitsParams p;
+    p.q = shaped(DType::kFP8E4M3, {b, 1, 32, kIndexerDim});
+    p.weights = shaped(DType::kF32, {b, 1, 32});
+    p.cache = indexer;
+    p.block_table = shaped(DType::kI32, {b, 4});
+    p.seq_lens = shaped(DType::kI32, {b});
+    p.logits = shaped(DType::kF32, {b, 1, 256});
+    return p;
+  };
+  EXPECT_TRUE(plans(logits(most)));
+  EXPECT_TRUE(throws_error([&] { plan(logits(most + 1)); }, "indexer_logits", "q", "65536 requests (B)"));
+
+  const std::int64_t past_int = std::int64_t{1} << 31;  // lengths alone 8 GiB: never allocated here
+  MlaPrefillParams prefill;
+  prefill.q = shaped(DType::kBF16, {4, 8, kQkDim});
+  prefill.cache = cache;
+  prefill.cu_new_tokens = shaped(DType::kI32, {past_int + 1});
+  prefill.seq_lens = shaped(DType::kI32, {past_int});
+  prefill.block_table = shaped(DType::kI32, {past_int, 1});
+  EXPECT_TRUE(throws_error([&] { plan(prefill); }, "mla_prefill", "seq_lens", "2147483648 requests (B)"));
+  IndexerPrefillParams scores;
+  scores.q = shaped(DType::kFP8E4M3, {4, 32, kIndexerDim});
+  scores.weights = shaped(DType::kF32, {4, 32});
+  scores.cache = indexer;
+  scores.cu_new_tokens = prefill.cu_new_tokens;
+  scores.seq_lens = prefill.seq_lens;
+  scores.block_table = prefill.block_table;
+  scores.k = 64;
+  EXPECT_TRUE(throws_error([&] { plan(scores); }, "indexer_prefill", "seq_lens", "2147483648 requests (B)"));
+}
+
 // A split count asked of the plan is kept and the workspace sized for it; counts outside 1 to 1024
 // are refused, by plan() and by the call; so is a workspace that is not 16-byte aligned (a caller's
 // sub-allocation: the split partials are read and written in 16-byte pieces), before anything is
@@ -765,21 +840,24 @@ TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
   const Backend& gather_cast = *find_backend("gather_cast");
   EXPECT_TRUE(throws_error([&] { (void)cast_full.plan(dense, device); }, "mla_decode", "cache",
                            "1125899906842624 pages of 64 slots"));
-  // gather_cast copies the requests' tables, not the pool: 2^20 requests of 2^20 pages of 2^20 tokens.
+  // gather_cast copies the requests' tables, not the pool: 65,535 requests (the most a call takes)
+  // of 2^20 pages of 2^20 tokens.
   MlaDecodeParams tables = dense;
   tables.cache.num_pages = 1000;
   tables.cache.page_size = 1 << 20;
-  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {1 << 20, 1, 8, 576}, gpu);
-  tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {1 << 20, 1 << 20}, gpu);
+  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {kMaxGpuRequests, 1, 8, 576}, gpu);
+  tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {kMaxGpuRequests, 1 << 20}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
-                           "1048576 requests of 1048576 pages of 1048576 tokens"));
-  // A table of no rows holds no bytes whatever its columns: about 2^31 requests of 2^60 pages of
-  // 2^30 tokens, whose bytes wrap even a 128-bit count, to a number below 2^64 for these.
-  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {2147483119, 1, 8, 576}, gpu);
+                           "65535 requests of 1048576 pages of 1048576 tokens"));
+  // A table of no rows holds no bytes whatever its columns: 65,535 requests of 2^60 pages of 2^30
+  // tokens, whose bytes would wrap even a 128-bit count, to a number below 2^64, but for the cap.
   tables.cache.page_size = 1 << 30;
   tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {0, 1409126630525324803}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
-                           "2147483119 requests of 1409126630525324803 pages of 1073741824 tokens"));
+                           "65535 requests of 1409126630525324803 pages of 1073741824 tokens"));
+  // More requests than a call takes are refused first, by q.
+  tables.q = TensorView::contiguous(nullptr, DType::kBF16, {kMaxGpuRequests + 1, 1, 8, 576}, gpu);
+  EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "q", "65536 requests (B)"));
   // 2^57 index entries (each extent below 2^31): 2^59 bytes of i32, 1152 x 2^57 bytes as bf16 tokens.
   SparseMlaDecodeParams sparse;
   sparse.q = dense.q;

@@ -1,5 +1,8 @@
 // What every CUDA backend's plan() checks first (backend_support.hpp).
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <variant>
 
 #include "core/validate.hpp"
@@ -14,7 +17,8 @@ namespace latentkv::cuda {
 // kMaxDecodeQLen (q_len x heads are the query rows the split planner divides by), a page size of at
 // least one token, and queries, index rows, logits, block tables, lengths and offsets whose
 // descriptors the calls' shape checks would pass first (detail::expect_descriptor: a rank of at most
-// kMaxRank, a DType, extents >= 0, a byte size that fits int64).
+// kMaxRank, a DType, extents >= 0, a byte size that fits int64), and no more requests than a call
+// takes.
 void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
   const Problem p = problem_of(args, device);
   const std::string op(op_name(p.op));
@@ -39,6 +43,28 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
         if constexpr (requires { a.block_table; }) detail::expect_descriptor(op, "block_table", a.block_table);
         if constexpr (requires { a.seq_lens; }) detail::expect_descriptor(op, "seq_lens", a.seq_lens);
         if constexpr (requires { a.cu_new_tokens; }) detail::expect_descriptor(op, "cu_new_tokens", a.cu_new_tokens);
+      },
+      args);
+  // The requests (query tokens of a sparse decode) the planners count in an int, at most as many as
+  // the call takes: a grid dimension each for the decodes and the indexer, an int for the prefills.
+  std::visit(
+      [&](const auto& a) {
+        using Args = std::decay_t<decltype(a)>;
+        std::int64_t count = 0, most = kMaxGpuRequests;
+        const char* what = "requests (B)";
+        if constexpr (std::is_same_v<Args, MlaDecodeParams> || std::is_same_v<Args, IndexerLogitsParams>) {
+          count = a.q.size(0);
+        } else if constexpr (std::is_same_v<Args, SparseMlaDecodeParams>) {
+          count = a.q.size(0) * a.q.size(1);  // each within 2^31 (problem_of)
+          what = "query tokens (B x q_len)";
+        } else if constexpr (requires { a.cu_new_tokens; }) {
+          count = a.seq_lens.size(0);
+          most = std::numeric_limits<std::int32_t>::max();
+        }
+        if (count > most) {
+          detail::fail(op, requires { a.cu_new_tokens; } ? "seq_lens" : "q", std::to_string(count) + " " + what,
+                       "at most " + std::to_string(most) + " per call on a GPU");
+        }
       },
       args);
 }

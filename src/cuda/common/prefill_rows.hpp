@@ -9,8 +9,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <limits>
+#include <string>
 
 #include "cuda/common/device_fault.hpp"
+#include "latentkv/error.hpp"
 #include "latentkv/tensor.hpp"
 
 namespace latentkv::cuda {
@@ -27,11 +30,17 @@ struct PrefillRows {
   FaultSink fault;                    // the prefill's record and op
 };
 
-// The requests of a prefill with `new_tokens` new tokens: cu_new_tokens [B + 1], seq_lens [B] and
-// block_table [B, max_pages] (device views, validated shapes), over a pool of num_pages pages.
-inline PrefillRows prefill_rows_of(const TensorView& cu_new_tokens, const TensorView& seq_lens,
+// The requests of `op`, a prefill with `new_tokens` new tokens: cu_new_tokens [B + 1], seq_lens [B]
+// and block_table [B, max_pages] (device views, validated shapes), over a pool of num_pages pages.
+// The kernels count requests in an int: more than INT32_MAX of them (gigabytes of lengths alone) are
+// refused rather than cut down to fewer.
+inline PrefillRows prefill_rows_of(const char* op, const TensorView& cu_new_tokens, const TensorView& seq_lens,
                                    const TensorView& block_table, int page_size, std::int64_t num_pages,
                                    std::int64_t new_tokens, const FaultSink& fault) {
+  if (seq_lens.size(0) > std::numeric_limits<std::int32_t>::max()) {
+    throw Error(op, "seq_lens", std::to_string(seq_lens.size(0)) + " requests (B)",
+                "at most " + std::to_string(std::numeric_limits<std::int32_t>::max()) + " requests per call on a GPU");
+  }
   PrefillRows in;
   in.cu_new_tokens = cu_new_tokens.as<const std::int32_t>();
   in.seq_lens = seq_lens.as<const std::int32_t>();

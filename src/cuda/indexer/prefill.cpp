@@ -172,8 +172,8 @@ Plan plan_indexer_prefill(const IndexerPrefillParams& p) {
 namespace {
 // The requests of the call, as launch_prefill_rows takes them.
 PrefillRows requests_of(const IndexerPrefillParams& p) {
-  return prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages,
-                         p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kIndexerPrefill});
+  return prefill_rows_of(kOp, p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size,
+                         p.cache.num_pages, p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kIndexerPrefill});
 }
 
 }  // namespace

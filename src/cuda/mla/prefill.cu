@@ -112,8 +112,8 @@ void check_table_workspace(const MlaPrefillParams& p, std::size_t table_bytes, c
 
 // The requests of the call, as launch_prefill_rows and launch_prefill_groups take them.
 PrefillRows requests_of(const MlaPrefillParams& p) {
-  return prefill_rows_of(p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size, p.cache.num_pages,
-                         p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kMlaPrefill});
+  return prefill_rows_of("mla_prefill", p.cu_new_tokens, p.seq_lens, p.block_table, p.cache.page_size,
+                         p.cache.num_pages, p.q.size(0), FaultSink{p.fault, DeviceFaultOp::kMlaPrefill});
 }
 
 // Checked by check_mla_prefill_call.
