@@ -123,7 +123,8 @@ class Backend {
   // of workspace_bytes into the parameters. No scratch by default. A backend may throw Error for
   // shapes its planner cannot count with, as the call would (the cuda backend and the cast
   // baselines: q without heads, a page size below one token, negative extents of q, index rows,
-  // logits, block tables, lengths and offsets); the rest is checked by the call.
+  // logits, block tables, lengths and offsets, more requests than a GPU call takes: see ops.hpp);
+  // the rest is checked by the call.
   virtual Plan plan(const OpArgs& args, const DeviceInfo& device) const {
     (void)args;
     (void)device;
