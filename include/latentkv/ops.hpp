@@ -15,7 +15,7 @@
 //    workspace, on the CPU, 16-byte aligned), fewer than 2^31 slots in a pool, at most kMaxTableTokens
 //    (2^30) tokens in a block table and kMaxLogitsColumns (2^30) logits columns. On a GPU a dense
 //    decode or an indexer call takes at most kMaxGpuRequests (65,535) requests and a sparse decode
-//    65,535 query tokens (B x q_len)
+//    65,535 query tokens (B x q_len), a prefill 2^31 - 1 requests
 //    (the prefills run in slices of 65,535 new tokens; the top-k has no such limit), and a call
 //    wants q 16-byte, o 8-byte, the caches and the workspace 16-byte aligned, an append's latent
 //    16-byte and indexer_keys 8-byte, and a fault record 8-byte (cudaMalloc gives 256; the indexer
