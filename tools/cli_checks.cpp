@@ -1,9 +1,12 @@
 #include "cli_checks.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -249,16 +252,26 @@ int standard_stream_named(const std::string& path) {
 namespace {
 
 // The temporary files of the OutputFiles alive now, removed by a signal that ends the process
-// (Ctrl-C while a picture is drawn) before it ends it as it would have: a handler may only unlink
-// paths it finds ready, so each sits in a fixed slot, published once written.
+// (Ctrl-C or a kill while a picture is drawn) before it ends it as it would have: a handler may only
+// unlink paths it finds ready, so each sits in a fixed slot, published once written. The process
+// run_shell_with_input() waits for (the drawing) is ended and waited for first, so that it cannot
+// write its file again once the file is removed.
 struct PendingFile {
   std::atomic<bool> ready{false};
   std::array<char, 4096> path{};
 };
 std::array<PendingFile, 8> pending_files;
 std::mutex pending_slots;  // taking and freeing slots (not the handler, which only reads them)
+std::atomic<pid_t> running_child{0};
+
+constexpr std::array kRemovalSignals = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
 extern "C" void remove_pending_files(int signal_number) {
+  if (const pid_t child = running_child.load(); child > 0) {
+    kill(child, SIGKILL);
+    while (waitpid(child, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
   for (PendingFile& file : pending_files) {
     if (file.ready.load(std::memory_order_acquire)) unlink(file.path.data());
   }
@@ -274,7 +287,7 @@ extern "C" void remove_pending_files(int signal_number) {
 void install_removal_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
-    for (const int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) {
+    for (const int signal_number : kRemovalSignals) {
       struct sigaction current {};
       if (sigaction(signal_number, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
       struct sigaction removal {};
@@ -306,7 +319,72 @@ void release_pending_file(int slot) {
   pending_files[static_cast<std::size_t>(slot)].ready.store(false, std::memory_order_release);
 }
 
+// Writes `text` to `fd` whole (false when the reader is gone or the write fails), with SIGPIPE held
+// back: a reader that exits without reading is that reader's failure, not a reason for this process
+// to die.
+bool write_to_pipe(int fd, const std::string& text) {
+  sigset_t pipe_signal, before;
+  sigemptyset(&pipe_signal);
+  sigaddset(&pipe_signal, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_signal, &before);
+  bool whole = true;
+  for (std::size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      whole = false;
+      if (errno == EPIPE && !sigismember(&before, SIGPIPE)) {
+        const timespec now{};
+        sigtimedwait(&pipe_signal, nullptr, &now);  // the SIGPIPE this write raised, taken back
+      }
+      break;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  return whole;
+}
+
 }  // namespace
+
+int run_shell_with_input(const std::string& command, const std::string& input) {
+  install_removal_handlers();
+  int ends[2];
+  if (pipe2(ends, O_CLOEXEC) != 0) return -1;
+  // The signals that end this process are held back until the child is recorded (so that one
+  // arriving now still ends it); the child starts with this thread's mask as it was.
+  sigset_t removal, before;
+  sigemptyset(&removal);
+  for (const int signal_number : kRemovalSignals) sigaddset(&removal, signal_number);
+  pthread_sigmask(SIG_BLOCK, &removal, &before);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, ends[0], STDIN_FILENO);  // the copy keeps no FD_CLOEXEC
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  posix_spawnattr_setsigmask(&attributes, &before);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK);
+  const std::array<const char*, 4> args = {"sh", "-c", command.c_str(), nullptr};
+  pid_t child = -1;
+  const int spawned = posix_spawn(&child, "/bin/sh", &actions, &attributes, const_cast<char* const*>(args.data()),
+                                  environ);
+  posix_spawnattr_destroy(&attributes);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned == 0) running_child.store(child);
+  pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  close(ends[0]);
+  if (spawned != 0) {
+    close(ends[1]);
+    return -1;
+  }
+  write_to_pipe(ends[1], input);  // one that stops reading early says so by its status
+  close(ends[1]);
+  int status = -1;
+  while (waitpid(child, &status, 0) < 0 && errno == EINTR) {
+  }
+  running_child.store(0);
+  return status;
+}
 
 OutputFile::OutputFile(std::string command, std::string option, std::string path, int suffix_length)
     : command_(std::move(command)), option_(std::move(option)), path_(std::move(path)) {

@@ -63,13 +63,20 @@ void check_output_path(const std::string& command, const std::string& option, co
 // such as /dev/stdout, or the file the shell sent it to), else -1.
 int standard_stream_named(const std::string& path);
 
+// Runs `/bin/sh -c command` with `input` on its standard input and waits for it: its wait status, -1
+// when it could not be started. A signal that ends this process while it runs (OutputFile's
+// handlers) kills it and waits for it before removing the temporary files, so that what it writes
+// into one (a drawing) cannot outlive the removal.
+int run_shell_with_input(const std::string& command, const std::string& input);
+
 // An output file written whole or not at all. A regular file (or a new name) is written as a
 // temporary file beside the one `path` names once its links are followed, and renamed onto it by
 // commit(): a run that fails to write (a full disk) leaves no partial file and an earlier one in
 // place. A FIFO or character device is written as it is, and the process's own standard output or
 // error (/dev/stdout, also when the shell sent it to a file) through its descriptor, after what was
 // printed there. Without commit() the temporary file is removed, also by SIGINT, SIGTERM, SIGHUP or
-// SIGQUIT ending the process (handlers installed by the first such file). `suffix_length`: the last
+// SIGQUIT ending the process (handlers installed by the first such file or run_shell_with_input()).
+// `suffix_length`: the last
 // characters of the name that the temporary one keeps too (a plot's ".png", which tells its writer
 // the format). Failures throw latentkv::Error naming `option`, with the system's reason.
 class OutputFile {

@@ -281,10 +281,8 @@ bool draw_plot(const std::string& json_path, const std::string& out_path, const 
     const std::string command = "command -v " + shell_quote(python) + " >/dev/null 2>&1 || exit 127; exec " +
                                 shell_quote(python) + " - " + shell_quote(json_path) + " " +
                                 shell_quote(out.write_path());
-    FILE* pipe = popen(command.c_str(), "w");
-    if (pipe == nullptr) continue;
-    std::fputs(kStepPlotScript, pipe);
-    const int status = pclose(pipe);
+    const int status = run_shell_with_input(command, kStepPlotScript);
+    if (status == -1) continue;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     if (code == 0 && drawn()) {
       out.commit();

@@ -351,7 +351,8 @@ void run_decode(const DsaBackends& backends, const DsaDecodeParams& p, const Dsa
   const DsaSteps s = dsa_steps(p, plan);  // every step's arguments checked
   // Every backend's consent to its step, and every kernel's checks of its call, before any step is
   // queued: a bad o must not leave the first steps queued.
-  const Kernel indexer = detail::checked_kernel(*backends.indexer_logits, s.indexer, device, chosen);
+  Kernel indexer;  // its refusals of q and cache named as the caller's q_idx and indexer, as dsa_steps does
+  named_as_given(kOp, [&] { indexer = detail::checked_kernel(*backends.indexer_logits, s.indexer, device, chosen); });
   const Kernel topk = detail::checked_kernel(*backends.topk, s.topk, device, chosen);
   const Kernel sparse = detail::checked_kernel(*backends.sparse_decode, s.sparse, device, chosen);
   indexer.launch(s.indexer, context);
@@ -516,7 +517,9 @@ void run_prefill(const DsaBackends& backends, const DsaPrefillParams& p, const D
   const DsaPrefillSteps s = dsa_prefill_steps(p, plan);  // both steps' arguments checked
   // Both backends' consent, and both kernels' checks of their calls, before either step is queued:
   // a bad o must not leave the indexer step queued.
-  const Kernel indexer = detail::checked_kernel(*backends.indexer_prefill, s.indexer, device, chosen);
+  Kernel indexer;  // named as in run_decode
+  named_as_given(kPrefillOp,
+                 [&] { indexer = detail::checked_kernel(*backends.indexer_prefill, s.indexer, device, chosen); });
   const Kernel sparse = detail::checked_kernel(*backends.sparse_prefill, s.sparse, device, chosen);
   indexer.launch(s.indexer, context);
   sparse.launch(s.sparse, context);

@@ -8,12 +8,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -688,6 +690,16 @@ TEST_F(Cli, ASignalWhileDrawingLeavesNoPartialPicture) {
     for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
       EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
     }
+  }
+  // A kill of the program alone (not its process group) while the drawing goes on: the drawing is
+  // ended too, before it could write its file after the program removed it.
+  const std::string python = script("python-drawing-on", "cat >/dev/null; kill -TERM $PPID; sleep 1; echo '<svg' > \"$3\"");
+  const Result r = run({"step", "--from-json", report, "--plot", plot}, {}, {"LATENTKV_PYTHON=" + python});
+  EXPECT_NE(r.exit_code, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past the drawing's write, had it lived
+  EXPECT_EQ(read_file(plot), "an earlier run's picture");
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
   }
 }
 

@@ -333,8 +333,8 @@ TEST(GpuDsaDecodeDevice, APlanWithoutADeviceIsTheCurrentGpus) {
 }
 
 // More requests than an indexer call takes are refused by the plan, naming the caller's q_idx under
-// dsa_decode as the call would (shapes only: the views hold no data; no device is asked, so this
-// runs without a GPU).
+// dsa_decode as the call's check of its indexer step does (shapes only: the views hold no data; no
+// device is asked, so this runs without a GPU).
 TEST(GpuDsaDecodeDevice, RequestsPastWhatACallTakesAreRefusedByThePlan) {
   if (find_backend("cuda") == nullptr) GTEST_SKIP() << "this build has no CUDA backends";
   const DeviceInfo device{.kind = DeviceKind::kCuda, .sm = 90, .name = "sm_90 by description", .multiprocessors = 132};

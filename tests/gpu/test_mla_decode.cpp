@@ -849,8 +849,8 @@ TEST(GpuMlaDecodePlan, CastBaselinesRefuseCopiesWithoutA64BitSize) {
   tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {kMaxGpuRequests, 1 << 20}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
                            "65535 requests of 1048576 pages of 1048576 tokens"));
-  // A table of no rows holds no bytes whatever its columns: 65,535 requests of 2^60 pages of 2^30
-  // tokens, whose bytes would wrap even a 128-bit count, to a number below 2^64, but for the cap.
+  // A table of no rows holds no bytes whatever its columns, but the copy is sized by the requests:
+  // 65,535 of 2^60 pages of 2^30 tokens, about 2^117 bytes (a count held to 2^64 - 1 as it grows).
   tables.cache.page_size = 1 << 30;
   tables.block_table = TensorView::contiguous(nullptr, DType::kI32, {0, 1409126630525324803}, gpu);
   EXPECT_TRUE(throws_error([&] { (void)gather_cast.plan(tables, device); }, "mla_decode", "block_table",
