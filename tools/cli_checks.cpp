@@ -319,30 +319,30 @@ void release_pending_file(int slot) {
   pending_files[static_cast<std::size_t>(slot)].ready.store(false, std::memory_order_release);
 }
 
-// Writes `text` to `fd` whole (false when the reader is gone or the write fails), with SIGPIPE held
-// back: a reader that exits without reading is that reader's failure, not a reason for this process
-// to die.
-bool write_to_pipe(int fd, const std::string& text) {
+// Writes `text` to `fd` whole: 0, or the errno of the write that failed (EIO for one that wrote
+// nothing).
+int write_whole(int fd, const std::string& text) {
+  for (std::size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : EIO;
+    done += static_cast<std::size_t>(n);
+  }
+  return 0;
+}
+
+// write_whole() with SIGPIPE held back: a reader that exits without reading is that reader's
+// failure, not a reason for this process to die.
+void write_to_pipe(int fd, const std::string& text) {
   sigset_t pipe_signal, before;
   sigemptyset(&pipe_signal);
   sigaddset(&pipe_signal, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &pipe_signal, &before);
-  bool whole = true;
-  for (std::size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      whole = false;
-      if (errno == EPIPE && !sigismember(&before, SIGPIPE)) {
-        const timespec now{};
-        sigtimedwait(&pipe_signal, nullptr, &now);  // the SIGPIPE this write raised, taken back
-      }
-      break;
-    }
-    done += static_cast<std::size_t>(n);
+  if (write_whole(fd, text) == EPIPE && !sigismember(&before, SIGPIPE)) {
+    const timespec now{};
+    sigtimedwait(&pipe_signal, nullptr, &now);  // the SIGPIPE the write raised, taken back
   }
   pthread_sigmask(SIG_SETMASK, &before, nullptr);
-  return whole;
 }
 
 }  // namespace
@@ -441,13 +441,7 @@ void OutputFile::write(const std::string& text) {
   if (own) std::fflush(nullptr);  // what the process printed there comes first
   const int fd = own ? own_fd_ : open(write_path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
   if (fd < 0) fail(std::string("opening it failed: ") + std::strerror(errno));
-  int error = 0;
-  for (std::size_t done = 0; done < text.size() && error == 0;) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) error = n < 0 ? errno : EIO;
-    else done += static_cast<std::size_t>(n);
-  }
+  int error = write_whole(fd, text);
   if (!own && close(fd) != 0 && error == 0) error = errno;
   if (error != 0) fail(std::string("writing it failed: ") + std::strerror(error));
 }

@@ -76,9 +76,9 @@ int run_shell_with_input(const std::string& command, const std::string& input);
 // error (/dev/stdout, also when the shell sent it to a file) through its descriptor, after what was
 // printed there. Without commit() the temporary file is removed, also by SIGINT, SIGTERM, SIGHUP or
 // SIGQUIT ending the process (handlers installed by the first such file or run_shell_with_input()).
-// `suffix_length`: the last
-// characters of the name that the temporary one keeps too (a plot's ".png", which tells its writer
-// the format). Failures throw latentkv::Error naming `option`, with the system's reason.
+// `suffix_length`: the last characters of the name that the temporary one keeps too (a plot's
+// ".png", which tells its writer the format). Failures throw latentkv::Error naming `option`, with
+// the system's reason.
 class OutputFile {
  public:
   OutputFile(std::string command, std::string option, std::string path, int suffix_length = 0);
