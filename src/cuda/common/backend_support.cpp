@@ -51,6 +51,7 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
       [&](const auto& a) {
         using Args = std::decay_t<decltype(a)>;
         std::int64_t count = 0, most = kMaxGpuRequests;
+        const char* arg = "q";
         const char* what = "requests (B)";
         if constexpr (std::is_same_v<Args, MlaDecodeParams> || std::is_same_v<Args, IndexerLogitsParams>) {
           count = a.q.size(0);
@@ -60,9 +61,10 @@ void check_plan_extents(const OpArgs& args, const DeviceInfo& device) {
         } else if constexpr (requires { a.cu_new_tokens; }) {
           count = a.seq_lens.size(0);
           most = std::numeric_limits<std::int32_t>::max();
+          arg = "seq_lens";
         }
         if (count > most) {
-          detail::fail(op, requires { a.cu_new_tokens; } ? "seq_lens" : "q", std::to_string(count) + " " + what,
+          detail::fail(op, arg, std::to_string(count) + " " + what,
                        "at most " + std::to_string(most) + " per call on a GPU");
         }
       },
