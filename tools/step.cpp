@@ -422,7 +422,8 @@ void run_step_command(const StepOptions& o, const CLI::App& cmd) {
       const std::vector<std::string> given = run_options_given(cmd);
       if (!given.empty()) {
         throw Error("step", "--from-json", o.from_json,
-                    "no option of a run beside it (it prints a saved report; only --json and --plot apply), but " +
+                    "no option of a run beside it (it prints a saved report; only --json, --plot and --no-progress are "
+                    "taken with it), but " +
                         join(given, ", ") + (given.size() == 1 ? " was" : " were") + " given");
       }
       report = load_report(o.from_json);

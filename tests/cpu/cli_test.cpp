@@ -590,7 +590,9 @@ TEST_F(Cli, FromJsonRefusesTheOptionsOfARunAndHonoursJson) {
                                "--model", "foo"});
   EXPECT_EQ(conflict.exit_code, 2);
   EXPECT_THAT(conflict.err, HasSubstr("argument '--from-json'"));
-  EXPECT_THAT(conflict.err, HasSubstr("--model, --batch, --device were given"));
+  EXPECT_THAT(conflict.err, HasSubstr("expected no option of a run beside it (it prints a saved report; only "
+                                      "--json, --plot and --no-progress are taken with it), but --model, --batch, "
+                                      "--device were given"));
   EXPECT_EQ(conflict.out, "");
 
   const Result again = run({"step", "--from-json", path("step.json"), "--json", path("again.json")});
